@@ -1,0 +1,34 @@
+# Set-up is part of every target: a fresh clone needs only `make train` or `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# A CPU build of torch where the machine provides one; on a GPU machine pass TORCH=torch (CUDA build).
+# Elsewhere on a CPU-only machine, point TORCH_INDEX at PyTorch's CPU wheel index to avoid CUDA wheels.
+TORCH ?= torch==2.13.0
+TORCH_INDEX ?=
+PIP := $(PY) -m pip install --quiet --disable-pip-version-check
+
+.PHONY: setup train test bench lint clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PIP) --upgrade pip
+	$(PIP) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH)"
+	$(PIP) -e ".[dev]"
+	touch $@
+
+train: setup
+	$(PY) jobs/train.py $(ARGS)
+
+test: setup
+	$(PY) -m pytest -q $(ARGS)
+
+bench: setup
+	$(PY) jobs/bench_ddp.py $(ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf $(VENV) runs outputs

@@ -1,0 +1,1 @@
+"""distrain: distributed training on Ray with PyTorch's own parallelism building blocks."""

@@ -1,0 +1,53 @@
+"""`python jobs/train.py [overrides]`: Hydra config in, one line out on bad input, exit status."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+_GROUP_CHOICE = re.compile(r"^(\w+)=([\w.-]+)$")
+
+
+def fail(message: str, code: int = 2) -> None:
+    print(f"distrain: error: {message}", file=sys.stderr)
+    raise SystemExit(code)
+
+
+def check_group_choices(overrides: list[str], conf_dir: Path = CONF_DIR) -> None:
+    """Catch `model=nope` with a one-line error before Hydra prints its page-long one."""
+    for arg in overrides:
+        match = _GROUP_CHOICE.match(arg)
+        if not match or not (conf_dir / match[1]).is_dir():
+            continue
+        group, choice = match[1], match[2]
+        if not (conf_dir / group / f"{choice}.yaml").exists():
+            known = sorted(p.stem for p in (conf_dir / group).glob("*.yaml"))
+            fail(f"unknown {group} {choice!r} ({arg}); choose one of: {', '.join(known)}")
+
+
+def run(cfg: DictConfig) -> None:
+    """Validate, train, and exit non-zero on failure (what `ray job submit` reports as FAILED)."""
+    from distrain.cluster.runtime import CapacityError
+    from distrain.cluster.worker_group import PlacementError, WorkerFailure
+    from distrain.config import ConfigError, validate
+    from distrain.launch import train
+
+    config = OmegaConf.to_object(cfg)
+    try:
+        validate(config)
+        summary = train(config)
+    except (ConfigError, CapacityError, PlacementError) as e:
+        fail(str(e))
+    except WorkerFailure as e:
+        fail(f"training failed: {e}", code=1)
+    print(
+        f"distrain: {summary['status']} at step {summary['final_step']}: loss {summary['final_loss']:.4f}, "
+        f"val loss {summary['final_val_loss'] or float('nan'):.4f}, {summary['wall_s']:.1f}s; "
+        f"run directory {config.run_dir}"
+    )
+
+

@@ -1,0 +1,1 @@
+"""Ray only (no torch, no models): connect to a cluster, place workers, run a function on them."""

@@ -1,0 +1,42 @@
+"""Attach to a Ray cluster, or start an embedded one on this machine."""
+
+from __future__ import annotations
+
+import os
+
+import ray
+
+
+class CapacityError(RuntimeError):
+    """The cluster can never hold the workers asked for."""
+
+
+def connect(address: str | None) -> None:
+    """Attach to `address` or RAY_ADDRESS (how `ray job submit` runs us); otherwise start a local
+    cluster on loopback only. `address="local"` keeps Ray from joining a stale `ray start` cluster."""
+    if ray.is_initialized():
+        return
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, logging_level="WARNING")
+        return
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # bind 127.0.0.1, not the external NIC
+    ray.init(address="local", include_dashboard=False, logging_level="WARNING")
+
+
+def has_gpus() -> bool:
+    return ray.cluster_resources().get("GPU", 0) > 0
+
+
+def check_capacity(num_workers: int, cpus_per_worker: float, gpus_per_worker: int) -> None:
+    """Fail before any actor starts when the whole cluster could never place the group."""
+    total = ray.cluster_resources()
+    for resource, each in (("CPU", cpus_per_worker), ("GPU", gpus_per_worker)):
+        need, have = num_workers * each, total.get(resource, 0)
+        if each and need > have:
+            key = "cluster.cpus_per_worker" if resource == "CPU" else "GPUs per worker"
+            raise CapacityError(
+                f"cluster.num_workers={num_workers} needs {need:g} {resource} ({key}={each:g} each) but the "
+                f"cluster has {have:g}; lower cluster.num_workers"
+                + (" or cluster.cpus_per_worker" if resource == "CPU" else " or add GPU nodes")
+            )

@@ -1,0 +1,1 @@
+"""Corpus → byte tokens (`corpus`) → deterministic, resumable batches sharded over ranks (`loader`)."""

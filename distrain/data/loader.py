@@ -1,0 +1,55 @@
+"""Batches that are a pure function of (seed, step), the same whatever the number of workers.
+
+The global batch at step k is `global_batch_size` windows of the train split whose offsets are
+drawn from a generator seeded with (seed, k). A data-parallel rank takes a contiguous slice of
+those windows. Nothing is carried from one step to the next, so the loader's whole position is
+the step number, and a resumed run sees exactly the batches it would have seen.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+TRAIN, VAL = 0, 1
+
+
+@dataclass(frozen=True)
+class Split:
+    train: np.ndarray
+    val: np.ndarray
+
+
+def split(tokens: np.ndarray, val_fraction: float, seq_len: int) -> Split:
+    """Train on the head of the stream, validate on its tail: deterministic and disjoint."""
+    n_val = int(len(tokens) * val_fraction)
+    train, val = tokens[: len(tokens) - n_val], tokens[len(tokens) - n_val :]
+    for name, part in (("train", train), ("validation", val)):
+        if len(part) <= seq_len + 1:
+            raise ValueError(
+                f"the {name} split has {len(part)} tokens, too few for trainer.seq_len={seq_len}; "
+                f"use more text in data.path or a shorter seq_len"
+            )
+    return Split(train, val)
+
+
+class Batches:
+    def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, seed: int, stream: int = TRAIN):
+        self.tokens = torch.from_numpy(tokens)  # uint8: 8× less memory than int64 per worker
+        self.seq_len, self.batch_size, self.seed, self.stream = seq_len, batch_size, seed, stream
+
+    def offsets(self, step: int) -> np.ndarray:
+        rng = np.random.default_rng([self.seed, self.stream, step])
+        return rng.integers(0, len(self.tokens) - self.seq_len - 1, size=self.batch_size)
+
+    def get(self, step: int, rank: int = 0, world: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and next-token targets, (batch_size / world, seq_len), for this rank's slice."""
+        if self.batch_size % world:
+            raise ValueError(f"batch of {self.batch_size} does not split over {world} data-parallel ranks")
+        per_rank = self.batch_size // world
+        starts = self.offsets(step)[rank * per_rank : (rank + 1) * per_rank]
+        idx = torch.from_numpy(starts)[:, None] + torch.arange(self.seq_len + 1)
+        windows = self.tokens[idx].long()
+        return windows[:, :-1], windows[:, 1:]

@@ -1,0 +1,5 @@
+"""The transformer family, its parameter count and its training FLOPs per token."""
+
+from distrain.model.llama import Transformer, flops_per_token, num_params
+
+__all__ = ["Transformer", "flops_per_token", "num_params"]

@@ -1,0 +1,1 @@
+"""torch.distributed only (no Ray): process group, device mesh, and the parallelism strategies."""

@@ -1,0 +1,36 @@
+"""Join the torch.distributed process group from torchrun-style environment variables."""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def init_from_env(timeout_s: float = 600.0) -> torch.device:
+    """NCCL and the local GPU when CUDA is visible, gloo and the CPU otherwise.
+
+    Reads RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT, exactly as torchrun sets them,
+    so the same code runs under Ray workers and under plain torchrun.
+    """
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            device_id=device if backend == "nccl" else None,
+        )
+    return device
+
+
+def destroy() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,64 @@
+"""The console progress line: step, loss, throughput and time left, from rank 0's reports."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+
+
+class ProgressLine:
+    """Redraws one line on a terminal; elsewhere (job logs, CI) prints a line every `interval_s`."""
+
+    def __init__(self, interval_s: float, stream=None):
+        self.stream = stream or sys.stdout
+        self.tty = self.stream.isatty()
+        self.interval_s = 0.0 if self.tty else interval_s
+        self.start = time.time()
+        self.first: tuple[float, int] | None = None  # (time, step) at the first report, for the rate
+        self.last_print = 0.0
+        self.last_step = -1
+        self.metrics: dict = {}
+
+    def update(self, progress: dict) -> None:
+        step = progress.get("step")
+        if step is None or step == self.last_step:
+            return
+        now = time.time()
+        if self.first is None:
+            self.first = (now, step)
+        self.last_step = step
+        self.metrics.update({k: v for k, v in progress.items() if k in ("loss", "val_loss", "tokens_per_s")})
+        if now - self.last_print >= self.interval_s:
+            self.last_print = now
+            self._write(self.render(step, progress["max_steps"], now))
+
+    def render(self, step: int, max_steps: int, now: float) -> str:
+        parts = [f"step {step}/{max_steps}"]
+        m = self.metrics
+        if "loss" in m:
+            parts.append(f"loss {m['loss']:.4f}")
+        if "val_loss" in m:
+            parts.append(f"val {m['val_loss']:.4f}")
+        if "tokens_per_s" in m:
+            parts.append(f"{m['tokens_per_s'] / 1e3:.1f}k tok/s")
+        t0, s0 = self.first
+        if step > s0:
+            parts.append(f"ETA {_duration((now - t0) / (step - s0) * (max_steps - step))}")
+        parts.append(f"elapsed {_duration(now - self.start)}")
+        return " | ".join(parts)
+
+    def _write(self, line: str) -> None:
+        self.stream.write(f"\r\033[K{line}" if self.tty else line + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.tty and self.last_step >= 0:
+            self.stream.write("\n")
+            self.stream.flush()

@@ -1,0 +1,87 @@
+"""Rank 0's record of a run: metrics.jsonl, summary.json and Weights & Biases."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from distrain.fsutil import atomic_write, write_json
+
+METRICS_FILE = "metrics.jsonl"
+SUMMARY_FILE = "summary.json"
+
+
+def wandb_mode(mode: str | None) -> str:
+    """Online only when asked or when an API key is at hand; offline needs no account or network."""
+    if mode is not None:
+        return mode
+    return "online" if os.environ.get("WANDB_API_KEY") else "offline"
+
+
+class Tracker:
+    def __init__(self, run_dir: str, config: dict, resume_step: int, wandb_run_id: str | None):
+        self.run_dir = Path(run_dir)
+        self.metrics_path = self.run_dir / METRICS_FILE
+        _set_aside_lines_after(self.metrics_path, resume_step)
+        self._metrics = open(self.metrics_path, "a")
+        self.wandb_run = None
+        wb = config["logger"]["wandb"]
+        mode = wandb_mode(wb["mode"])
+        if mode != "disabled":
+            import wandb
+
+            self.wandb_run = wandb.init(
+                project=wb["project"],
+                entity=wb["entity"],
+                name=config["run"]["name"],
+                id=wandb_run_id,
+                resume="allow",
+                dir=str(self.run_dir),
+                mode=mode,
+                config=config,
+                settings=wandb.Settings(console="off", silent=True),
+            )
+
+    @property
+    def wandb_run_id(self) -> str | None:
+        return self.wandb_run.id if self.wandb_run is not None else None
+
+    def log(self, step: int, metrics: dict) -> None:
+        record = {"step": step, **metrics}
+        self._metrics.write(json.dumps(record) + "\n")
+        self._metrics.flush()
+        if self.wandb_run is not None:
+            self.wandb_run.log(metrics, step=step)
+
+    def close(self, summary: dict) -> None:
+        self._metrics.close()
+        if self.wandb_run is not None:
+            self.wandb_run.summary.update(summary)
+            self.wandb_run.finish()
+
+
+def _set_aside_lines_after(path: Path, step: int) -> None:
+    """A resumed run repeats the steps after its checkpoint; the earlier attempt's lines for those
+    steps move to metrics.superseded.jsonl (kept, not lost) so metrics.jsonl has each step once."""
+    if not path.exists():
+        return
+    kept, superseded = [], []
+    for line in path.read_text().splitlines(keepends=True):
+        try:
+            (kept if json.loads(line)["step"] <= step else superseded).append(line)
+        except (ValueError, KeyError):
+            superseded.append(line)  # a line torn by a crash mid-write
+    if superseded:
+        with open(path.with_name("metrics.superseded.jsonl"), "a") as f:
+            f.writelines(superseded)
+        atomic_write(path, "".join(kept))
+
+
+def write_summary(run_dir: str, summary: dict) -> None:
+    write_json(Path(run_dir) / SUMMARY_FILE, summary)
+
+
+def read_metrics(run_dir: str) -> list[dict]:
+    path = Path(run_dir) / METRICS_FILE
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []

@@ -1,0 +1,219 @@
+"""One rank's training: mesh → model → strategy → data shard → step loop → checkpoints.
+
+`run_rank` is what a worker executes. It knows torch.distributed (through `distrain.parallel`)
+and nothing about Ray: it joins the process group from torchrun-style environment variables
+and reports progress through the `report` callable it is given.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from distrain import checkpoint
+from distrain.config import TrainConfig, from_plain
+from distrain.data.corpus import load_tokens
+from distrain.data.loader import TRAIN, VAL, Batches, split
+from distrain.model import Transformer, flops_per_token
+from distrain.parallel import process_group, strategy
+from distrain.parallel.dims import ParallelDims
+from distrain.tracking import Tracker
+from distrain.train.metrics import peak_flops, peak_memory_bytes
+from distrain.train.optim import build_optimizer, lr_at
+
+Report = Callable[[dict], None]
+
+
+def run_rank(job: dict, report: Report) -> dict:
+    """Train this rank's part of the run described by `job` (a plain dict: config, run_dir,
+    resume_from, started_at); rank 0 returns the run's results, the others an empty dict."""
+    device = process_group.init_from_env()
+    try:
+        return Trainer(from_plain(job["config"]), job, device, report).fit()
+    finally:
+        process_group.destroy()
+
+
+def resolve_precision(precision: str, device: torch.device) -> str:
+    if precision == "auto":
+        return "bf16" if device.type == "cuda" else "fp32"
+    return precision
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, job: dict, device: torch.device, report: Report):
+        self.cfg, self.device, self.report = cfg, device, report
+        self.run_dir = Path(job["run_dir"])
+        self.started_at = job["started_at"]
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        t, s = cfg.trainer, cfg.strategy
+        self.precision = resolve_precision(t.precision, device)
+
+        dims = ParallelDims.resolve(self.world, s.dp_replicate, s.dp_shard, s.tp, s.pp)
+        self.strategy = strategy.build(s.name, dims.build_mesh(device.type), bucket_cap_mb=s.bucket_cap_mb)
+        torch.manual_seed(t.seed)  # the same initial weights on every rank
+        self.model = self.strategy.apply(Transformer(cfg.model, t.seq_len).to(device))
+        self.optimizer = build_optimizer(self.model, cfg.optim)
+
+        data = split(load_tokens(cfg.data.path), cfg.data.val_fraction, t.seq_len)
+        self.train_batches = Batches(data.train, t.seq_len, t.global_batch_size, t.seed, TRAIN)
+        self.val_batches = Batches(data.val, t.seq_len, t.global_batch_size, t.seed, VAL)
+        self.dp_rank, self.dp_size = self.strategy.dp_rank_and_size()
+        self.accum_steps = t.global_batch_size // (t.micro_batch_size * self.dp_size)
+
+        self.step, self.loss, wandb_run_id = 0, math.nan, None
+        if job["resume_from"]:
+            wandb_run_id = self.load(job["resume_from"])
+        self.tracker = None
+        if self.rank == 0:
+            self.tracker = Tracker(str(self.run_dir), job["config"], self.step, wandb_run_id)
+
+    # -- one step -------------------------------------------------------------------------------
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.precision == "bf16")
+
+    def micro_batches(self, batches: Batches, index: int):
+        x, y = batches.get(index, self.dp_rank, self.dp_size)
+        size = self.cfg.trainer.micro_batch_size
+        for xm, ym in zip(x.split(size), y.split(size), strict=True):
+            yield xm.to(self.device, non_blocking=True), ym.to(self.device, non_blocking=True)
+
+    def loss_of(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with self.autocast():
+            logits = self.model(x)
+        return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+
+    def train_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward and backward over this rank's micro-batches, reducing gradients only on the
+        last one; returns the summed micro-batch losses (local, unreduced) and the grad norm."""
+        lr = lr_at(step, self.cfg.optim, self.cfg.trainer.max_steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        loss_sum = torch.zeros((), device=self.device)
+        for i, (x, y) in enumerate(self.micro_batches(self.train_batches, step)):
+            last = i == self.accum_steps - 1
+            with contextlib.nullcontext() if last else self.strategy.no_sync(self.model):
+                loss = self.loss_of(x, y)
+                (loss / self.accum_steps).backward()
+            loss_sum += loss.detach()
+        grad_norm = self.strategy.clip_grad_norm(self.model, self.cfg.optim.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss_sum, grad_norm
+
+    def global_mean(self, local_sum: torch.Tensor) -> float:
+        """Mean over the global batch of per-micro-batch means (equal sizes, so the batch mean)."""
+        total = local_sum.detach().clone()
+        dist.all_reduce(total)
+        return total.item() / (self.accum_steps * self.world)
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        self.model.eval()
+        loss_sum = torch.zeros((), device=self.device)
+        for i in range(self.cfg.trainer.eval_batches):
+            for x, y in self.micro_batches(self.val_batches, i):
+                loss_sum += self.loss_of(x, y)
+        self.model.train()
+        return self.global_mean(loss_sum) / self.cfg.trainer.eval_batches
+
+    # -- the loop -------------------------------------------------------------------------------
+
+    def fit(self) -> dict:
+        t = self.cfg.trainer
+        tokens_per_step = t.global_batch_size * t.seq_len
+        flops_token = flops_per_token(self.cfg.model, t.seq_len)
+        peak = peak_flops(self.device, self.precision)
+        first_step_s, val_loss = None, None
+        window_start, window_steps = time.perf_counter(), 0
+        fit_start = time.perf_counter()
+
+        while self.step < t.max_steps:
+            self.step += 1
+            loss_sum, grad_norm = self.train_step(self.step)
+            window_steps += 1
+            if first_step_s is None:
+                first_step_s = time.time() - self.started_at
+            evaluate_now = t.eval_interval > 0 and self.step % t.eval_interval == 0
+            if evaluate_now or self.step == t.max_steps:
+                val_loss = self.evaluate()
+            if self.step % t.log_interval == 0 or self.step == t.max_steps or evaluate_now:
+                self.loss = self.global_mean(loss_sum)
+                elapsed = time.perf_counter() - window_start
+                tokens_per_s = tokens_per_step * window_steps / elapsed
+                metrics = {
+                    "loss": self.loss,
+                    "lr": self.optimizer.param_groups[0]["lr"],
+                    "grad_norm": grad_norm.item(),
+                    "tokens_per_s": tokens_per_s,
+                    "step_time_s": elapsed / window_steps,
+                    "peak_memory_bytes": peak_memory_bytes(self.device),
+                }
+                if peak is not None:
+                    metrics["mfu"] = flops_token * tokens_per_s / (peak * self.world)
+                if evaluate_now or self.step == t.max_steps:
+                    metrics["val_loss"] = val_loss
+                if self.tracker is not None:
+                    self.tracker.log(self.step, metrics)
+                self.report({"step": self.step, "max_steps": t.max_steps, **metrics})
+                window_start, window_steps = time.perf_counter(), 0
+            else:
+                self.report({"step": self.step, "max_steps": t.max_steps})
+            interval = self.cfg.checkpoint.interval
+            if (interval and self.step % interval == 0) or self.step == t.max_steps:
+                self.save()
+
+        results = {
+            "final_step": self.step,
+            "final_loss": self.loss,
+            "final_val_loss": val_loss,
+            "first_step_s": first_step_s,
+            "train_s": time.perf_counter() - fit_start,
+            "world_size": self.world,
+            "wandb_run_id": None,
+        }
+        if self.tracker is not None:
+            results["wandb_run_id"] = self.tracker.wandb_run_id
+            self.tracker.close(results)
+        return results if self.rank == 0 else {}
+
+    # -- checkpoints ----------------------------------------------------------------------------
+
+    def state(self) -> dict:
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def save(self) -> None:
+        meta = {
+            "step": self.step,
+            "loss": self.loss,
+            "world_size": self.world,
+            "data": {"seed": self.cfg.trainer.seed, "next_step": self.step + 1},
+            "wandb_run_id": self.tracker.wandb_run_id if self.tracker is not None else None,
+        }
+        rank_state = {"cpu_rng": torch.get_rng_state()}
+        if self.device.type == "cuda":
+            rank_state["cuda_rng"] = torch.cuda.get_rng_state(self.device)
+        checkpoint.save(self.run_dir / "checkpoints", self.step, self.state(), meta, rank_state,
+                        self.cfg.checkpoint.keep)
+
+    def load(self, path: str) -> str | None:
+        """Restore weights, optimizer, step, data position and RNG; return the W&B run id."""
+        state = self.state()
+        meta, rank_state = checkpoint.load(path, state)
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        self.step, self.loss = meta["step"], meta["loss"]
+        if rank_state is not None:
+            torch.set_rng_state(rank_state["cpu_rng"])
+            if "cuda_rng" in rank_state and self.device.type == "cuda":
+                torch.cuda.set_rng_state(rank_state["cuda_rng"], self.device)
+        return meta["wandb_run_id"]

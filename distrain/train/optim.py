@@ -1,0 +1,36 @@
+"""Optimizers and the warmup + cosine learning-rate schedule."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from distrain.config import OptimConfig
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+    """Weight decay on matrices only: norms' gains are not decayed (as in GPT-2 and Llama)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    if cfg.name == "adamw":
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=True)
+    if cfg.name == "sgd":
+        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, foreach=True)
+    raise ValueError(f"unknown optimizer {cfg.name!r}")
+
+
+def lr_at(step: int, cfg: OptimConfig, max_steps: int) -> float:
+    """Linear warmup to cfg.lr over warmup_steps, then cosine decay to lr * min_lr_ratio at max_steps.
+
+    A pure function of the step: the schedule's whole state is the step number in the checkpoint.
+    """
+    if step <= cfg.warmup_steps:
+        return cfg.lr * step / max(cfg.warmup_steps, 1)
+    progress = (step - cfg.warmup_steps) / max(max_steps - cfg.warmup_steps, 1)
+    cosine = 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cosine)
