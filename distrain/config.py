@@ -63,7 +63,8 @@ class OptimConfig:
     eps: float = 1e-8
     momentum: float = 0.0  # sgd only
     warmup_steps: int = 20
-    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at max_steps
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at decay_steps
+    decay_steps: int | None = None  # the schedule's length; None: trainer.max_steps
     grad_clip: float = 1.0  # 0 disables clipping (the norm is still logged)
 
 
@@ -216,6 +217,10 @@ def validate(cfg: TrainConfig) -> None:
     _require(o.name in OPTIMIZERS, f"optim.name={o.name!r}: choose one of {', '.join(OPTIMIZERS)}")
     _require(o.lr > 0, f"optim.lr={o.lr}: must be positive")
     _require(o.warmup_steps >= 0, f"optim.warmup_steps={o.warmup_steps}: must be ≥ 0")
+    _require(
+        o.decay_steps is None or o.decay_steps > o.warmup_steps,
+        f"optim.decay_steps={o.decay_steps} must exceed optim.warmup_steps={o.warmup_steps} (or be null)",
+    )
     _require(o.grad_clip >= 0, f"optim.grad_clip={o.grad_clip}: must be ≥ 0 (0 disables clipping)")
 
     _require(cfg.checkpoint.interval >= 0, f"checkpoint.interval={cfg.checkpoint.interval}: must be ≥ 0")

@@ -25,6 +25,7 @@ class ProgressLine:
         self.last_print = 0.0
         self.last_step = -1
         self.metrics: dict = {}
+        self.unprinted: str | None = None  # the newest line, held back by the interval
 
     def update(self, progress: dict) -> None:
         step = progress.get("step")
@@ -35,9 +36,11 @@ class ProgressLine:
             self.first = (now, step)
         self.last_step = step
         self.metrics.update({k: v for k, v in progress.items() if k in ("loss", "val_loss", "tokens_per_s")})
+        self.unprinted = self.render(step, progress["max_steps"], now)
         if now - self.last_print >= self.interval_s:
             self.last_print = now
-            self._write(self.render(step, progress["max_steps"], now))
+            self._write(self.unprinted)
+            self.unprinted = None
 
     def render(self, step: int, max_steps: int, now: float) -> str:
         parts = [f"step {step}/{max_steps}"]
@@ -59,6 +62,9 @@ class ProgressLine:
         self.stream.flush()
 
     def close(self) -> None:
+        """Print the newest state if the interval held it back; end the terminal's line."""
+        if self.unprinted is not None:
+            self._write(self.unprinted)
         if self.tty and self.last_step >= 0:
             self.stream.write("\n")
             self.stream.flush()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 from distrain.fsutil import atomic_write, write_json
@@ -48,7 +49,7 @@ class Tracker:
         return self.wandb_run.id if self.wandb_run is not None else None
 
     def log(self, step: int, metrics: dict) -> None:
-        record = {"step": step, **metrics}
+        record = {"step": step, "time": time.time(), **metrics}  # time: for loss against wall-clock
         self._metrics.write(json.dumps(record) + "\n")
         self._metrics.flush()
         if self.wandb_run is not None:

@@ -137,8 +137,8 @@ class WorkerGroup:
                     entry = self.table[rank]
                     raise WorkerFailure(f"rank {rank} (pid {entry['pid']} on {entry['node_ip']}) failed: "
                                         f"{_first_line(e)}") from e
-            if on_progress is not None and pending:
-                on_progress(self.progress())
+            if on_progress is not None:
+                on_progress(self.progress())  # also once after the last rank finished: its final report
         return results
 
     def progress(self) -> list[dict]:

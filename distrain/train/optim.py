@@ -25,12 +25,14 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
 
 
 def lr_at(step: int, cfg: OptimConfig, max_steps: int) -> float:
-    """Linear warmup to cfg.lr over warmup_steps, then cosine decay to lr * min_lr_ratio at max_steps.
+    """Linear warmup to cfg.lr over warmup_steps, then cosine decay to lr * min_lr_ratio at
+    decay_steps (max_steps unless set, so a run stopped early and resumed can keep its schedule).
 
     A pure function of the step: the schedule's whole state is the step number in the checkpoint.
     """
     if step <= cfg.warmup_steps:
         return cfg.lr * step / max(cfg.warmup_steps, 1)
-    progress = (step - cfg.warmup_steps) / max(max_steps - cfg.warmup_steps, 1)
+    decay_steps = cfg.decay_steps or max_steps
+    progress = (step - cfg.warmup_steps) / max(decay_steps - cfg.warmup_steps, 1)
     cosine = 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cosine)

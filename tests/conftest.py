@@ -1,0 +1,72 @@
+"""One embedded Ray cluster per test session, on loopback; tiny models; configs composed by Hydra."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # before Ray is imported: bind 127.0.0.1 only
+os.environ.pop("RAY_ADDRESS", None)
+os.environ.pop("WANDB_API_KEY", None)
+
+from distrain.cli import CONF_DIR  # noqa: E402
+from distrain.config import TrainConfig  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+
+# A model and batch small enough that a 4-worker run of 20 steps takes seconds on 2 cores.
+TINY = [
+    "model.dim=32",
+    "model.n_layers=2",
+    "model.n_heads=2",
+    "model.ffn_dim=64",
+    "trainer.seq_len=32",
+    "trainer.global_batch_size=8",
+    "trainer.micro_batch_size=2",
+    "trainer.eval_interval=0",
+    "trainer.eval_batches=1",
+    "optim.warmup_steps=2",
+    "checkpoint.interval=0",
+    "logger.wandb.mode=disabled",
+]
+
+
+def make_config(storage: Path, *overrides: str) -> TrainConfig:
+    """The config `python jobs/train.py TINY... overrides...` would train."""
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        cfg = compose("train", overrides=[*TINY, f"run.storage={storage}", *overrides])
+    return OmegaConf.to_object(cfg)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    import ray
+
+    from distrain.cluster.runtime import connect
+
+    connect(None)
+    yield
+    ray.shutdown()
+
+
+def final_weights(cfg: TrainConfig) -> dict:
+    """The model weights of the run's newest committed checkpoint, read without a process group."""
+    import torch.distributed.checkpoint as dcp
+
+    from distrain import checkpoint
+    from distrain.model import Transformer
+
+    path = checkpoint.latest(Path(cfg.run_dir) / "checkpoints")
+    state = {"model": Transformer(cfg.model, cfg.trainer.seq_len).state_dict()}
+    dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    return state["model"]
+
+
+def losses(cfg: TrainConfig) -> dict[int, float]:
+    from distrain.tracking import read_metrics
+
+    return {m["step"]: m["loss"] for m in read_metrics(cfg.run_dir)}

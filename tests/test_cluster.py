@@ -1,0 +1,106 @@
+"""The Ray layer on its own: placement order, torchrun environment, failure and progress reporting."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import pytest
+import ray
+import ray.cloudpickle
+
+from distrain.cluster.runtime import CapacityError, check_capacity
+from distrain.cluster.worker_group import GroupSpec, WorkerFailure, WorkerGroup, rank_table
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests/
+
+ENV_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT",
+            "OMP_NUM_THREADS")
+
+
+def spec(n: int) -> GroupSpec:
+    return GroupSpec(num_workers=n, cpus_per_worker=0.25, gpus_per_worker=0, threads_per_worker=1)
+
+
+def test_rank_table_sorts_by_node_then_gpu():
+    infos = [
+        {"node_id": "b", "node_ip": "10.0.0.10", "gpu_ids": [1], "pid": 1},
+        {"node_id": "a", "node_ip": "10.0.0.9", "gpu_ids": [1], "pid": 2},
+        {"node_id": "b", "node_ip": "10.0.0.10", "gpu_ids": [0], "pid": 3},
+        {"node_id": "a", "node_ip": "10.0.0.9", "gpu_ids": [0], "pid": 4},
+    ]
+    table = rank_table(infos)
+    # 10.0.0.9 sorts before 10.0.0.10 as an address, not as a string.
+    assert [e["pid"] for e in table] == [4, 2, 3, 1]
+    assert [e["local_rank"] for e in table] == [0, 1, 0, 1]
+    assert [e["node_rank"] for e in table] == [0, 0, 1, 1]
+    assert all(e["local_world_size"] == 2 for e in table)
+
+
+def environment(report):
+    report({"step": 1})
+    return {k: os.environ[k] for k in ENV_KEYS}
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_workers_get_torchrun_environment_on_loopback():
+    with WorkerGroup(spec(3)) as group:
+        table = group.start()
+        envs = group.run(environment)
+    assert [e["RANK"] for e in envs] == ["0", "1", "2"]
+    assert {e["WORLD_SIZE"] for e in envs} == {"3"}
+    assert {e["MASTER_ADDR"] for e in envs} == {"127.0.0.1"}
+    assert len({e["MASTER_PORT"] for e in envs}) == 1
+    assert {e["OMP_NUM_THREADS"] for e in envs} == {"1"}
+    assert [e["LOCAL_RANK"] for e in envs] == ["0", "1", "2"]
+    assert all(e["node_ip"] == "127.0.0.1" for e in table)
+
+
+def fail_on_rank_one(report):
+    if os.environ["RANK"] == "1":
+        raise ValueError("boom on purpose")
+    time.sleep(60)  # the healthy ranks would wait forever in a collective; the group kills them
+
+
+def die_on_rank_two(report):
+    if os.environ["RANK"] == "2":
+        os._exit(9)
+    time.sleep(60)
+
+
+@pytest.mark.usefixtures("ray_cluster")
+@pytest.mark.parametrize(("fn", "rank", "what"), [(fail_on_rank_one, 1, "boom on purpose"),
+                                                  (die_on_rank_two, 2, "")])
+def test_a_failing_rank_is_reported_at_once(fn, rank, what):
+    start = time.monotonic()
+    with pytest.raises(WorkerFailure, match=f"rank {rank} .*{what}"), WorkerGroup(spec(3)) as group:
+        group.start()
+        group.run(fn)
+    assert time.monotonic() - start < 30  # not after the healthy ranks' 60 s sleep
+
+
+def report_steps(report):
+    for step in range(1, 4):
+        report({"step": step})
+        time.sleep(0.6)
+    return os.environ["RANK"]
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_progress_reaches_the_driver_while_ranks_run():
+    seen = []
+    with WorkerGroup(spec(2)) as group:
+        group.start()
+        results = group.run(report_steps, on_progress=lambda ranks: seen.append(ranks[0].get("step")),
+                            poll_s=0.2)
+    assert results == ["0", "1"]
+    assert {1, 2} & set(seen)  # polled mid-run, while `run` held the actors' other thread
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_capacity_check_refuses_what_can_never_be_placed():
+    cpus = ray.cluster_resources()["CPU"]
+    with pytest.raises(CapacityError, match="cluster.num_workers=3"):
+        check_capacity(3, cpus / 2, 0)
+    check_capacity(4, cpus / 4, 0)

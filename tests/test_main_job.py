@@ -1,0 +1,42 @@
+"""`python jobs/train.py` with no arguments: the nano model, 2 workers, the embedded cluster."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import REPO
+
+from distrain.data.corpus import load_tokens, unigram_entropy
+
+REQUIRED_METRICS = {"step", "loss", "lr", "grad_norm", "tokens_per_s"}
+REQUIRED_SUMMARY = {"final_step", "final_loss", "restarts", "wall_s", "status"}
+
+
+def test_main_job_learns_well_below_the_unigram_entropy(tmp_path: Path):
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "WANDB_API_KEY")}
+    # The issue's bar is under 3 minutes on 2 cores; it takes about 100 s here.
+    result = subprocess.run([sys.executable, str(REPO / "jobs" / "train.py")], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert REQUIRED_SUMMARY <= summary.keys()
+    assert summary["status"] == "completed" and summary["final_step"] == 300 and summary["world_size"] == 2
+
+    entropy = unigram_entropy(load_tokens(None))  # ≈ 3.25 nats: what a context-blind model reaches
+    assert summary["final_val_loss"] < 0.7 * entropy, (summary["final_val_loss"], entropy)
+
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == list(range(1, 301))
+    assert all(REQUIRED_METRICS <= m.keys() for m in metrics)
+    assert "mfu" not in metrics[-1]  # no known peak for a CPU
+
+    assert "step 300/300" in result.stdout and "ETA" in result.stdout  # the console progress line
+    assert (run_dir / "checkpoints" / "step_00000300" / "COMMITTED").exists()
+    assert any((run_dir / "wandb").glob("offline-run-*"))  # W&B offline by default without an API key
+    assert any(run_dir.glob("hydra/*/.hydra/config.yaml"))

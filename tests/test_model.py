@@ -1,0 +1,69 @@
+"""The model: parameter count and FLOPs computed from the config match the real thing; causality."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import CONF_DIR
+from omegaconf import OmegaConf
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+from distrain.config import ModelConfig
+from distrain.model import Transformer, flops_per_token, num_params
+
+
+def conf_models() -> list[ModelConfig]:
+    return [OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(p)))
+            for p in sorted((CONF_DIR / "model").glob("*.yaml"))]
+
+
+@pytest.mark.parametrize("cfg", conf_models(), ids=lambda c: c.name)
+def test_num_params_matches_the_built_model(cfg: ModelConfig):
+    with torch.device("meta"):  # the 1B model costs no memory
+        model = Transformer(cfg, max_seq_len=16)
+    assert num_params(cfg) == sum(p.numel() for p in model.parameters())
+
+
+def test_model_sizes_are_what_their_names_say():
+    sizes = {c.name: num_params(c) for c in conf_models()}
+    assert sizes["nano"] < 2e6
+    assert 100e6 < sizes["gpt2_124m"] < 130e6
+    assert 0.9e9 < sizes["llama_1b"] < 1.3e9
+
+
+@pytest.mark.parametrize("kv_heads", [None, 1])
+def test_flops_per_token_matches_counted_flops(kv_heads):
+    """torch's FlopCounterMode counts every matmul of forward + backward; with the math attention
+    kernel that includes the attention matmuls, unmasked, whereas our formula halves them for the
+    causal mask."""
+    cfg = ModelConfig(dim=64, n_layers=3, n_heads=4, n_kv_heads=kv_heads, ffn_dim=96)
+    seq_len, batch = 32, 2
+    model = Transformer(cfg, seq_len)
+    tokens = torch.randint(0, 256, (batch, seq_len))
+    with FlopCounterMode(display=False) as counter, sdpa_kernel(SDPBackend.MATH):
+        model(tokens).float().sum().backward()
+    unmasked_attention = 6 * cfg.n_layers * seq_len * cfg.dim  # the half the causal mask saves
+    counted_per_token = counter.get_total_flops() / (batch * seq_len)
+    assert flops_per_token(cfg, seq_len) + unmasked_attention == pytest.approx(counted_per_token, rel=1e-9)
+
+
+def test_attention_is_causal_and_grouped_query_attention_works():
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64), 16)
+    a = torch.randint(0, 256, (1, 16))
+    b = a.clone()
+    b[0, 10:] = (b[0, 10:] + 1) % 256
+    la, lb = model(a), model(b)
+    assert la.shape == (1, 16, 256)
+    torch.testing.assert_close(la[0, :10], lb[0, :10])  # earlier positions never see later tokens
+    assert not torch.allclose(la[0, 10:], lb[0, 10:])
+
+
+def test_same_seed_same_weights():
+    cfg = ModelConfig(dim=32, n_layers=1, n_heads=2, ffn_dim=64)
+    torch.manual_seed(3)
+    a = Transformer(cfg, 8).state_dict()
+    torch.manual_seed(3)
+    b = Transformer(cfg, 8).state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
