@@ -49,5 +49,3 @@ def run(cfg: DictConfig) -> None:
         f"val loss {summary['final_val_loss'] or float('nan'):.4f}, {summary['wall_s']:.1f}s; "
         f"run directory {config.run_dir}"
     )
-
-

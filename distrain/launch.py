@@ -54,8 +54,12 @@ def train(cfg: TrainConfig) -> dict:
         "resume_from": str(resume_from) if resume_from else None,
         "started_at": started,
     }
-    summary = {"status": "failed", "restarts": 0, "resumed_from": job["resume_from"],
-               "history": _previous_summaries(run_dir)}
+    summary = {
+        "status": "failed",
+        "restarts": 0,
+        "resumed_from": job["resume_from"],
+        "history": _previous_summaries(run_dir),
+    }
     progress = ProgressLine(cfg.logger.progress_interval_s)
     try:
         with WorkerGroup(spec) as group:

@@ -15,8 +15,16 @@ from distrain.cluster.worker_group import GroupSpec, WorkerFailure, WorkerGroup,
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests/
 
-ENV_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT",
-            "OMP_NUM_THREADS")
+ENV_KEYS = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "NODE_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "OMP_NUM_THREADS",
+)
 
 
 def spec(n: int) -> GroupSpec:
@@ -70,8 +78,7 @@ def die_on_rank_two(report):
 
 
 @pytest.mark.usefixtures("ray_cluster")
-@pytest.mark.parametrize(("fn", "rank", "what"), [(fail_on_rank_one, 1, "boom on purpose"),
-                                                  (die_on_rank_two, 2, "")])
+@pytest.mark.parametrize(("fn", "rank", "what"), [(fail_on_rank_one, 1, "boom on purpose"), (die_on_rank_two, 2, "")])
 def test_a_failing_rank_is_reported_at_once(fn, rank, what):
     start = time.monotonic()
     with pytest.raises(WorkerFailure, match=f"rank {rank} .*{what}"), WorkerGroup(spec(3)) as group:
@@ -92,8 +99,7 @@ def test_progress_reaches_the_driver_while_ranks_run():
     seen = []
     with WorkerGroup(spec(2)) as group:
         group.start()
-        results = group.run(report_steps, on_progress=lambda ranks: seen.append(ranks[0].get("step")),
-                            poll_s=0.2)
+        results = group.run(report_steps, on_progress=lambda ranks: seen.append(ranks[0].get("step")), poll_s=0.2)
     assert results == ["0", "1"]
     assert {1, 2} & set(seen)  # polled mid-run, while `run` held the actors' other thread
 

@@ -17,8 +17,10 @@ from distrain.config import ConfigError, validate
     ("overrides", "key"),
     [
         (["cluster.num_workers=0"], "cluster.num_workers"),
-        (["cluster.num_workers=2", "trainer.global_batch_size=12", "trainer.micro_batch_size=4"],
-         "trainer.global_batch_size"),
+        (
+            ["cluster.num_workers=2", "trainer.global_batch_size=12", "trainer.micro_batch_size=4"],
+            "trainer.global_batch_size",
+        ),
         (["data.path=/nonexistent/corpus"], "data.path"),
         (["strategy.tp=2"], "strategy.tp"),
         (["strategy.dp_replicate=3", "cluster.num_workers=2"], "strategy.dp_replicate"),
@@ -43,7 +45,11 @@ def run_cli(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
     env.pop("RAY_ADDRESS", None)
     return subprocess.run(
         [sys.executable, str(REPO / "jobs" / "train.py"), f"run.storage={tmp_path}", "run.name=bad", *overrides],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env=env,
     )
 
 
@@ -56,8 +62,10 @@ def run_cli(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
         (["trainer.global_batch_size=30"], "trainer.global_batch_size=30"),
         (["data.path=/nonexistent/corpus"], "data.path='/nonexistent/corpus'"),
         # The embedded cluster has 2 CPUs: 9 workers × 0.25 CPU, or 3 × 1 CPU, can never be placed.
-        (["cluster.num_workers=3", "cluster.cpus_per_worker=1", "trainer.global_batch_size=24"],
-         "cluster.num_workers=3 needs 3 CPU"),
+        (
+            ["cluster.num_workers=3", "cluster.cpus_per_worker=1", "trainer.global_batch_size=24"],
+            "cluster.num_workers=3 needs 3 CPU",
+        ),
     ],
 )
 def test_cli_bad_input_fails_early_with_one_line(tmp_path: Path, overrides: list[str], needle: str):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from distrain.data.corpus import corpus_files, load_tokens, stdlib_files, unigram_entropy
-from distrain.data.loader import TRAIN, VAL, Batches, split
+from distrain.data.loader import VAL, Batches, split
 
 
 @pytest.fixture(scope="module")
@@ -68,5 +68,3 @@ def test_user_text_directory_and_glob(tmp_path: Path):
 def test_unigram_entropy():
     assert unigram_entropy(np.arange(256, dtype=np.uint8)) == pytest.approx(math.log(256))
     assert unigram_entropy(np.zeros(10, dtype=np.uint8)) == 0
-
-

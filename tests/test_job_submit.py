@@ -47,17 +47,41 @@ def ray_head():
     temp_dir = tempfile.mkdtemp(prefix="rayh", dir="/tmp")  # short: Ray's socket paths are length-limited
     dashboard = free_port()
     marker = f"DISTRAIN_TEST_HEAD={temp_dir}"
-    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "DISTRAIN_TEST_HEAD": temp_dir,
-           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    env = {
+        **os.environ,
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+        "DISTRAIN_TEST_HEAD": temp_dir,
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+    }
     env.pop("RAY_ADDRESS", None)
-    ports = {f"--{name}": str(free_port()) for name in (
-        "port", "node-manager-port", "object-manager-port", "dashboard-agent-listen-port",
-        "dashboard-agent-grpc-port", "runtime-env-agent-port", "metrics-export-port", "ray-client-server-port")}
-    cmd = [RAY, "start", "--head", "--block", "--node-ip-address=127.0.0.1", "--num-cpus=2",
-           "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
-           f"--temp-dir={temp_dir}", "--disable-usage-stats", *[a for kv in ports.items() for a in kv]]
-    head = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    ports = {
+        f"--{name}": str(free_port())
+        for name in (
+            "port",
+            "node-manager-port",
+            "object-manager-port",
+            "dashboard-agent-listen-port",
+            "dashboard-agent-grpc-port",
+            "runtime-env-agent-port",
+            "metrics-export-port",
+            "ray-client-server-port",
+        )
+    }
+    cmd = [
+        RAY,
+        "start",
+        "--head",
+        "--block",
+        "--node-ip-address=127.0.0.1",
+        "--num-cpus=2",
+        "--include-dashboard=true",
+        "--dashboard-host=127.0.0.1",
+        f"--dashboard-port={dashboard}",
+        f"--temp-dir={temp_dir}",
+        "--disable-usage-stats",
+        *[a for kv in ports.items() for a in kv],
+    ]
+    head = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     address = f"http://127.0.0.1:{dashboard}"
     client_env = {**env, "RAY_AUTH_MODE": "token", "RAY_ADDRESS": address}
     try:
@@ -86,9 +110,21 @@ def ray_head():
 def submit(env: dict, submission_id: str, *overrides: str) -> str:
     """Submit, wait for the end (the CLI follows the job), and return `ray job status`'s words."""
     subprocess.run(
-        [RAY, "job", "submit", f"--submission-id={submission_id}", f"--working-dir={REPO}", "--",
-         "python", "jobs/train.py", *overrides],
-        env=env, capture_output=True, text=True, timeout=300,
+        [
+            RAY,
+            "job",
+            "submit",
+            f"--submission-id={submission_id}",
+            f"--working-dir={REPO}",
+            "--",
+            "python",
+            "jobs/train.py",
+            *overrides,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     status = subprocess.run([RAY, "job", "status", submission_id], env=env, capture_output=True, text=True)
     return status.stdout + status.stderr

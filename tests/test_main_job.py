@@ -19,8 +19,14 @@ REQUIRED_SUMMARY = {"final_step", "final_loss", "restarts", "wall_s", "status"}
 def test_main_job_learns_well_below_the_unigram_entropy(tmp_path: Path):
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "WANDB_API_KEY")}
     # The bar is under 3 minutes on 2 cores; it takes about 100 s here.
-    result = subprocess.run([sys.executable, str(REPO / "jobs" / "train.py")], cwd=tmp_path, env=env,
-                            capture_output=True, text=True, timeout=180)
+    result = subprocess.run(
+        [sys.executable, str(REPO / "jobs" / "train.py")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
 
     (run_dir,) = (tmp_path / "runs").iterdir()

@@ -14,8 +14,10 @@ from distrain.model import Transformer, flops_per_token, num_params
 
 
 def conf_models() -> list[ModelConfig]:
-    return [OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(p)))
-            for p in sorted((CONF_DIR / "model").glob("*.yaml"))]
+    return [
+        OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(p)))
+        for p in sorted((CONF_DIR / "model").glob("*.yaml"))
+    ]
 
 
 @pytest.mark.parametrize("cfg", conf_models(), ids=lambda c: c.name)

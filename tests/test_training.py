@@ -21,8 +21,7 @@ def test_ddp_parity_across_workers_and_accumulation(tmp_path: Path):
     Losses and final weights agree within 1e-5 in fp32 (they differ only in summation order)."""
     runs = {}
     for workers in (4, 2, 1):
-        cfg = make_config(tmp_path, f"run.name=w{workers}", f"cluster.num_workers={workers}",
-                          "trainer.max_steps=20")
+        cfg = make_config(tmp_path, f"run.name=w{workers}", f"cluster.num_workers={workers}", "trainer.max_steps=20")
         summary = train(cfg)
         assert summary["world_size"] == workers
         runs[workers] = cfg
@@ -45,8 +44,7 @@ def test_resume_is_exact(tmp_path: Path):
     straight = make_config(tmp_path, "run.name=straight", *common)
     train(straight)
 
-    first = make_config(tmp_path, "run.name=resumed", *common, "trainer.max_steps=10",
-                        "logger.wandb.mode=offline")
+    first = make_config(tmp_path, "run.name=resumed", *common, "trainer.max_steps=10", "logger.wandb.mode=offline")
     first_summary = train(first)
     assert first_summary["final_step"] == 10
     second = make_config(tmp_path, "run.name=resumed", *common, "logger.wandb.mode=offline")

@@ -44,8 +44,9 @@ def rank_table(infos: list[dict]) -> list[dict]:
     table, nodes = [], {}
     for rank, i in enumerate(sorted(range(len(infos)), key=key)):
         node = nodes.setdefault(infos[i]["node_id"], {"node_rank": len(nodes), "members": 0})
-        table.append({**infos[i], "rank": rank, "worker_index": i, "node_rank": node["node_rank"],
-                      "local_rank": node["members"]})
+        table.append(
+            {**infos[i], "rank": rank, "worker_index": i, "node_rank": node["node_rank"], "local_rank": node["members"]}
+        )
         node["members"] += 1
     for entry in table:
         entry["local_world_size"] = nodes[entry["node_id"]]["members"]
@@ -116,15 +117,22 @@ class WorkerGroup:
             envs.append({k: str(v) for k, v in env.items()})
         return envs
 
-    def run(self, fn: Callable[..., Any], *args: Any, on_progress: Callable[[list[dict]], None] | None = None,
-            poll_s: float = 1.0) -> list[Any]:
+    def run(
+        self,
+        fn: Callable[..., Any],
+        *args: Any,
+        on_progress: Callable[[list[dict]], None] | None = None,
+        poll_s: float = 1.0,
+    ) -> list[Any]:
         """Run fn(*args, report) on every rank; return the results in rank order.
 
         Waits on the ranks' calls themselves, so a rank that raises or whose process dies is
         seen at once, not at the next poll; the first failure raises WorkerFailure.
         """
-        refs = {w.run.remote(fn, env, *args): rank for rank, (w, env) in
-                enumerate(zip(self.workers, self.environments(), strict=True))}
+        refs = {
+            w.run.remote(fn, env, *args): rank
+            for rank, (w, env) in enumerate(zip(self.workers, self.environments(), strict=True))
+        }
         results: list[Any] = [None] * len(refs)
         pending = list(refs)
         while pending:
@@ -135,8 +143,9 @@ class WorkerGroup:
                     results[rank] = ray.get(ref)
                 except RayError as e:
                     entry = self.table[rank]
-                    raise WorkerFailure(f"rank {rank} (pid {entry['pid']} on {entry['node_ip']}) failed: "
-                                        f"{_first_line(e)}") from e
+                    raise WorkerFailure(
+                        f"rank {rank} (pid {entry['pid']} on {entry['node_ip']}) failed: {_first_line(e)}"
+                    ) from e
             if on_progress is not None:
                 on_progress(self.progress())  # also once after the last rank finished: its final report
         return results

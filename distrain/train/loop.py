@@ -203,8 +203,9 @@ class Trainer:
         rank_state = {"cpu_rng": torch.get_rng_state()}
         if self.device.type == "cuda":
             rank_state["cuda_rng"] = torch.cuda.get_rng_state(self.device)
-        checkpoint.save(self.run_dir / "checkpoints", self.step, self.state(), meta, rank_state,
-                        self.cfg.checkpoint.keep)
+        checkpoint.save(
+            self.run_dir / "checkpoints", self.step, self.state(), meta, rank_state, self.cfg.checkpoint.keep
+        )
 
     def load(self, path: str) -> str | None:
         """Restore weights, optimizer, step, data position and RNG; return the W&B run id."""
