@@ -30,15 +30,15 @@ def check_group_choices(overrides: list[str], conf_dir: Path = CONF_DIR) -> None
 
 
 def run(cfg: DictConfig) -> None:
-    """Validate, train, and exit non-zero on failure (what `ray job submit` reports as FAILED)."""
+    """Train, and exit non-zero on failure (what `ray job submit` reports as FAILED). Imports here,
+    not at the top, so `--cfg job` and a bad group choice do not wait for torch and Ray to load."""
     from distrain.cluster.runtime import CapacityError
     from distrain.cluster.worker_group import PlacementError, WorkerFailure
-    from distrain.config import ConfigError, validate
+    from distrain.config import ConfigError
     from distrain.launch import train
 
     config = OmegaConf.to_object(cfg)
     try:
-        validate(config)
         summary = train(config)
     except (ConfigError, CapacityError, PlacementError) as e:
         fail(str(e))
