@@ -69,7 +69,8 @@ def final_weights(cfg: TrainConfig) -> dict:
     return state["model"]
 
 
-def losses(cfg: TrainConfig) -> dict[int, float]:
+def logged(cfg: TrainConfig, key: str = "loss") -> dict[int, float]:
+    """step → the value of `key` in the run's metrics.jsonl."""
     from distrain.tracking import read_metrics
 
-    return {m["step"]: m["loss"] for m in read_metrics(cfg.run_dir)}
+    return {m["step"]: m[key] for m in read_metrics(cfg.run_dir)}

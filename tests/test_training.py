@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import final_weights, losses, make_config
+from conftest import final_weights, logged, make_config
 
 from distrain.checkpoint import COMMIT_MARKER, TornCheckpointWarning, step_dir
 from distrain.launch import train
@@ -18,19 +18,21 @@ pytestmark = pytest.mark.usefixtures("ray_cluster")
 
 def test_ddp_parity_across_workers_and_accumulation(tmp_path: Path):
     """Global batch 8: 4 workers × 1 micro-batch of 2, 2 workers × 2, 1 worker × 4 are one training.
-    Losses and final weights agree within 1e-5 in fp32 (they differ only in summation order)."""
+    Losses, gradient norms (before clipping: they catch a wrong accumulation scale, which AdamW's
+    updates would hide) and final weights agree within 1e-5 in fp32; only summation order differs."""
     runs = {}
     for workers in (4, 2, 1):
         cfg = make_config(tmp_path, f"run.name=w{workers}", f"cluster.num_workers={workers}", "trainer.max_steps=20")
         summary = train(cfg)
         assert summary["world_size"] == workers
         runs[workers] = cfg
-    reference = losses(runs[1])
+    reference = logged(runs[1])
     assert sorted(reference) == list(range(1, 21))
     for workers in (4, 2):
-        got = losses(runs[workers])
-        for step, loss in reference.items():
-            assert got[step] == pytest.approx(loss, abs=1e-5), f"{workers} workers, step {step}"
+        for key in ("loss", "grad_norm"):
+            want, got = logged(runs[1], key), logged(runs[workers], key)
+            for step in reference:
+                assert got[step] == pytest.approx(want[step], abs=1e-5, rel=1e-5), f"{workers} workers, {key} {step}"
         ref_w, got_w = final_weights(runs[1]), final_weights(runs[workers])
         for name, tensor in ref_w.items():
             torch.testing.assert_close(got_w[name], tensor, atol=1e-5, rtol=0, msg=f"{workers} workers: {name}")
@@ -53,7 +55,7 @@ def test_resume_is_exact(tmp_path: Path):
     assert second_summary["final_step"] == 20
     assert len(second_summary["history"]) == 1  # the first invocation's summary is kept
 
-    assert losses(second) == losses(straight)  # exact float equality, every step 1..20
+    assert logged(second) == logged(straight)  # exact float equality, every step 1..20
     a, b = final_weights(straight), final_weights(second)
     for name in a:
         assert torch.equal(a[name], b[name]), name
@@ -87,6 +89,6 @@ def test_torn_checkpoint_falls_back_to_previous(tmp_path: Path, damage: str):
     assert summary["resumed_from"].endswith("step_00000005")
     assert summary["final_step"] == 12
     # Steps 6..10 were trained again from step 5 and replace the earlier lines, which are kept aside.
-    assert sorted(losses(resumed)) == list(range(1, 13))
+    assert sorted(logged(resumed)) == list(range(1, 13))
     superseded = (Path(cfg.run_dir) / "metrics.superseded.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in superseded] == [6, 7, 8, 9, 10]
