@@ -33,6 +33,7 @@ def test_main_job_learns_well_below_the_unigram_entropy(tmp_path: Path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert REQUIRED_SUMMARY <= summary.keys()
     assert summary["status"] == "completed" and summary["final_step"] == 300 and summary["world_size"] == 2
+    assert summary["num_params"] == 918_656
 
     entropy = unigram_entropy(load_tokens(None))  # ≈ 3.25 nats: what a context-blind model reaches
     assert summary["final_val_loss"] < 0.7 * entropy, (summary["final_val_loss"], entropy)

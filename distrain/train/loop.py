@@ -22,7 +22,7 @@ from distrain import checkpoint
 from distrain.config import TrainConfig, from_plain
 from distrain.data.corpus import load_tokens
 from distrain.data.loader import TRAIN, VAL, Batches, split
-from distrain.model import Transformer, flops_per_token
+from distrain.model import Transformer, flops_per_token, num_params
 from distrain.parallel import process_group, strategy
 from distrain.parallel.dims import ParallelDims
 from distrain.tracking import Tracker
@@ -179,6 +179,8 @@ class Trainer:
             "first_step_s": first_step_s,
             "train_s": time.perf_counter() - fit_start,
             "world_size": self.world,
+            "num_params": num_params(self.cfg.model),
+            "flops_per_token": flops_token,
             "wandb_run_id": None,
         }
         if self.tracker is not None:
