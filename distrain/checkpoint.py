@@ -1,10 +1,11 @@
 """Distributed checkpoints with an atomic commit.
 
 Every rank writes its DCP shard and a small file of its own state (RNG); rank 0 writes the run's
-metadata. Only after a barrier shows all of that written does rank 0 write `COMMITTED`, a manifest
-of every file with its size. A directory without a valid manifest, or with a file whose size
-differs from it (a truncated shard), is never loaded: the newest valid one is, with a warning
-for each one skipped. Old checkpoints are deleted only after a newer one has committed.
+metadata. Then every rank sends rank 0 the files it sees; only when rank 0 sees all of them, at the
+same sizes, does it write `COMMITTED`, a manifest of every file with its size. A directory without
+a valid manifest, or with a file whose size differs from it (a truncated shard), is never loaded:
+the newest valid one is, with a warning for each one skipped. Old checkpoints are deleted only
+after a newer one has committed.
 """
 
 from __future__ import annotations
@@ -26,6 +27,10 @@ from distrain.fsutil import atomic_write, write_json
 COMMIT_MARKER = "COMMITTED"
 META_FILE = "meta.json"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
+
+
+class CheckpointNotSharedError(RuntimeError):
+    """A rank's checkpoint files are not visible to rank 0: the run's storage is not shared."""
 
 
 class TornCheckpointWarning(UserWarning):
@@ -55,12 +60,26 @@ def save(root: str | Path, step: int, state: dict[str, Any], meta: dict, rank_st
     atomic_write(path / _rank_file(rank), buf.getvalue())
     if rank == 0:
         write_json(path / META_FILE, meta)
-    dist.barrier()
+    dist.barrier()  # every rank has finished writing; only now are the listings comparable
+    views: list[dict[str, int]] = [{}] * dist.get_world_size()
+    dist.all_gather_object(views, _listing(path))
     if rank == 0:
-        files = {p.name: p.stat().st_size for p in sorted(path.iterdir()) if p.name != COMMIT_MARKER}
+        files = _listing(path)
+        for r, view in enumerate(views):
+            for name, size in view.items():
+                if files.get(name) != size:
+                    raise CheckpointNotSharedError(
+                        f"rank {r} wrote {path / name} ({size} bytes) but rank 0 sees "
+                        f"{'no such file' if name not in files else f'{files[name]} bytes'}: run.storage must "
+                        f"be storage every node shares; the checkpoint is left uncommitted"
+                    )
         write_json(path / COMMIT_MARKER, {"step": step, "files": files})
         prune(root, keep)
     return path
+
+
+def _listing(path: Path) -> dict[str, int]:
+    return {p.name: p.stat().st_size for p in sorted(path.iterdir()) if p.name != COMMIT_MARKER}
 
 
 def _problem(path: Path) -> str | None:

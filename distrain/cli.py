@@ -35,12 +35,13 @@ def run(cfg: DictConfig) -> None:
     from distrain.cluster.runtime import CapacityError
     from distrain.cluster.worker_group import PlacementError, WorkerFailure
     from distrain.config import ConfigError
+    from distrain.fsutil import LockedError
     from distrain.launch import train
 
     config = OmegaConf.to_object(cfg)
     try:
         summary = train(config)
-    except (ConfigError, CapacityError, PlacementError) as e:
+    except (ConfigError, CapacityError, PlacementError, LockedError) as e:
         fail(str(e))
     except WorkerFailure as e:
         fail(f"training failed: {e}", code=1)

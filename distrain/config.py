@@ -48,7 +48,7 @@ class StrategyConfig:
 
 @dataclass
 class DataConfig:
-    name: str = "stdlib"
+    name: str = "stdlib"  # a label for the corpus (runs, W&B); path decides what is read
     path: str | None = None  # a directory or glob of text files; None: the running Python's stdlib source
     val_fraction: float = 0.05
 
@@ -212,6 +212,7 @@ def validate(cfg: TrainConfig) -> None:
     _require(t.max_steps >= 1, f"trainer.max_steps={t.max_steps}: must be ≥ 1")
     _require(t.seq_len >= 2, f"trainer.seq_len={t.seq_len}: must be ≥ 2")
     _require(t.log_interval >= 1, f"trainer.log_interval={t.log_interval}: must be ≥ 1")
+    _require(t.eval_batches >= 1, f"trainer.eval_batches={t.eval_batches}: must be ≥ 1")
     _require(t.precision in PRECISIONS, f"trainer.precision={t.precision!r}: choose one of {', '.join(PRECISIONS)}")
 
     _require(o.name in OPTIMIZERS, f"optim.name={o.name!r}: choose one of {', '.join(OPTIMIZERS)}")
@@ -230,9 +231,14 @@ def validate(cfg: TrainConfig) -> None:
         f"logger.wandb.mode={cfg.logger.wandb.mode!r}: choose online, offline or disabled",
     )
     _require(0 < cfg.data.val_fraction < 1, f"data.val_fraction={cfg.data.val_fraction}: must be in (0, 1)")
-    if cfg.data.path is not None:
-        _require(
-            bool(corpus_files(cfg.data.path)),
-            f"data.path={cfg.data.path!r} matches no files; give an existing directory or glob of text files",
-        )
+    files = corpus_files(cfg.data.path)
+    _require(
+        bool(files), f"data.path={cfg.data.path!r} matches no files; give an existing directory or glob of text files"
+    )
+    val_tokens = int(sum(os.path.getsize(f) for f in files) * cfg.data.val_fraction)
+    _require(
+        val_tokens > t.seq_len + 1,
+        f"data.path={cfg.data.path!r} leaves {val_tokens} bytes for validation (data.val_fraction="
+        f"{cfg.data.val_fraction:g}), too few for trainer.seq_len={t.seq_len}; add text or lower trainer.seq_len",
+    )
     _require(bool(cfg.run.name) and "/" not in cfg.run.name, f"run.name={cfg.run.name!r}: must be a plain name")

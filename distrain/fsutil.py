@@ -1,9 +1,12 @@
-"""Writes that are never seen half-done: a reader finds the old file or the new one, never a torn one."""
+"""Files of a run directory: writes never seen half-done, and a lock so one run has one writer."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import socket
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,3 +28,47 @@ def atomic_write(path: str | os.PathLike, data: bytes | str) -> None:
 
 def write_json(path: str | os.PathLike, obj: Any) -> None:
     atomic_write(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+class LockedError(RuntimeError):
+    """Another live process holds the lock."""
+
+
+@contextlib.contextmanager
+def exclusive_lock(path: str | os.PathLike) -> Iterator[None]:
+    """A lock file created with O_EXCL, naming its holder's host and PID. A lock left by a dead
+    process on this host is taken over; one held elsewhere must be removed by hand if stale."""
+    path = Path(path)
+    me = {"host": socket.gethostname(), "pid": os.getpid()}
+    while True:
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            break
+        except FileExistsError:
+            try:
+                holder = json.loads(path.read_text())
+            except (OSError, ValueError):
+                holder = {}
+            if holder.get("host") == me["host"] and not _alive(holder.get("pid", -1)):
+                path.unlink(missing_ok=True)  # its holder died without cleaning up
+                continue
+            raise LockedError(
+                f"{path.parent} is in use by pid {holder.get('pid')} on {holder.get('host')}; wait for that run, "
+                f"or delete {path} if it is no longer running"
+            ) from None
+    with os.fdopen(fd, "w") as f:
+        json.dump(me, f)
+    try:
+        yield
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return pid > 0

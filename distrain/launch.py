@@ -9,16 +9,19 @@ from __future__ import annotations
 import json
 import os
 import time
+import warnings
 from pathlib import Path
 
 from distrain import checkpoint
 from distrain.cluster.runtime import check_capacity, connect, has_gpus
 from distrain.cluster.worker_group import GroupSpec, WorkerGroup
-from distrain.config import TrainConfig, to_plain, validate
-from distrain.fsutil import write_json
+from distrain.config import ConfigError, TrainConfig, to_plain, validate
+from distrain.fsutil import exclusive_lock, write_json
 from distrain.progress import ProgressLine
-from distrain.tracking import SUMMARY_FILE, write_summary
+from distrain.tracking import SUMMARY_FILE, read_metrics, wandb_mode, write_summary
 from distrain.train.loop import run_rank
+
+LOCK_FILE = ".lock"  # held by the driver while the run trains: one writer per run directory
 
 
 def group_spec(cfg: TrainConfig) -> GroupSpec:
@@ -31,6 +34,8 @@ def group_spec(cfg: TrainConfig) -> GroupSpec:
         threads_per_worker=c.threads_per_worker,
         placement_strategy=c.placement_strategy,
         placement_timeout_s=c.placement_timeout_s,
+        # W&B settings and key live in the user's environment, which workers on a cluster do not share.
+        env=tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("WANDB_"))),
     )
 
 
@@ -39,21 +44,34 @@ def train(cfg: TrainConfig) -> dict:
     return the summary also written to summary.json."""
     started = time.time()
     validate(cfg)
-    cfg.run.storage = os.path.abspath(cfg.run.storage)  # workers (and `ray job submit`) run elsewhere
+    if not os.path.isabs(cfg.run.storage) and _on_existing_cluster(cfg.cluster.address):
+        raise ConfigError(
+            f"run.storage={cfg.run.storage!r} is relative, and on a Ray cluster the job's working directory is "
+            f"temporary: give an absolute path on storage every node shares"
+        )
+    cfg.run.storage = os.path.abspath(cfg.run.storage)  # workers run elsewhere
+    cfg.logger.wandb.mode = wandb_mode(cfg.logger.wandb.mode)
     run_dir = Path(cfg.run_dir)
-    resume_from = checkpoint.latest(run_dir / "checkpoints")
-
-    connect(cfg.cluster.address)
-    spec = group_spec(cfg)
-    check_capacity(spec.num_workers, spec.cpus_per_worker, spec.gpus_per_worker)
-
     run_dir.mkdir(parents=True, exist_ok=True)
+    with exclusive_lock(run_dir / LOCK_FILE):
+        return _train_locked(cfg, run_dir, started)
+
+
+def _train_locked(cfg: TrainConfig, run_dir: Path, started: float) -> dict:
+    resume_from = checkpoint.latest(run_dir / "checkpoints")
     job = {
         "config": to_plain(cfg),
         "run_dir": str(run_dir),
         "resume_from": str(resume_from) if resume_from else None,
         "started_at": started,
     }
+    if resume_from:
+        check_resumable(json.loads((resume_from / checkpoint.META_FILE).read_text()).get("config"), job["config"])
+
+    connect(cfg.cluster.address)
+    spec = group_spec(cfg)
+    check_capacity(spec.num_workers, spec.cpus_per_worker, spec.gpus_per_worker)
+
     summary = {
         "status": "failed",
         "restarts": 0,
@@ -67,13 +85,48 @@ def train(cfg: TrainConfig) -> dict:
             results = group.run(run_rank, job, on_progress=lambda ranks: progress.update(ranks[0]))
         summary.update(results[0], status="completed")
     except BaseException as e:
-        summary["error"] = f"{type(e).__name__}: {e}"
+        logged = read_metrics(str(run_dir))
+        summary.update(
+            final_step=logged[-1]["step"] if logged else 0,
+            final_loss=logged[-1]["loss"] if logged else None,
+            error=f"{type(e).__name__}: {e}",
+        )
         raise
     finally:
         progress.close()
         summary["wall_s"] = time.time() - started
         write_summary(str(run_dir), summary)
     return summary
+
+
+def check_resumable(saved: dict | None, current: dict) -> None:
+    """A checkpoint resumes only into the same model; data and batch changes are allowed but break
+    the promise of an exact resume, so they are pointed out."""
+    if saved is None:
+        return
+    for key, old in saved["model"].items():
+        new = current["model"].get(key)
+        if new != old:
+            raise ConfigError(
+                f"run {current['run']['name']!r} was trained with model.{key}={old!r}, this config has {new!r}: "
+                f"resume with the same model, or start a new run.name"
+            )
+    for section, key in (
+        ("trainer", "seed"),
+        ("trainer", "global_batch_size"),
+        ("trainer", "seq_len"),
+        ("data", "path"),
+    ):
+        if saved[section][key] != current[section][key]:
+            warnings.warn(
+                f"resuming with {section}.{key}={current[section][key]!r} (the checkpoint's run used "
+                f"{saved[section][key]!r}): training continues, but not as the original run would have",
+                stacklevel=2,
+            )
+
+
+def _on_existing_cluster(address: str | None) -> bool:
+    return (address or os.environ.get("RAY_ADDRESS") or "local") != "local"
 
 
 def _previous_summaries(run_dir: Path) -> list[dict]:

@@ -14,10 +14,9 @@ SUMMARY_FILE = "summary.json"
 
 
 def wandb_mode(mode: str | None) -> str:
-    """Online only when asked or when an API key is at hand; offline needs no account or network."""
-    if mode is not None:
-        return mode
-    return "online" if os.environ.get("WANDB_API_KEY") else "offline"
+    """The configured mode, else WANDB_MODE, else online only with an API key at hand: offline
+    needs no account or network. Decided in the driver, whose environment is the user's."""
+    return mode or os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
 
 
 class Tracker:
@@ -28,7 +27,7 @@ class Tracker:
         self._metrics = open(self.metrics_path, "a")
         self.wandb_run = None
         wb = config["logger"]["wandb"]
-        mode = wandb_mode(wb["mode"])
+        mode = wb["mode"]  # resolved by the driver (wandb_mode)
         if mode != "disabled":
             import wandb
 

@@ -11,6 +11,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # before Ray is imported: bind 127.0.0.1 only
+os.environ["RAY_USAGE_STATS_ENABLED"] = "0"  # and send nothing anywhere else
 os.environ.pop("RAY_ADDRESS", None)
 os.environ.pop("WANDB_API_KEY", None)
 
@@ -33,6 +34,8 @@ TINY = [
     "optim.warmup_steps=2",
     "checkpoint.interval=0",
     "logger.wandb.mode=disabled",
+    "cluster.use_gpu=false",  # the same CPU/gloo/fp32 training on a GPU machine
+    "trainer.precision=fp32",
 ]
 
 
@@ -74,3 +77,19 @@ def logged(cfg: TrainConfig, key: str = "loss") -> dict[int, float]:
     from distrain.tracking import read_metrics
 
     return {m["step"]: m[key] for m in read_metrics(cfg.run_dir)}
+
+
+@pytest.fixture(scope="session")
+def process_group():
+    """A one-rank gloo group on loopback, for parallel-layer and checkpoint tests without Ray."""
+    import socket
+
+    from distrain.parallel import process_group as pg
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    pg.init_from_env()
+    yield
+    pg.destroy()

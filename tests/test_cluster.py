@@ -16,14 +16,8 @@ from distrain.cluster.worker_group import GroupSpec, WorkerFailure, WorkerGroup,
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests/
 
 ENV_KEYS = (
-    "RANK",
-    "LOCAL_RANK",
-    "WORLD_SIZE",
-    "LOCAL_WORLD_SIZE",
-    "NODE_RANK",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "OMP_NUM_THREADS",
+    *("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT"),
+    *("OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES"),
 )
 
 
@@ -61,6 +55,7 @@ def test_workers_get_torchrun_environment_on_loopback():
     assert {e["MASTER_ADDR"] for e in envs} == {"127.0.0.1"}
     assert len({e["MASTER_PORT"] for e in envs}) == 1
     assert {e["OMP_NUM_THREADS"] for e in envs} == {"1"}
+    assert {e["CUDA_VISIBLE_DEVICES"] for e in envs} == {""}  # CPU workers see no GPU, even on a GPU machine
     assert [e["LOCAL_RANK"] for e in envs] == ["0", "1", "2"]
     assert all(e["node_ip"] == "127.0.0.1" for e in table)
 

@@ -21,6 +21,7 @@ def connect(address: str | None) -> None:
         ray.init(address=address, logging_level="WARNING")
         return
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # bind 127.0.0.1, not the external NIC
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # a private cluster phones nobody
     ray.init(address="local", include_dashboard=False, logging_level="WARNING")
 
 

@@ -31,6 +31,7 @@ class GroupSpec:
     threads_per_worker: int
     placement_strategy: str = "PACK"
     placement_timeout_s: float = 120.0
+    env: tuple[tuple[str, str], ...] = ()  # extra variables for every worker
 
 
 def rank_table(infos: list[dict]) -> list[dict]:
@@ -108,12 +109,14 @@ class WorkerGroup:
                 "MASTER_ADDR": master["node_ip"],
                 "MASTER_PORT": port,
                 "OMP_NUM_THREADS": self.spec.threads_per_worker,
-            }
-            if self.spec.gpus_per_worker:
                 # Every rank on a node sees all of the group's GPUs there (as under torchrun), so
-                # NCCL can use peer-to-peer links; LOCAL_RANK indexes them, in GPU-id order.
-                node_gpus = sorted(g for e in self.table if e["node_id"] == entry["node_id"] for g in e["gpu_ids"])
-                env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, node_gpus))
+                # NCCL can use peer-to-peer links; LOCAL_RANK indexes them, in GPU-id order. A CPU
+                # worker sees none: Ray no longer hides a GPU machine's GPUs from num_gpus=0 actors.
+                "CUDA_VISIBLE_DEVICES": ",".join(
+                    map(str, sorted(g for e in self.table if e["node_id"] == entry["node_id"] for g in e["gpu_ids"]))
+                ),
+                **dict(self.spec.env),
+            }
             envs.append({k: str(v) for k, v in env.items()})
         return envs
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import os
+import socket
 
 import torch
 import torch.distributed as dist
@@ -16,6 +18,9 @@ def init_from_env(timeout_s: float = 600.0) -> torch.device:
     so the same code runs under Ray workers and under plain torchrun.
     """
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    if ipaddress.ip_address(socket.gethostbyname(os.environ["MASTER_ADDR"])).is_loopback:
+        # gloo binds to the address the hostname resolves to, which may be an external interface.
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)

@@ -51,6 +51,7 @@ def resolve_precision(precision: str, device: torch.device) -> str:
 class Trainer:
     def __init__(self, cfg: TrainConfig, job: dict, device: torch.device, report: Report):
         self.cfg, self.device, self.report = cfg, device, report
+        self.plain_config = job["config"]
         self.run_dir = Path(job["run_dir"])
         self.started_at = job["started_at"]
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -111,7 +112,9 @@ class Trainer:
         return loss_sum, grad_norm
 
     def global_mean(self, local_sum: torch.Tensor) -> float:
-        """Mean over the global batch of per-micro-batch means (equal sizes, so the batch mean)."""
+        """Mean over the global batch of per-micro-batch means (equal sizes, so the batch mean).
+        Summed over every rank: ranks that hold the same batch slice (tensor-parallel peers) hold
+        the same loss, so dividing by the world size still gives the batch mean."""
         total = local_sum.detach().clone()
         dist.all_reduce(total)
         return total.item() / (self.accum_steps * self.world)
@@ -143,11 +146,11 @@ class Trainer:
             window_steps += 1
             if first_step_s is None:
                 first_step_s = time.time() - self.started_at
-            evaluate_now = t.eval_interval > 0 and self.step % t.eval_interval == 0
-            if evaluate_now or self.step == t.max_steps:
-                val_loss = self.evaluate()
-            if self.step % t.log_interval == 0 or self.step == t.max_steps or evaluate_now:
-                self.loss = self.global_mean(loss_sum)
+            last = self.step == t.max_steps
+            evaluate_now = (t.eval_interval > 0 and self.step % t.eval_interval == 0) or last
+            progress = {"step": self.step, "max_steps": t.max_steps}
+            if self.step % t.log_interval == 0 or evaluate_now:
+                self.loss = self.global_mean(loss_sum)  # waits for the window's steps to finish
                 elapsed = time.perf_counter() - window_start
                 tokens_per_s = tokens_per_step * window_steps / elapsed
                 metrics = {
@@ -160,17 +163,17 @@ class Trainer:
                 }
                 if peak is not None:
                     metrics["mfu"] = flops_token * tokens_per_s / (peak * self.world)
-                if evaluate_now or self.step == t.max_steps:
-                    metrics["val_loss"] = val_loss
+                if evaluate_now:
+                    val_loss = metrics["val_loss"] = self.evaluate()
                 if self.tracker is not None:
                     self.tracker.log(self.step, metrics)
-                self.report({"step": self.step, "max_steps": t.max_steps, **metrics})
-                window_start, window_steps = time.perf_counter(), 0
-            else:
-                self.report({"step": self.step, "max_steps": t.max_steps})
-            interval = self.cfg.checkpoint.interval
-            if (interval and self.step % interval == 0) or self.step == t.max_steps:
+                progress.update(metrics)
+                window_start, window_steps = time.perf_counter(), 0  # evaluation is not training time
+            self.report(progress)
+            if (self.cfg.checkpoint.interval and self.step % self.cfg.checkpoint.interval == 0) or last:
+                save_start = time.perf_counter()
                 self.save()
+                window_start += time.perf_counter() - save_start  # nor is saving
 
         results = {
             "final_step": self.step,
@@ -200,6 +203,7 @@ class Trainer:
             "loss": self.loss,
             "world_size": self.world,
             "data": {"seed": self.cfg.trainer.seed, "next_step": self.step + 1},
+            "config": self.plain_config,  # what a resume is checked against
             "wandb_run_id": self.tracker.wandb_run_id if self.tracker is not None else None,
         }
         rank_state = {"cpu_rng": torch.get_rng_state()}

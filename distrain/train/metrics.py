@@ -8,7 +8,10 @@ import torch
 
 # Dense bf16 tensor-core peaks (FLOP/s) of the devices whose figure is published; MFU is reported
 # only for these, and only when training in bf16.
+# The first name that the device's name contains wins, so variants come before their family.
 BF16_PEAK_FLOPS = {
+    "H100 PCIe": 756e12,
+    "H100 NVL": 835e12,
     "H100": 989e12,
     "H200": 989e12,
     "A100": 312e12,

@@ -1,0 +1,57 @@
+"""Checkpoints on one rank: commit marker, retention, torn directories, per-rank state."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from distrain import checkpoint
+
+pytestmark = pytest.mark.usefixtures("process_group")
+
+
+def save(root: Path, step: int, model: nn.Module, keep: int = 2) -> Path:
+    meta = {"step": step, "world_size": 1}
+    return checkpoint.save(root, step, {"model": model.state_dict()}, meta, {"rng": torch.get_rng_state()}, keep)
+
+
+def test_retention_keeps_the_newest_committed_and_loads_exactly(tmp_path: Path):
+    model = nn.Linear(4, 4)
+    for step in (1, 2, 3, 4):
+        with torch.no_grad():
+            model.weight.fill_(step)
+        rng_at_save = torch.get_rng_state()
+        save(tmp_path, step, model, keep=2)
+    assert [p.name for p in checkpoint.checkpoints(tmp_path)] == ["step_00000004", "step_00000003"]
+    manifest = json.loads((tmp_path / "step_00000004" / checkpoint.COMMIT_MARKER).read_text())
+    assert manifest["step"] == 4 and {"meta.json", "rank_00000.pt", ".metadata"} <= manifest["files"].keys()
+
+    fresh = nn.Linear(4, 4)
+    state = {"model": fresh.state_dict()}
+    meta, rank_state = checkpoint.load(checkpoint.latest(tmp_path), state)
+    assert meta["step"] == 4 and torch.equal(fresh.weight, torch.full((4, 4), 4.0))
+    assert torch.equal(rank_state["rng"], rng_at_save)
+
+
+def test_a_torn_newer_directory_is_skipped_then_replaced(tmp_path: Path):
+    model = nn.Linear(2, 2)
+    save(tmp_path, 10, model)
+    torn = checkpoint.step_dir(tmp_path, 20)
+    torn.mkdir()
+    (torn / "__0_0.distcp").write_bytes(b"partial")
+    with pytest.warns(checkpoint.TornCheckpointWarning, match="no commit marker"):
+        assert checkpoint.latest(tmp_path).name == "step_00000010"
+    save(tmp_path, 20, model)  # the resumed run reaches step 20 again
+    assert checkpoint.latest(tmp_path).name == "step_00000020"
+    assert not (torn / "__0_0.distcp").exists() or (torn / checkpoint.COMMIT_MARKER).exists()
+
+
+def test_an_unreadable_marker_is_torn(tmp_path: Path):
+    path = save(tmp_path, 5, nn.Linear(2, 2))
+    (path / checkpoint.COMMIT_MARKER).write_text("{not json")
+    with pytest.warns(checkpoint.TornCheckpointWarning, match="unreadable commit marker"):
+        assert checkpoint.latest(tmp_path) is None

@@ -1,0 +1,65 @@
+"""The driver's checks before any worker starts, and the pieces they rest on."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import make_config
+
+from distrain.config import ConfigError, OptimConfig, to_plain
+from distrain.fsutil import LockedError, exclusive_lock
+from distrain.launch import check_resumable, group_spec, train
+from distrain.train.optim import lr_at
+
+
+def test_lr_schedule_warms_up_then_decays_to_the_floor():
+    cfg = OptimConfig(lr=1.0, warmup_steps=10, min_lr_ratio=0.1, decay_steps=None)
+    assert [lr_at(s, cfg, 100) for s in (0, 5, 10)] == [0.0, 0.5, 1.0]
+    decay = [lr_at(s, cfg, 100) for s in range(10, 101)]
+    assert all(a > b for a, b in zip(decay, decay[1:], strict=False))
+    assert lr_at(55, cfg, 100) == pytest.approx(0.55)  # halfway down the cosine: (1 + 0.1) / 2
+    assert lr_at(100, cfg, 100) == pytest.approx(0.1) and lr_at(150, cfg, 100) == pytest.approx(0.1)
+    # decay_steps fixes the schedule's length, whatever max_steps this invocation stops at.
+    longer = OptimConfig(lr=1.0, warmup_steps=10, min_lr_ratio=0.1, decay_steps=200)
+    assert lr_at(50, longer, 50) == lr_at(50, longer, 200) > lr_at(50, cfg, 50)
+
+
+def test_lock_refuses_a_second_writer_and_takes_over_a_dead_ones(tmp_path: Path):
+    lock = tmp_path / ".lock"
+    with exclusive_lock(lock):
+        with pytest.raises(LockedError, match=f"pid {os.getpid()}"), exclusive_lock(lock):
+            pass
+    assert not lock.exists()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    lock.write_text(json.dumps({"host": os.uname().nodename, "pid": int(dead.stdout)}))
+    with exclusive_lock(lock):
+        assert json.loads(lock.read_text())["pid"] == os.getpid()
+
+
+def test_resume_refuses_another_model_and_warns_about_other_data(tmp_path: Path):
+    saved = to_plain(make_config(tmp_path, "run.name=r"))
+    check_resumable(saved, saved)
+    with pytest.raises(ConfigError, match=r"model\.dim=32, this config has 64"):
+        check_resumable(saved, to_plain(make_config(tmp_path, "run.name=r", "model.dim=64")))
+    with pytest.warns(UserWarning, match=r"trainer\.seed=7"):
+        check_resumable(saved, to_plain(make_config(tmp_path, "run.name=r", "trainer.seed=7")))
+
+
+def test_relative_storage_is_refused_on_an_existing_cluster(tmp_path: Path, monkeypatch):
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")  # never reached: the check comes first
+    cfg = make_config(tmp_path, "run.name=r")
+    cfg.run.storage = "runs"
+    with pytest.raises(ConfigError, match="run.storage='runs' is relative"):
+        train(cfg)
+
+
+def test_workers_get_the_users_wandb_settings(tmp_path: Path, monkeypatch):
+    monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
+    monkeypatch.setenv("WANDB_ENTITY", "team")
+    env = dict(group_spec(make_config(tmp_path, "run.name=r")).env)
+    assert env["WANDB_API_KEY"] == "k" * 40 and env["WANDB_ENTITY"] == "team"
