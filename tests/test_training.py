@@ -92,3 +92,19 @@ def test_torn_checkpoint_falls_back_to_previous(tmp_path: Path, damage: str):
     assert sorted(logged(resumed)) == list(range(1, 13))
     superseded = (Path(cfg.run_dir) / "metrics.superseded.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in superseded] == [6, 7, 8, 9, 10]
+
+
+def test_resume_on_a_different_number_of_workers(tmp_path: Path):
+    """A checkpoint from 2 workers resumes on 4 (DCP reshards on load); the global batch is the
+    same sequences, so the run continues as the 20-step run on 1 worker does, within 1e-5."""
+    common = ["trainer.max_steps=20", "optim.decay_steps=20"]
+    straight = make_config(tmp_path, "run.name=one", "cluster.num_workers=1", *common)
+    train(straight)
+    train(make_config(tmp_path, "run.name=grow", "cluster.num_workers=2", *common, "trainer.max_steps=10"))
+    grown = make_config(tmp_path, "run.name=grow", "cluster.num_workers=4", *common)
+    summary = train(grown)
+    assert summary["world_size"] == 4 and summary["resumed_from"].endswith("step_00000010")
+    want, got = logged(straight), logged(grown)
+    assert sorted(got) == list(range(1, 21))
+    for step in want:
+        assert got[step] == pytest.approx(want[step], abs=1e-5), step
