@@ -64,8 +64,8 @@ def save(root: str | Path, step: int, state: dict[str, Any], meta: dict, rank_st
     views: list[dict[str, int]] = [{}] * dist.get_world_size()
     dist.all_gather_object(views, _listing(path))
     if rank == 0:
-        files = _listing(path)
-        for r, view in enumerate(views):
+        files = views[0]
+        for r, view in enumerate(views[1:], start=1):
             for name, size in view.items():
                 if files.get(name) != size:
                     raise CheckpointNotSharedError(
@@ -129,12 +129,17 @@ def prune(root: str | Path, keep: int) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
+def read_meta(path: str | Path) -> dict:
+    """The run's metadata of a checkpoint (step, world size, data position, config, W&B id)."""
+    return json.loads((Path(path) / META_FILE).read_text())
+
+
 def load(path: str | Path, state: dict[str, Any]) -> tuple[dict, dict | None]:
     """Fill `state` in place from the checkpoint; return its metadata and this rank's own state
     (None when the checkpoint was written by a different number of ranks)."""
     path = Path(path)
     dcp.load(state, checkpoint_id=str(path))
-    meta = json.loads((path / META_FILE).read_text())
+    meta = read_meta(path)
     rank_file = path / _rank_file(dist.get_rank())
     rank_state = None
     if meta.get("world_size") == dist.get_world_size() and rank_file.exists():

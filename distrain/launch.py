@@ -13,7 +13,7 @@ import warnings
 from pathlib import Path
 
 from distrain import checkpoint
-from distrain.cluster.runtime import check_capacity, connect, has_gpus
+from distrain.cluster.runtime import attach_address, check_capacity, connect, has_gpus
 from distrain.cluster.worker_group import GroupSpec, WorkerGroup
 from distrain.config import ConfigError, TrainConfig, to_plain, validate
 from distrain.fsutil import exclusive_lock, write_json
@@ -44,7 +44,7 @@ def train(cfg: TrainConfig) -> dict:
     return the summary also written to summary.json."""
     started = time.time()
     validate(cfg)
-    if not os.path.isabs(cfg.run.storage) and _on_existing_cluster(cfg.cluster.address):
+    if not os.path.isabs(cfg.run.storage) and attach_address(cfg.cluster.address):
         raise ConfigError(
             f"run.storage={cfg.run.storage!r} is relative, and on a Ray cluster the job's working directory is "
             f"temporary: give an absolute path on storage every node shares"
@@ -66,7 +66,7 @@ def _train_locked(cfg: TrainConfig, run_dir: Path, started: float) -> dict:
         "started_at": started,
     }
     if resume_from:
-        check_resumable(json.loads((resume_from / checkpoint.META_FILE).read_text()).get("config"), job["config"])
+        check_resumable(checkpoint.read_meta(resume_from).get("config"), job["config"])
 
     connect(cfg.cluster.address)
     spec = group_spec(cfg)
@@ -123,10 +123,6 @@ def check_resumable(saved: dict | None, current: dict) -> None:
                 f"{saved[section][key]!r}): training continues, but not as the original run would have",
                 stacklevel=2,
             )
-
-
-def _on_existing_cluster(address: str | None) -> bool:
-    return (address or os.environ.get("RAY_ADDRESS") or "local") != "local"
 
 
 def _previous_summaries(run_dir: Path) -> list[dict]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import warnings
 from pathlib import Path
 
@@ -37,6 +38,13 @@ TINY = [
     "cluster.use_gpu=false",  # the same CPU/gloo/fp32 training on a GPU machine
     "trainer.precision=fp32",
 ]
+
+
+def free_port() -> int:
+    """A port free on 127.0.0.1 right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def make_config(storage: Path, *overrides: str) -> TrainConfig:
@@ -82,14 +90,9 @@ def logged(cfg: TrainConfig, key: str = "loss") -> dict[int, float]:
 @pytest.fixture(scope="session")
 def process_group():
     """A one-rank gloo group on loopback, for parallel-layer and checkpoint tests without Ray."""
-    import socket
-
     from distrain.parallel import process_group as pg
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     pg.init_from_env()
     yield
     pg.destroy()

@@ -11,12 +11,19 @@ class CapacityError(RuntimeError):
     """The cluster can never hold the workers asked for."""
 
 
+def attach_address(address: str | None) -> str | None:
+    """The existing cluster to attach to: `address`, else RAY_ADDRESS (how `ray job submit` runs
+    us); None (or "local") means an embedded cluster on this machine."""
+    address = address or os.environ.get("RAY_ADDRESS")
+    return None if address in (None, "", "local") else address
+
+
 def connect(address: str | None) -> None:
-    """Attach to `address` or RAY_ADDRESS (how `ray job submit` runs us); otherwise start a local
-    cluster on loopback only. `address="local"` keeps Ray from joining a stale `ray start` cluster."""
+    """Attach to the cluster `attach_address` names, or start a local one on loopback only;
+    `address="local"` keeps Ray from joining a stale `ray start` cluster."""
     if ray.is_initialized():
         return
-    address = address or os.environ.get("RAY_ADDRESS")
+    address = attach_address(address)
     if address:
         ray.init(address=address, logging_level="WARNING")
         return
