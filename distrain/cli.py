@@ -10,6 +10,8 @@ from omegaconf import DictConfig, OmegaConf
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 _GROUP_CHOICE = re.compile(r"^(\w+)=([\w.-]+)$")
+# A plan writes nothing: Hydra's record and log stay out of the run directory (and off the disk).
+PLAN_HYDRA_OVERRIDES = ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=stdout"]
 
 
 def fail(message: str, code: int = 2) -> None:
@@ -29,9 +31,16 @@ def check_group_choices(overrides: list[str], conf_dir: Path = CONF_DIR) -> None
             fail(f"unknown {group} {choice!r} ({arg}); choose one of: {', '.join(known)}")
 
 
+def plan_overrides(args: list[str]) -> list[str]:
+    """`--plan` is the override `plan=true`; either one also keeps Hydra from writing its record."""
+    args = ["plan=true" if a == "--plan" else a for a in args]
+    return [*args, *PLAN_HYDRA_OVERRIDES] if "plan=true" in args else args
+
+
 def run(cfg: DictConfig) -> None:
-    """Train, and exit non-zero on failure (what `ray job submit` reports as FAILED). Imports here,
-    not at the top, so `--cfg job` and a bad group choice do not wait for torch and Ray to load."""
+    """Train (or with `plan=true` print the layout), and exit non-zero on failure (what `ray job submit`
+    reports as FAILED). Imports here, not at the top, so `--cfg job` and a bad group choice do not
+    wait for torch and Ray to load."""
     from distrain.cluster.runtime import CapacityError
     from distrain.cluster.worker_group import PlacementError, WorkerFailure
     from distrain.config import ConfigError
@@ -45,6 +54,9 @@ def run(cfg: DictConfig) -> None:
         fail(str(e))
     except WorkerFailure as e:
         fail(f"training failed: {e}", code=1)
+    if config.plan:
+        print(summary["plan"])
+        return
     print(
         f"distrain: {summary['status']} at step {summary['final_step']}: loss {summary['final_loss']:.4f}, "
         f"val loss {summary['final_val_loss'] or float('nan'):.4f}, {summary['wall_s']:.1f}s; "

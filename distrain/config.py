@@ -14,8 +14,6 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
-from distrain.data.corpus import corpus_files
-
 
 class ConfigError(ValueError):
     """A configuration that cannot work; the message names the key and the fix."""
@@ -37,13 +35,30 @@ class ModelConfig:
 
 @dataclass
 class StrategyConfig:
+    """Where the workers sit on the mesh and how each parallelism is applied to the model.
+
+    `name` labels the preset (conf/strategy/); these fields decide the layout, so any preset can
+    be bent with overrides, e.g. `strategy=zero3 strategy.dp_replicate=2` is HSDP.
+    """
+
     name: str = "ddp"
-    # Parallel dimensions; their product is the world size. -1 means "all the workers left".
+    # Parallel dimensions; their product is the world size. -1 (on one of the two data-parallel
+    # dims) means "all the workers the other dimensions leave".
     dp_replicate: int = -1
     dp_shard: int = 1
     tp: int = 1
     pp: int = 1
-    bucket_cap_mb: float = 25.0
+    # 0: replicated (DDP); 1: optimizer state sharded over dp_shard (ZeroRedundancyOptimizer over DDP);
+    # 2: and gradients (FSDP2, parameters kept gathered between forward and backward); 3: and parameters.
+    zero: int = 0
+    offload: bool = False  # parameters, gradients, optimizer state and its step on the CPU (zero=3 only)
+    schedule: str = "1f1b"  # pipeline schedule; see PIPELINE_SCHEDULES
+    stages_per_rank: int | None = None  # None: 2 for the multi-stage schedules, else 1
+    sequence_parallel: bool = True  # with tp: norms and residuals sharded over the sequence
+    loss_parallel: bool = True  # with tp: the loss on vocabulary-sharded logits, never gathered
+    activation_checkpoint: bool = False  # recompute each block's activations in the backward pass
+    compile: bool = False  # torch.compile each block
+    bucket_cap_mb: float = 25.0  # DDP gradient buckets
 
 
 @dataclass
@@ -128,6 +143,7 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    plan: bool = False  # print the layout (mesh, process groups, memory per rank) and exit without training
 
     @property
     def run_dir(self) -> str:
@@ -135,11 +151,6 @@ class TrainConfig:
 
 
 ConfigStore.instance().store(name="train_schema", node=TrainConfig)
-
-STRATEGIES = ("ddp",)
-OPTIMIZERS = ("adamw", "sgd")
-WANDB_MODES = (None, "online", "offline", "disabled")
-PRECISIONS = ("auto", "fp32", "bf16")
 
 
 def to_plain(cfg: Any) -> dict:
@@ -149,96 +160,3 @@ def to_plain(cfg: Any) -> dict:
 
 def from_plain(d: dict) -> TrainConfig:
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), d))
-
-
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
-
-
-def dp_size(cfg: TrainConfig) -> int:
-    """Data-parallel replicas: the workers left once tensor, pipeline and sharding dims are taken."""
-    s = cfg.strategy
-    if s.dp_replicate > 0:
-        return s.dp_replicate * s.dp_shard
-    return cfg.cluster.num_workers // (s.tp * s.pp)
-
-
-def validate(cfg: TrainConfig) -> None:
-    """Check everything that can be checked without a cluster; raise ConfigError naming key and fix."""
-    m, s, t, o, c = cfg.model, cfg.strategy, cfg.trainer, cfg.optim, cfg.cluster
-    _require(c.num_workers >= 1, f"cluster.num_workers={c.num_workers}: need at least 1 worker")
-    _require(
-        s.name in STRATEGIES,
-        f"strategy.name={s.name!r} is not a known strategy; choose one of: {', '.join(STRATEGIES)}",
-    )
-    if s.name == "ddp":
-        _require(
-            s.tp == 1 and s.pp == 1 and s.dp_shard == 1,
-            f"strategy=ddp replicates the whole model: set strategy.tp=1, strategy.pp=1, strategy.dp_shard=1 "
-            f"(got tp={s.tp}, pp={s.pp}, dp_shard={s.dp_shard})",
-        )
-    for key, v in (("dp_shard", s.dp_shard), ("tp", s.tp), ("pp", s.pp)):
-        _require(v >= 1, f"strategy.{key}={v}: must be at least 1")
-    dims = (s.dp_replicate if s.dp_replicate > 0 else 1) * s.dp_shard * s.tp * s.pp
-    if s.dp_replicate > 0:
-        _require(
-            dims == c.num_workers,
-            f"strategy.dp_replicate × dp_shard × tp × pp = {dims} but cluster.num_workers={c.num_workers}; "
-            f"make them equal or set strategy.dp_replicate=-1",
-        )
-    else:
-        _require(
-            c.num_workers % dims == 0,
-            f"cluster.num_workers={c.num_workers} is not divisible by dp_shard × tp × pp = {dims}",
-        )
-    _require(c.cpus_per_worker > 0, f"cluster.cpus_per_worker={c.cpus_per_worker}: must be positive")
-    _require(c.threads_per_worker >= 1, f"cluster.threads_per_worker={c.threads_per_worker}: must be ≥ 1")
-
-    _require(m.dim % m.n_heads == 0, f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}")
-    _require((m.dim // m.n_heads) % 2 == 0, f"model.dim / model.n_heads = {m.dim // m.n_heads} must be even (rotary)")
-    kv = m.n_kv_heads or m.n_heads
-    _require(m.n_heads % kv == 0, f"model.n_kv_heads={kv} must divide model.n_heads={m.n_heads}")
-    _require(m.vocab_size >= 256, f"model.vocab_size={m.vocab_size}: byte tokens need at least 256")
-
-    dp = dp_size(cfg)
-    per_step = t.micro_batch_size * dp
-    _require(t.micro_batch_size >= 1, f"trainer.micro_batch_size={t.micro_batch_size}: must be ≥ 1")
-    _require(
-        t.global_batch_size % per_step == 0 and t.global_batch_size > 0,
-        f"trainer.global_batch_size={t.global_batch_size} is not divisible by trainer.micro_batch_size × "
-        f"data-parallel size = {t.micro_batch_size} × {dp} = {per_step}; use a multiple of {per_step}",
-    )
-    _require(t.max_steps >= 1, f"trainer.max_steps={t.max_steps}: must be ≥ 1")
-    _require(t.seq_len >= 2, f"trainer.seq_len={t.seq_len}: must be ≥ 2")
-    _require(t.log_interval >= 1, f"trainer.log_interval={t.log_interval}: must be ≥ 1")
-    _require(t.eval_batches >= 1, f"trainer.eval_batches={t.eval_batches}: must be ≥ 1")
-    _require(t.precision in PRECISIONS, f"trainer.precision={t.precision!r}: choose one of {', '.join(PRECISIONS)}")
-
-    _require(o.name in OPTIMIZERS, f"optim.name={o.name!r}: choose one of {', '.join(OPTIMIZERS)}")
-    _require(o.lr > 0, f"optim.lr={o.lr}: must be positive")
-    _require(o.warmup_steps >= 0, f"optim.warmup_steps={o.warmup_steps}: must be ≥ 0")
-    _require(
-        o.decay_steps is None or o.decay_steps > o.warmup_steps,
-        f"optim.decay_steps={o.decay_steps} must exceed optim.warmup_steps={o.warmup_steps} (or be null)",
-    )
-    _require(o.grad_clip >= 0, f"optim.grad_clip={o.grad_clip}: must be ≥ 0 (0 disables clipping)")
-
-    _require(cfg.checkpoint.interval >= 0, f"checkpoint.interval={cfg.checkpoint.interval}: must be ≥ 0")
-    _require(cfg.checkpoint.keep >= 1, f"checkpoint.keep={cfg.checkpoint.keep}: keep at least 1 checkpoint")
-    _require(
-        cfg.logger.wandb.mode in WANDB_MODES,
-        f"logger.wandb.mode={cfg.logger.wandb.mode!r}: choose online, offline or disabled",
-    )
-    _require(0 < cfg.data.val_fraction < 1, f"data.val_fraction={cfg.data.val_fraction}: must be in (0, 1)")
-    files = corpus_files(cfg.data.path)
-    _require(
-        bool(files), f"data.path={cfg.data.path!r} matches no files; give an existing directory or glob of text files"
-    )
-    val_tokens = int(sum(os.path.getsize(f) for f in files) * cfg.data.val_fraction)
-    _require(
-        val_tokens > t.seq_len + 1,
-        f"data.path={cfg.data.path!r} leaves {val_tokens} bytes for validation (data.val_fraction="
-        f"{cfg.data.val_fraction:g}), too few for trainer.seq_len={t.seq_len}; add text or lower trainer.seq_len",
-    )
-    _require(bool(cfg.run.name) and "/" not in cfg.run.name, f"run.name={cfg.run.name!r}: must be a plain name")

@@ -15,11 +15,13 @@ from pathlib import Path
 from distrain import checkpoint
 from distrain.cluster.runtime import attach_address, check_capacity, connect, has_gpus
 from distrain.cluster.worker_group import GroupSpec, WorkerGroup
-from distrain.config import ConfigError, TrainConfig, to_plain, validate
+from distrain.config import ConfigError, TrainConfig, to_plain
 from distrain.fsutil import exclusive_lock, write_json
+from distrain.plan import describe
 from distrain.progress import ProgressLine
 from distrain.tracking import SUMMARY_FILE, read_metrics, wandb_mode, write_summary
 from distrain.train.loop import run_rank
+from distrain.validation import validate
 
 LOCK_FILE = ".lock"  # held by the driver while the run trains: one writer per run directory
 
@@ -41,7 +43,8 @@ def group_spec(cfg: TrainConfig) -> GroupSpec:
 
 def train(cfg: TrainConfig) -> dict:
     """Train the run `cfg` describes, resuming from its newest committed checkpoint if it has one;
-    return the summary also written to summary.json."""
+    return the summary also written to summary.json. With `cfg.plan`, write nothing and return the
+    layout's description instead (`plan`)."""
     started = time.time()
     validate(cfg)
     if not os.path.isabs(cfg.run.storage) and attach_address(cfg.cluster.address):
@@ -49,6 +52,8 @@ def train(cfg: TrainConfig) -> dict:
             f"run.storage={cfg.run.storage!r} is relative, and on a Ray cluster the job's working directory is "
             f"temporary: give an absolute path on storage every node shares"
         )
+    if cfg.plan:
+        return {"status": "planned", "plan": plan(cfg)}
     cfg.run.storage = os.path.abspath(cfg.run.storage)  # workers run elsewhere
     cfg.logger.wandb.mode = wandb_mode(cfg.logger.wandb.mode)
     run_dir = Path(cfg.run_dir)
@@ -68,10 +73,7 @@ def _train_locked(cfg: TrainConfig, run_dir: Path, started: float) -> dict:
     if resume_from:
         check_resumable(checkpoint.read_meta(resume_from).get("config"), job["config"])
 
-    connect(cfg.cluster.address)
-    spec = group_spec(cfg)
-    check_capacity(spec.num_workers, spec.cpus_per_worker, spec.gpus_per_worker)
-
+    spec = placeable_spec(cfg)
     summary = {
         "status": "failed",
         "restarts": 0,
@@ -97,6 +99,21 @@ def _train_locked(cfg: TrainConfig, run_dir: Path, started: float) -> dict:
         summary["wall_s"] = time.time() - started
         write_summary(str(run_dir), summary)
     return summary
+
+
+def placeable_spec(cfg: TrainConfig) -> GroupSpec:
+    """Connect to the cluster and fail at once if it could never hold the workers."""
+    connect(cfg.cluster.address)
+    spec = group_spec(cfg)
+    check_capacity(spec.num_workers, spec.cpus_per_worker, spec.gpus_per_worker)
+    return spec
+
+
+def plan(cfg: TrainConfig) -> str:
+    """Place the workers as the run would (only placement tells which node and GPU hold each rank),
+    describe the layout, and let them go: no run directory, lock, checkpoint or metrics."""
+    with WorkerGroup(placeable_spec(cfg)) as group:
+        return describe(cfg, group.start())
 
 
 def check_resumable(saved: dict | None, current: dict) -> None:

@@ -6,7 +6,7 @@ import hydra
 from omegaconf import DictConfig
 
 import distrain.config  # noqa: F401  (registers the config schemas with Hydra)
-from distrain.cli import check_group_choices, run
+from distrain.cli import check_group_choices, plan_overrides, run
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")
@@ -15,5 +15,6 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    sys.argv[1:] = plan_overrides(sys.argv[1:])
     check_group_choices(sys.argv[1:])
     main()

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 from conftest import REPO, make_config
 
-from distrain.config import ConfigError, validate
+from distrain.config import ConfigError
+from distrain.validation import validate
 
 
 @pytest.mark.parametrize(
@@ -22,8 +23,20 @@ from distrain.config import ConfigError, validate
             "trainer.global_batch_size",
         ),
         (["data.path=/nonexistent/corpus"], "data.path"),
-        (["strategy.tp=2"], "strategy.tp"),
         (["strategy.dp_replicate=3", "cluster.num_workers=2"], "strategy.dp_replicate"),
+        (["strategy=fsdp_tp", "strategy.dp_shard=1", "cluster.num_workers=4"], "strategy.dp_replicate"),
+        (["strategy=tp", "strategy.tp=4", "cluster.num_workers=4"], "model.n_heads"),
+        (["strategy=tp", "trainer.seq_len=33"], "trainer.seq_len"),
+        (["strategy=pp", "model.n_layers=1"], "model.n_layers"),
+        (["strategy=pp", "strategy.schedule=interleaved_1f1b", "model.n_layers=3"], "model.n_layers"),
+        (["strategy=pp", "trainer.global_batch_size=2"], "trainer.global_batch_size"),
+        (["strategy=pp", "strategy.schedule=zigzag"], "strategy.schedule"),
+        (["strategy=pp", "strategy.schedule=gpipe", "strategy.stages_per_rank=2"], "strategy.stages_per_rank"),
+        (["strategy=zero1", "strategy.tp=2", "cluster.num_workers=4"], "unsupported combination"),
+        (["strategy=tp", "strategy.offload=true"], "unsupported combination"),
+        (["strategy=ddp", "strategy.dp_shard=2"], "strategy.zero"),
+        (["strategy=zero3", "strategy.dp_replicate=-1"], "strategy.dp_shard"),
+        (["strategy=3d"], "cluster.num_workers"),
         (["model.n_heads=3"], "model.dim"),
         (["optim.name=lion"], "optim.name"),
         (["checkpoint.keep=0"], "checkpoint.keep"),
@@ -38,6 +51,23 @@ def test_validate_names_the_key(tmp_path: Path, overrides: list[str], key: str):
 
 def test_defaults_are_valid(tmp_path: Path):
     validate(make_config(tmp_path, "run.name=ok"))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "sizes"),
+    [
+        (["strategy=ddp", "cluster.num_workers=4"], (1, 4, 1, 1)),
+        (["strategy=zero3", "cluster.num_workers=4"], (1, 1, 4, 1)),
+        (["strategy=hsdp", "cluster.num_workers=8", "trainer.global_batch_size=16"], (1, 4, 2, 1)),
+        (["strategy=tp", "cluster.num_workers=4"], (1, 2, 1, 2)),
+        (["strategy=3d", "cluster.num_workers=8"], (2, 1, 2, 2)),
+    ],
+)
+def test_validate_fills_the_open_mesh_dims(tmp_path: Path, overrides: list[str], sizes: tuple[int, ...]):
+    cfg = make_config(tmp_path, "run.name=ok", *overrides)
+    validate(cfg)
+    s = cfg.strategy
+    assert (s.pp, s.dp_replicate, s.dp_shard, s.tp) == sizes
 
 
 def run_cli(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
@@ -58,6 +88,8 @@ def run_cli(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
     [
         (["model=gpt5"], "unknown model 'gpt5'"),
         (["strategy=magic"], "unknown strategy 'magic'"),
+        (["strategy=pp", "strategy.schedule=zigzag"], "strategy.schedule='zigzag'"),
+        (["strategy=3d", "cluster.num_workers=6"], "cluster.num_workers=6 is not divisible"),
         (["cluster.num_workers=0"], "cluster.num_workers=0"),
         (["trainer.global_batch_size=30"], "trainer.global_batch_size=30"),
         (["data.path=/nonexistent/corpus"], "data.path='/nonexistent/corpus'"),

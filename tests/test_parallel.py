@@ -1,4 +1,5 @@
-"""The torch.distributed layer without Ray: mesh, DDP's skipped all-reduce, gradient clipping."""
+"""The torch.distributed layer without Ray: mesh, layout arithmetic, DDP's skipped all-reduce,
+gradient clipping, pipeline stages that keep the full model's parameter names."""
 
 from __future__ import annotations
 
@@ -6,22 +7,53 @@ import pytest
 import torch
 from torch import nn
 
-from distrain.parallel import strategy
-from distrain.parallel.dims import ParallelDims
-
-pytestmark = pytest.mark.usefixtures("process_group")
-
-
-def test_parallel_dims_fill_data_parallel_and_reject_a_bad_product():
-    assert ParallelDims.resolve(8, -1, 1, 2, 2) == ParallelDims(2, 1, 2, 2)
-    with pytest.raises(ValueError, match="world size 6"):
-        ParallelDims.resolve(6, 2, 1, 2, 2)
+from distrain.config import ModelConfig, StrategyConfig
+from distrain.layout import MeshSizes, stage_indices, stage_layers
+from distrain.model import Transformer
+from distrain.parallel.parallelize import ParallelModel
+from distrain.train.loop import cross_entropy
 
 
-def ddp_model() -> tuple[strategy.Strategy, nn.Module, list[int]]:
-    mesh = ParallelDims.resolve(1, -1, 1, 1, 1).build_mesh("cpu")
-    ddp = strategy.build("ddp", mesh, bucket_cap_mb=25.0)
-    model = ddp.apply(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 1)))
+def test_mesh_sizes_fill_the_open_dim_and_lay_ranks_out_row_major():
+    sizes = MeshSizes.fill(8, pp=2, dp_replicate=-1, dp_shard=1, tp=2)
+    assert sizes == MeshSizes(pp=2, dp_replicate=2, dp_shard=1, tp=2)
+    assert sizes.coordinate(5) == {"pp": 1, "dp_replicate": 0, "dp_shard": 0, "tp": 1}
+    assert sizes.groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]  # neighbours: one node each
+    assert sizes.groups("pp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+
+
+@pytest.mark.parametrize(
+    ("layers", "stages", "expected"),
+    [
+        (4, 2, [2, 2]),  # embedding + 2 blocks | 2 blocks + head
+        (6, 4, [1, 2, 2, 1]),  # the end stages carry the embedding and the head
+        (8, 8, [1] * 8),
+        (5, 1, [5]),
+    ],
+)
+def test_stages_are_balanced_counting_embedding_and_head(layers: int, stages: int, expected: list[int]):
+    split = stage_layers(layers, stages)
+    assert [len(r) for r in split] == expected
+    assert [i for r in split for i in r] == list(range(layers))  # contiguous, each block once
+
+
+def test_more_stages_than_layers_is_refused():
+    with pytest.raises(ValueError, match="3 layers into 4 stages"):
+        stage_layers(3, 4)
+
+
+def test_interleaved_stages_loop_over_the_ranks():
+    assert stage_indices(1, pp=2, stages_per_rank=2) == [1, 3]
+
+
+@pytest.fixture
+def ddp(process_group) -> ParallelModel:
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+    sizes = MeshSizes(pp=1, dp_replicate=1, dp_shard=1, tp=1)
+    return ParallelModel(model, StrategyConfig(), sizes, torch.device("cpu"), False, 3, nn.functional.mse_loss)
+
+
+def test_no_sync_skips_the_all_reduce_until_the_last_micro_batch(ddp: ParallelModel):
     reductions: list[int] = []
 
     def count_and_pass(state, bucket):
@@ -30,26 +62,35 @@ def ddp_model() -> tuple[strategy.Strategy, nn.Module, list[int]]:
         future.set_result(bucket.buffer())
         return future
 
-    model.register_comm_hook(None, count_and_pass)
-    return ddp, model, reductions
-
-
-def test_no_sync_skips_the_all_reduce_until_the_last_micro_batch():
-    ddp, model, reductions = ddp_model()
-    assert ddp.dp_rank_and_size() == (0, 1)
+    ddp.module.register_comm_hook(None, count_and_pass)
     for i in range(3):
-        last = i == 2
-        with ddp.no_sync(model) if not last else torch.enable_grad():
-            model(torch.randn(4, 8)).sum().backward()
-        assert bool(reductions) == last, f"micro-batch {i}"
+        with ddp.no_sync(last=i == 2):
+            ddp.module(torch.randn(4, 8)).sum().backward()
+        assert bool(reductions) == (i == 2), f"micro-batch {i}"
+    assert ddp.data_shard() == (0, 1)
 
 
-def test_clip_grad_norm_reports_the_norm_before_clipping():
-    ddp, model, _ = ddp_model()
-    model(torch.randn(4, 8)).sum().mul(100).backward()
-    before = torch.cat([p.grad.flatten() for p in model.parameters()]).norm()
-    reported = ddp.clip_grad_norm(model, max_norm=1.0)
-    after = torch.cat([p.grad.flatten() for p in model.parameters()]).norm()
+def test_clip_grad_norm_reports_the_norm_before_clipping(ddp: ParallelModel):
+    ddp.module(torch.randn(4, 8)).sum().mul(100).backward()
+    before = torch.cat([p.grad.flatten() for p in ddp.module.parameters()]).norm()
+    reported = ddp.clip_grad_norm(max_norm=1.0)
+    after = torch.cat([p.grad.flatten() for p in ddp.module.parameters()]).norm()
     assert reported == pytest.approx(before.item(), rel=1e-6)
     assert after == pytest.approx(1.0, rel=1e-5)
-    assert ddp.clip_grad_norm(model, max_norm=0.0) == pytest.approx(1.0, rel=1e-5)  # 0: measure only
+    assert ddp.clip_grad_norm(max_norm=0.0) == pytest.approx(1.0, rel=1e-5)  # 0: measure only
+
+
+def test_micro_batches_average_to_the_whole_batch_gradient(process_group):
+    """forward_backward over 4 micro-batches leaves the gradient of the mean loss of the batch."""
+    cfg = ModelConfig(dim=16, n_layers=1, n_heads=2, ffn_dim=32)
+    torch.manual_seed(0)
+    whole, split = Transformer(cfg, 8), Transformer(cfg, 8)
+    split.load_state_dict(whole.state_dict())
+    x = torch.randint(0, 256, (8, 8))
+    cross_entropy(whole(x), x).backward()
+    sizes = MeshSizes(pp=1, dp_replicate=1, dp_shard=1, tp=1)
+    parallel = ParallelModel(split, StrategyConfig(), sizes, torch.device("cpu"), False, 4, cross_entropy)
+    loss_sum = parallel.forward_backward(x, x, micro_batch_size=2)
+    assert loss_sum / 4 == pytest.approx(cross_entropy(whole(x), x).item(), rel=1e-5)
+    for (name, a), b in zip(whole.named_parameters(), parallel.module.parameters(), strict=True):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-7, msg=name)

@@ -14,6 +14,14 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+)
 
 from distrain.config import ModelConfig
 
@@ -124,6 +132,47 @@ class Transformer(nn.Module):
             h = block(h, self.rope_cos, self.rope_sin)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
+
+
+def tp_plan(model: Transformer, loss_parallel: bool) -> dict[str, ParallelStyle]:
+    """Megatron-style tensor parallelism with sequence parallelism, for `parallelize_module`.
+
+    Q/K/V and the MLP's input projections split by output column, `wo` and `w2` by input row, so
+    each block needs one all-gather in and one reduce-scatter out per sublayer. Between them the
+    residual stream and the norms stay sharded over the sequence. The head's logits stay sharded
+    over the vocabulary when `loss_parallel` (the loss is then computed without gathering them).
+    Names a pipeline stage dropped (`None` parts, missing layers) are left out.
+    """
+    plan: dict[str, ParallelStyle] = {}
+    if model.tok_embeddings is not None:
+        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+    if model.output is not None:
+        plan["norm"] = SequenceParallel()
+        plan["output"] = ColwiseParallel(
+            input_layouts=Shard(1),
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        )
+    for name in model.layers:
+        block = f"layers.{name}"
+        plan |= {
+            f"{block}.attention_norm": SequenceParallel(),
+            f"{block}.attention": PrepareModuleInput(
+                input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+            ),
+            f"{block}.attention.wq": ColwiseParallel(),
+            f"{block}.attention.wk": ColwiseParallel(),
+            f"{block}.attention.wv": ColwiseParallel(),
+            f"{block}.attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            f"{block}.ffn_norm": SequenceParallel(),
+            f"{block}.feed_forward": PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+            ),
+            f"{block}.feed_forward.w1": ColwiseParallel(),
+            f"{block}.feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+            f"{block}.feed_forward.w3": ColwiseParallel(),
+        }
+    return plan
 
 
 def num_params(cfg: ModelConfig) -> int:

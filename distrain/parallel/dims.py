@@ -1,41 +1,32 @@
-"""Parallel dimensions → one DeviceMesh, the single source of every process group."""
+"""One DeviceMesh for the whole layout: the single source of every process group."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from distrain.layout import MeshSizes
 
-@dataclass(frozen=True)
-class ParallelDims:
-    dp_replicate: int
-    dp_shard: int
-    tp: int
-    pp: int
+DATA_PARALLEL = ("dp_replicate", "dp_shard")
 
-    @classmethod
-    def resolve(cls, world_size: int, dp_replicate: int, dp_shard: int, tp: int, pp: int) -> ParallelDims:
-        """Fill dp_replicate=-1 with the workers the other dimensions leave over."""
-        if dp_replicate < 1:
-            dp_replicate = world_size // (dp_shard * tp * pp)
-        dims = cls(dp_replicate, dp_shard, tp, pp)
-        if dims.world_size != world_size:
-            raise ValueError(f"{dims} covers {dims.world_size} ranks, not the world size {world_size}")
-        return dims
 
-    @property
-    def world_size(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.tp * self.pp
+def build_mesh(sizes: MeshSizes, device_type: str) -> DeviceMesh:
+    """Dims of size 1 are left out (no groups to build); `submesh` treats them as absent."""
+    kept = [(name, size) for name, size in sizes.as_dict().items() if size > 1] or [("dp_replicate", 1)]
+    return init_device_mesh(device_type, tuple(s for _, s in kept), mesh_dim_names=tuple(n for n, _ in kept))
 
-    @property
-    def dp(self) -> int:
-        return self.dp_replicate * self.dp_shard
 
-    def build_mesh(self, device_type: str) -> DeviceMesh:
-        """Outermost to innermost: pp, dp_replicate, dp_shard, tp, so that tensor-parallel peers
-        are neighbouring ranks (the same node, once placement sorts ranks by node)."""
-        names = ("pp", "dp_replicate", "dp_shard", "tp")
-        sizes = (self.pp, self.dp_replicate, self.dp_shard, self.tp)
-        kept = [(n, s) for n, s in zip(names, sizes, strict=True) if s > 1] or [("dp_replicate", 1)]
-        return init_device_mesh(device_type, tuple(s for _, s in kept), mesh_dim_names=tuple(n for n, _ in kept))
+def submesh(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh | None:
+    """The mesh over those of `names` that exist (in mesh order), or None if none does."""
+    present = tuple(n for n in mesh.mesh_dim_names if n in names)
+    if not present:
+        return None
+    return mesh[present] if len(present) > 1 else mesh[present[0]]
+
+
+def coordinate(mesh: DeviceMesh, names: tuple[str, ...]) -> tuple[int, int]:
+    """This rank's index and the group size over `names` flattened (0 and 1 when none exist)."""
+    index, size = 0, 1
+    for name, coord, dim in zip(mesh.mesh_dim_names, mesh.get_coordinate(), mesh.shape, strict=True):
+        if name in names:
+            index, size = index * dim + coord, size * dim
+    return index, size

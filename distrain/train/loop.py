@@ -16,20 +16,26 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from distrain import checkpoint
 from distrain.config import TrainConfig, from_plain
 from distrain.data.corpus import load_tokens
 from distrain.data.loader import TRAIN, VAL, Batches, split
+from distrain.layout import MeshSizes
 from distrain.model import Transformer, flops_per_token, num_params
-from distrain.parallel import process_group, strategy
-from distrain.parallel.dims import ParallelDims
+from distrain.parallel import process_group
+from distrain.parallel.parallelize import ParallelModel
 from distrain.tracking import Tracker
 from distrain.train.metrics import peak_flops, peak_memory_bytes
-from distrain.train.optim import build_optimizer, lr_at
+from distrain.train.optim import build_optimizer, local_optimizer, lr_at
 
 Report = Callable[[dict], None]
+STATE_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
 def run_rank(job: dict, report: Report) -> dict:
@@ -57,18 +63,22 @@ class Trainer:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         t, s = cfg.trainer, cfg.strategy
         self.precision = resolve_precision(t.precision, device)
+        self.micro_batch_size = t.micro_batch_size
 
-        dims = ParallelDims.resolve(self.world, s.dp_replicate, s.dp_shard, s.tp, s.pp)
-        self.strategy = strategy.build(s.name, dims.build_mesh(device.type), bucket_cap_mb=s.bucket_cap_mb)
+        sizes = MeshSizes(s.pp, s.dp_replicate, s.dp_shard, s.tp)  # resolved by the driver
+        assert sizes.world_size == self.world, f"{sizes} does not cover the {self.world} ranks"
+        self.accum_steps = t.global_batch_size // (t.micro_batch_size * sizes.dp)  # micro-batches per step
         torch.manual_seed(t.seed)  # the same initial weights on every rank
-        self.model = self.strategy.apply(Transformer(cfg.model, t.seq_len).to(device))
-        self.optimizer = build_optimizer(self.model, cfg.optim)
+        model = Transformer(cfg.model, t.seq_len).to(device)
+        self.parallel = ParallelModel(
+            model, s, sizes, device, self.precision == "bf16", self.accum_steps, cross_entropy
+        )
+        self.optimizer = build_optimizer(self.parallel.module, cfg.optim, self.parallel.zero1_group)
 
         data = split(load_tokens(cfg.data.path), cfg.data.val_fraction, t.seq_len)
         self.train_batches = Batches(data.train, t.seq_len, t.global_batch_size, t.seed, TRAIN)
         self.val_batches = Batches(data.val, t.seq_len, t.global_batch_size, t.seed, VAL)
-        self.dp_rank, self.dp_size = self.strategy.dp_rank_and_size()
-        self.accum_steps = t.global_batch_size // (t.micro_batch_size * self.dp_size)
+        self.dp_rank, self.dp_size = self.parallel.data_shard()
 
         self.step, self.loss, wandb_run_id = 0, math.nan, None
         if job["resume_from"]:
@@ -82,51 +92,42 @@ class Trainer:
     def autocast(self) -> contextlib.AbstractContextManager:
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.precision == "bf16")
 
-    def micro_batches(self, batches: Batches, index: int):
+    def batch(self, batches: Batches, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = batches.get(index, self.dp_rank, self.dp_size)
-        size = self.cfg.trainer.micro_batch_size
-        for xm, ym in zip(x.split(size), y.split(size), strict=True):
-            yield xm.to(self.device, non_blocking=True), ym.to(self.device, non_blocking=True)
-
-    def loss_of(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        with self.autocast():
-            logits = self.model(x)
-        return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
     def train_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Forward and backward over this rank's micro-batches, reducing gradients only on the
-        last one; returns the summed micro-batch losses (local, unreduced) and the grad norm."""
+        """Forward and backward over this rank's micro-batches, then one optimizer step; returns
+        the summed micro-batch losses (local, unreduced) and the gradient norm before clipping."""
         lr = lr_at(step, self.cfg.optim, self.cfg.trainer.max_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        loss_sum = torch.zeros((), device=self.device)
-        for i, (x, y) in enumerate(self.micro_batches(self.train_batches, step)):
-            last = i == self.accum_steps - 1
-            with contextlib.nullcontext() if last else self.strategy.no_sync(self.model):
-                loss = self.loss_of(x, y)
-                (loss / self.accum_steps).backward()
-            loss_sum += loss.detach()
-        grad_norm = self.strategy.clip_grad_norm(self.model, self.cfg.optim.grad_clip)
+        with self.autocast():
+            loss_sum = self.parallel.forward_backward(*self.batch(self.train_batches, step), self.micro_batch_size)
+        grad_norm = self.parallel.clip_grad_norm(self.cfg.optim.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss_sum, grad_norm
 
     def global_mean(self, local_sum: torch.Tensor) -> float:
         """Mean over the global batch of per-micro-batch means (equal sizes, so the batch mean).
-        Summed over every rank: ranks that hold the same batch slice (tensor-parallel peers) hold
-        the same loss, so dividing by the world size still gives the batch mean."""
+        Every rank that computes a loss (tensor-parallel peers hold the same one; ranks without
+        the last pipeline stage hold none and add zero) is counted once per micro-batch."""
         total = local_sum.detach().clone()
         dist.all_reduce(total)
-        return total.item() / (self.accum_steps * self.world)
+        return total.item() / (self.accum_steps * self.parallel.loss_holders)
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        self.model.eval()
+        for part in self.parallel.parts:
+            part.eval()
         loss_sum = torch.zeros((), device=self.device)
-        for i in range(self.cfg.trainer.eval_batches):
-            for x, y in self.micro_batches(self.val_batches, i):
-                loss_sum += self.loss_of(x, y)
-        self.model.train()
+        with self.autocast():
+            for i in range(self.cfg.trainer.eval_batches):
+                x, y = self.batch(self.val_batches, i)
+                loss_sum += self.parallel.forward_backward(x, y, self.micro_batch_size, train=False)
+        for part in self.parallel.parts:
+            part.train()
         return self.global_mean(loss_sum) / self.cfg.trainer.eval_batches
 
     # -- the loop -------------------------------------------------------------------------------
@@ -194,7 +195,12 @@ class Trainer:
     # -- checkpoints ----------------------------------------------------------------------------
 
     def state(self) -> dict:
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        """Keyed by full-model parameter name, whatever the layout: a checkpoint resumes on any.
+        Optimizer state is flattened to one entry per parameter so that ranks holding different
+        parameters (pipeline stages, ZeRO-1 shards) contribute disjoint keys."""
+        model_sd, optim_sd = get_state_dict(
+            self.parallel.module, local_optimizer(self.optimizer), options=STATE_OPTIONS
+        )
         return {"model": model_sd, "optim": optim_sd}
 
     def save(self) -> None:
@@ -217,7 +223,13 @@ class Trainer:
         """Restore weights, optimizer, step, data position and RNG; return the W&B run id."""
         state = self.state()
         meta, rank_state = checkpoint.load(path, state)
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(
+            self.parallel.module,
+            local_optimizer(self.optimizer),
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+            options=STATE_OPTIONS,
+        )
         self.step, self.loss = meta["step"], meta["loss"]
         if rank_state is not None:
             torch.set_rng_state(rank_state["cpu_rng"])

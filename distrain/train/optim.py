@@ -5,23 +5,37 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from distrain.config import OptimConfig
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
-    """Weight decay on matrices only: norms' gains are not decayed (as in GPT-2 and Llama)."""
+def build_optimizer(
+    model: nn.Module, cfg: OptimConfig, zero_group: dist.ProcessGroup | None = None
+) -> torch.optim.Optimizer:
+    """Weight decay on matrices only: norms' gains are not decayed (as in GPT-2 and Llama).
+    With `zero_group` (ZeRO-1), each rank of the group holds the state of its share of the parameters."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
     if cfg.name == "adamw":
-        return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=True)
-    if cfg.name == "sgd":
-        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, foreach=True)
-    raise ValueError(f"unknown optimizer {cfg.name!r}")
+        cls, options = torch.optim.AdamW, {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps}
+    elif cfg.name == "sgd":
+        cls, options = torch.optim.SGD, {"lr": cfg.lr, "momentum": cfg.momentum}
+    else:
+        raise ValueError(f"unknown optimizer {cfg.name!r}")
+    if zero_group is not None:
+        return ZeroRedundancyOptimizer(groups, optimizer_class=cls, process_group=zero_group, foreach=True, **options)
+    return cls(groups, foreach=True, **options)
+
+
+def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer that holds this rank's state: under ZeRO-1, the inner one over its own shard."""
+    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
 
 
 def lr_at(step: int, cfg: OptimConfig, max_steps: int) -> float:

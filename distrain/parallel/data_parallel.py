@@ -1,0 +1,80 @@
+"""Data parallelism at each ZeRO level, from PyTorch's own pieces.
+
+zero 0: DDP (or, when the model already holds DTensors from TP or is a pipeline stage,
+        FSDP2-based `replicate`, which composes with them)
+zero 1: DDP; the optimizer shards its state (ZeroRedundancyOptimizer, train/optim.py)
+zero 2: FSDP2 `fully_shard`, parameters kept gathered from forward to backward
+zero 3: FSDP2 `fully_shard`, parameters resharded after each block's forward
+HSDP is zero 2/3 on a 2-D (dp_replicate, dp_shard) mesh; offload adds FSDP2's CPUOffloadPolicy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+from torch.distributed._composable.replicate_with_fsdp import replicate
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+
+def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, bucket_cap_mb: float) -> nn.Module:
+    device = next(model.parameters()).device
+    return DistributedDataParallel(
+        model,
+        device_ids=[device] if device.type == "cuda" else None,
+        process_group=dp_mesh.get_group(),
+        bucket_cap_mb=bucket_cap_mb,
+        gradient_as_bucket_view=True,
+        forward_sync_buffers=False,  # the only buffers are constant rotary tables
+    )
+
+
+def apply_replicate(model: nn.Module, dp_mesh: DeviceMesh, bf16: bool) -> nn.Module:
+    replicate(model, mesh=dp_mesh, mp_policy=mixed_precision(bf16))
+    return model
+
+
+def mixed_precision(bf16: bool) -> MixedPrecisionPolicy:
+    """bf16 compute with fp32 master weights and fp32 gradient reduction, or fp32 throughout."""
+    return (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    )
+
+
+def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, reshard_after_forward: bool, bf16: bool, offload: bool) -> None:
+    """Shard each block, the embedding and the head as their own units, so that at most one
+    block's parameters are gathered at a time and the root holds none of its own."""
+    options = {
+        "mesh": dp_mesh,
+        "reshard_after_forward": reshard_after_forward,
+        "mp_policy": mixed_precision(bf16),
+        # Pinned memory speeds up host-device copies; without a GPU there is none to pin for.
+        "offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy(),
+    }
+    for block in model.layers.values():
+        fully_shard(block, **options)
+    if model.tok_embeddings is not None:
+        fully_shard(model.tok_embeddings, **options)
+    head = [m for m in (model.norm, model.output) if m is not None]
+    if head:
+        fully_shard(head, **options)
+    fully_shard(model, **options)
+
+
+@contextlib.contextmanager
+def no_gradient_sync(model: nn.Module) -> Iterator[None]:
+    """Accumulate this micro-batch's gradients locally: DDP's no_sync, FSDP2's requires_gradient_sync."""
+    if isinstance(model, DistributedDataParallel):
+        with model.no_sync():
+            yield
+        return
+    assert isinstance(model, FSDPModule), f"no data-parallel wrapper on {type(model).__name__}"
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)

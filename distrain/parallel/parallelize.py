@@ -1,0 +1,154 @@
+"""Compose the parallelisms on one mesh, always in the same order:
+
+    pipeline split → tensor parallel → activation checkpointing → compile → data parallel
+
+The trainer sees only `ParallelModel`: one step's forward and backward, evaluation, gradient
+clipping across stages, and the module whose parameters the optimizer and checkpoints hold.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._composable import checkpoint
+from torch.distributed.tensor import DTensor
+
+from distrain.config import StrategyConfig
+from distrain.layout import MeshSizes
+from distrain.parallel.data_parallel import apply_ddp, apply_fsdp, apply_replicate, no_gradient_sync
+from distrain.parallel.dims import DATA_PARALLEL, build_mesh, coordinate, submesh
+from distrain.parallel.pipeline import Pipeline, split_stages
+from distrain.parallel.tensor_parallel import apply_tp, loss_context
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def apply_activation_checkpointing(model: nn.Module) -> None:
+    """Keep only each block's input; recompute the rest during the backward pass."""
+    for block in model.layers.values():
+        checkpoint(block)
+
+
+def apply_compile(model: nn.Module) -> None:
+    """Compile block by block: the blocks are identical, so one graph serves them all."""
+    for block in model.layers.values():
+        block.compile(fullgraph=True)
+
+
+def as_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor: the full value of a DTensor (a loss or norm reduced over tensor-parallel peers)."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def stage_union(parts: list[nn.Module]) -> nn.Module:
+    """One module holding every parameter of this rank's stages under its full-model name: what
+    the optimizer steps and what checkpoints save (the stages themselves are only run)."""
+    union = nn.Module()
+    union.layers = nn.ModuleDict()
+    for part in parts:
+        union.layers.update(part.layers)
+        for name in ("tok_embeddings", "norm", "output"):
+            if getattr(part, name) is not None:
+                setattr(union, name, getattr(part, name))
+    return union
+
+
+class ParallelModel:
+    def __init__(
+        self,
+        model: nn.Module,
+        cfg: StrategyConfig,
+        sizes: MeshSizes,
+        device: torch.device,
+        bf16: bool,
+        n_microbatches: int,
+        loss_fn: LossFn,
+    ):
+        self.cfg, self.sizes, self.loss_fn = cfg, sizes, loss_fn
+        self.mesh = build_mesh(sizes, device.type)
+        self.dp_mesh = submesh(self.mesh, DATA_PARALLEL)
+        self.vocab_sharded_loss = sizes.tp > 1 and cfg.loss_parallel
+
+        parts = {0: model}
+        if sizes.pp > 1:
+            parts = split_stages(model, self.mesh["pp"], cfg.stages_per_rank)
+        for part in parts.values():
+            if sizes.tp > 1:
+                apply_tp(part, self.mesh["tp"], self.vocab_sharded_loss)
+            if cfg.activation_checkpoint:
+                apply_activation_checkpointing(part)
+            if cfg.compile:
+                apply_compile(part)
+        parts = {index: self.apply_data_parallel(part, bf16) for index, part in parts.items()}
+
+        self.pipeline = None
+        if sizes.pp > 1:
+            num_stages = sizes.pp * cfg.stages_per_rank
+            self.pipeline = Pipeline(parts, num_stages, self.mesh["pp"], device, cfg.schedule, n_microbatches, loss_fn)
+        self.parts = list(parts.values())
+        self.module = self.parts[0] if len(self.parts) == 1 else stage_union(self.parts)
+
+    def apply_data_parallel(self, model: nn.Module, bf16: bool) -> nn.Module:
+        c, mesh = self.cfg, self.dp_mesh
+        if mesh is None:  # every worker is taken by tensor or pipeline parallelism
+            return model
+        if c.zero >= 2:
+            apply_fsdp(model, mesh, reshard_after_forward=c.zero == 3, bf16=bf16, offload=c.offload)
+            return model
+        if self.sizes.tp == 1 and self.sizes.pp == 1:
+            return apply_ddp(model, mesh, c.bucket_cap_mb)
+        return apply_replicate(model, mesh, bf16)
+
+    @property
+    def zero1_group(self) -> dist.ProcessGroup | None:
+        """The group that shards the optimizer state under ZeRO-1, else None."""
+        return self.dp_mesh.get_group() if self.cfg.zero == 1 else None
+
+    def data_shard(self) -> tuple[int, int]:
+        """This rank's slice of the global batch: its index and the count over the data-parallel dims."""
+        return coordinate(self.mesh, DATA_PARALLEL)
+
+    @property
+    def loss_holders(self) -> int:
+        """Ranks that compute the loss of each data shard: its tensor-parallel peers, on the last stage."""
+        return self.sizes.world_size // self.sizes.pp
+
+    def no_sync(self, last: bool) -> contextlib.AbstractContextManager:
+        if last or self.dp_mesh is None:
+            return contextlib.nullcontext()
+        return no_gradient_sync(self.module)
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor, micro_batch_size: int, train: bool = True):
+        """This rank's batch through the model, in micro-batches; gradients (mean over the
+        micro-batches) reduced once, after the last. Returns the summed micro-batch losses."""
+        with loss_context(self.vocab_sharded_loss):
+            if self.pipeline is not None:
+                losses = [as_tensor(loss.detach()) for loss in self.pipeline.step(x, y, train)]
+                return torch.stack(losses).sum() if losses else torch.zeros((), device=x.device)
+            micro = list(zip(x.split(micro_batch_size), y.split(micro_batch_size), strict=True))
+            total = torch.zeros((), device=x.device)
+            for i, (xm, ym) in enumerate(micro):
+                with self.no_sync(i == len(micro) - 1) if train else torch.no_grad():
+                    loss = self.loss_fn(self.module(xm), ym)
+                    if train:
+                        (loss / len(micro)).backward()
+                total += as_tensor(loss.detach())
+            return total
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """The norm of the whole model's gradient, over shards, tensor-parallel peers and stages;
+        scale the gradient down to max_norm when it is positive and the norm exceeds it."""
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        norm = as_tensor(norm)
+        if self.pipeline is not None:
+            norm = norm.pow(2)
+            dist.all_reduce(norm, group=self.mesh["pp"].get_group())
+            norm = norm.sqrt()
+        if max_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        return norm

@@ -1,0 +1,84 @@
+"""Pipeline parallelism with `torch.distributed.pipelining`: split by layer, schedule micro-batches.
+
+Each stage is the full model with the blocks, embedding and head it does not own removed, so
+every remaining parameter keeps its name: checkpoints move between pipeline layouts unchanged.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleLoopedBFS,
+)
+
+from distrain.layout import stage_indices, stage_layers
+
+SCHEDULES = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved_1f1b": ScheduleInterleaved1F1B,
+    "looped_bfs": ScheduleLoopedBFS,
+    "interleaved_zb": ScheduleInterleavedZeroBubble,
+}
+
+
+def split_stages(model: nn.Module, pp_mesh: DeviceMesh, stages_per_rank: int) -> dict[int, nn.Module]:
+    """This rank's stages, stage index → module; `model` itself becomes the last of them."""
+    pp, pp_rank = pp_mesh.size(), pp_mesh.get_local_rank()
+    num_stages = pp * stages_per_rank
+    layers = stage_layers(len(model.layers), num_stages)
+    mine = stage_indices(pp_rank, pp, stages_per_rank)
+    stages = {}
+    for n, index in enumerate(mine):
+        stage = model if n == len(mine) - 1 else copy.deepcopy(model)
+        keep = {str(i) for i in layers[index]}
+        for name in [name for name in stage.layers if name not in keep]:
+            del stage.layers[name]
+        if index != 0:
+            stage.tok_embeddings = None
+        if index != num_stages - 1:
+            stage.norm, stage.output = None, None
+        stages[index] = stage
+    return stages
+
+
+class Pipeline:
+    """This rank's stages and the schedule that drives one step's micro-batches through them."""
+
+    def __init__(
+        self,
+        stages: dict[int, nn.Module],
+        num_stages: int,
+        pp_mesh: DeviceMesh,
+        device: torch.device,
+        schedule: str,
+        n_microbatches: int,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    ):
+        group = pp_mesh.get_group()
+        self.stages = [PipelineStage(m, i, num_stages, device, group=group) for i, m in stages.items()]
+        self.has_first = 0 in stages
+        self.has_last = num_stages - 1 in stages
+        cls = SCHEDULES[schedule]
+        single = cls in (ScheduleGPipe, Schedule1F1B)
+        # scale_grads: the gradient is the mean over the micro-batches, as without a pipeline.
+        self.schedule = cls(self.stages[0] if single else self.stages, n_microbatches, loss_fn=loss_fn)
+
+    def step(self, x: torch.Tensor, y: torch.Tensor, train: bool = True) -> list[torch.Tensor]:
+        """Run the local batch through the pipeline (forward and backward when training); the
+        micro-batch losses on the rank holding the last stage, an empty list elsewhere."""
+        losses: list[torch.Tensor] = []
+        args = (x,) if self.has_first else ()
+        kwargs = {"target": y, "losses": losses} if self.has_last else {}
+        (self.schedule.step if train else self.schedule.eval)(*args, **kwargs)
+        return losses

@@ -1,0 +1,214 @@
+"""`--plan`: the layout a run would have (who holds which mesh coordinate, the process groups, the
+pipeline stages, an estimate of memory per rank), worked out from the config and the placed workers'
+rank table, so a layout can be checked before anything trains. No Ray here: the driver places the
+workers and passes the table in. (torch comes in only with `num_params`' module, distrain.model.llama.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from distrain.config import ModelConfig, TrainConfig
+from distrain.layout import MESH_DIMS, MeshSizes, stage_indices, stage_layers
+from distrain.model.llama import num_params
+from distrain.validation import mesh_sizes
+
+FP32 = 4  # bytes: master weights, gradients and optimizer state are fp32 whatever the precision
+ALL_AT_ONCE = ("gpipe", "looped_bfs")  # schedules that run every forward before any backward
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Bytes one rank holds; with `offloaded` the model state lives in CPU memory instead of the GPU's."""
+
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    offloaded: bool = False
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.activations
+
+
+def human(n: float) -> str:
+    units, i = ("B", "KiB", "MiB", "GiB", "TiB"), 0
+    while abs(n) >= 1024 and i < len(units) - 1:
+        n, i = n / 1024, i + 1
+    return f"{n:.0f} B" if i == 0 else f"{n:.1f} {units[i]}"
+
+
+def resolve_precision(precision: str, gpu: bool) -> str:
+    """As the trainer resolves it: `auto` is bf16 on GPUs, fp32 on CPUs."""
+    return ("bf16" if gpu else "fp32") if precision == "auto" else precision
+
+
+def num_stages(cfg: TrainConfig) -> int:
+    s = cfg.strategy
+    return s.pp * s.stages_per_rank if s.pp > 1 else 1
+
+
+def rank_stages(cfg: TrainConfig, pp_rank: int) -> list[int]:
+    s = cfg.strategy
+    return stage_indices(pp_rank, s.pp, s.stages_per_rank) if s.pp > 1 else [0]
+
+
+def stage_params(m: ModelConfig, stage: int, stages: int, tp: int) -> int:
+    """Parameters one tensor-parallel rank of a pipeline stage holds. Stage 0 has the embedding
+    (vocab×dim), the last stage the final norm and the output head (vocab×dim); tensor parallelism
+    splits every matrix over tp and replicates the norms' gains (dim each, two per block)."""
+    block = num_params(replace(m, n_layers=1)) - num_params(replace(m, n_layers=0))
+    n = len(stage_layers(m.n_layers, stages)[stage])
+    matrices, norms = n * (block - 2 * m.dim), n * 2 * m.dim
+    if stage == 0:
+        matrices += m.vocab_size * m.dim
+    if stage == stages - 1:
+        matrices, norms = matrices + m.vocab_size * m.dim, norms + m.dim
+    return matrices // tp + norms
+
+
+def optimizer_states(cfg: TrainConfig) -> int:
+    """fp32 tensors the optimizer keeps per parameter: AdamW's two moments, SGD's momentum buffer if any."""
+    o = cfg.optim
+    return 2 if o.name == "adamw" else int(o.momentum != 0)
+
+
+def micro_batches(cfg: TrainConfig) -> int:
+    t = cfg.trainer
+    return t.global_batch_size // (t.micro_batch_size * mesh_sizes(cfg).dp)
+
+
+def in_flight(cfg: TrainConfig, pp_rank: int) -> int:
+    """Micro-batches whose activations a rank holds at once: one without a pipeline (gradient
+    accumulation runs them one after another); all of them for GPipe-like schedules; for the 1F1B
+    family the pp − pp_rank of the warm-up (Narayanan et al. 2021), taken as is for the interleaved ones."""
+    s = cfg.strategy
+    if s.pp == 1:
+        return 1
+    return micro_batches(cfg) if s.schedule in ALL_AT_ONCE else min(micro_batches(cfg), s.pp - pp_rank)
+
+
+def layer_activations(cfg: TrainConfig, precision: str) -> tuple[int, int]:
+    """(bytes a block keeps for the backward pass, bytes it needs while its forward is recomputed).
+
+    Korthikanti et al. 2022, eq. 1-2 and 4: a transformer block stores s·b·h·(34 + 5·a·s/h) bytes in
+    16-bit (s sequence, b micro-batch, h dim, a heads); sequence parallel divides it all by tp, tensor
+    parallel alone only the 24 + 5·a·s/h inside attention and MLP; fp32 doubles it; with activation
+    checkpointing a block keeps only its 2·s·b·h input (÷ tp with sequence parallel). An estimate: it
+    assumes a 4h MLP, and counts the a·s² attention scores that a fused SDPA kernel does not store.
+    """
+    m, t, s = cfg.model, cfg.trainer, cfg.strategy
+    sbh, scores, tp = t.seq_len * t.micro_batch_size * m.dim, 5 * m.n_heads * t.seq_len**2 * t.micro_batch_size, s.tp
+    sharded = s.sequence_parallel or tp == 1
+    full = (34 * sbh + scores) // tp if sharded else 10 * sbh + (24 * sbh + scores) // tp
+    kept = 2 * sbh // tp if sharded else 2 * sbh
+    scale = 2 if precision == "fp32" else 1
+    return scale * (kept if s.activation_checkpoint else full), scale * full
+
+
+def rank_memory(cfg: TrainConfig, pp_rank: int, precision: str) -> Memory:
+    """Per-rank memory for the ranks at `pp_rank` (the other coordinates hold equal shares). With
+    P the rank's parameters and N = dp_shard: ZeRO-0 keeps P params, P grads, K·P optimizer state;
+    ZeRO-1 shards the optimizer state (K·P/N); ZeRO-2 the gradients too (P/N); ZeRO-3 the parameters
+    too (P/N). Offload keeps the ZeRO-3 numbers in CPU memory."""
+    s = cfg.strategy
+    stages = rank_stages(cfg, pp_rank)
+    p = sum(stage_params(cfg.model, i, num_stages(cfg), s.tp) for i in stages)
+
+    def shard(n: int, level: int) -> int:  # sharded over dp_shard from ZeRO `level` up (rounded up: padding)
+        return -(-n // s.dp_shard) if s.zero >= level else n
+
+    layers = sum(len(stage_layers(cfg.model.n_layers, num_stages(cfg))[i]) for i in stages)
+    kept, full = layer_activations(cfg, precision)
+    activations = layers * in_flight(cfg, pp_rank) * kept + (full - kept)
+    return Memory(
+        params=FP32 * shard(p, 3),
+        grads=FP32 * shard(p, 2),
+        optimizer=FP32 * shard(optimizer_states(cfg) * p, 1),
+        activations=activations,
+        offloaded=s.offload,
+    )
+
+
+def _group(ranks: list[int]) -> str:
+    return "[" + ",".join(map(str, ranks)) + "]"
+
+
+def _layers(r: range) -> str:
+    return f"layer {r.start}" if len(r) == 1 else f"layers {r.start}-{r.stop - 1}"
+
+
+def mesh_lines(sizes: MeshSizes, table: list[dict]) -> list[str]:
+    """One row per rank: the worker (index in the placement group, pid), its node, its GPU, its coordinate."""
+    rows = [("rank", "worker", "pid", "node (ip #rank)", "device", *MESH_DIMS)]
+    for e in table:
+        device = "GPU " + ",".join(map(str, e["gpu_ids"])) if e["gpu_ids"] else "cpu"
+        coord = sizes.coordinate(e["rank"])
+        rows.append(
+            (e["rank"], e["worker_index"], e["pid"], f"{e['node_ip']} #{e['node_rank']}", device, *coord.values())
+        )
+    widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
+    return ["  " + "  ".join(str(v).ljust(w) for v, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+
+
+def group_lines(sizes: MeshSizes) -> list[str]:
+    """The ranks of each process group, for every mesh dim of size > 1."""
+    lines = [f"  {d}: " + " ".join(_group(g) for g in sizes.groups(d)) for d in MESH_DIMS if getattr(sizes, d) > 1]
+    return lines or ["  none: a single rank"]
+
+
+def pipeline_lines(cfg: TrainConfig) -> list[str]:
+    s, stages = cfg.strategy, num_stages(cfg)
+    lines = [f"pipeline ({s.schedule}, {stages} stages, {micro_batches(cfg)} micro-batches per step):"]
+    for pp_rank in range(s.pp):
+        for i in rank_stages(cfg, pp_rank):
+            parts = ["embedding"] if i == 0 else []
+            parts.append(_layers(stage_layers(cfg.model.n_layers, stages)[i]))
+            parts += ["norm", "output"] if i == stages - 1 else []
+            lines.append(f"  stage {i} on pp rank {pp_rank}: {', '.join(parts)}")
+    return lines
+
+
+def memory_lines(cfg: TrainConfig, sizes: MeshSizes, precision: str) -> list[str]:
+    o = cfg.optim
+    lines = [
+        f"memory per rank (estimate: fp32 parameters, gradients and {o.name} state ({optimizer_states(cfg)} per "
+        f"parameter); {precision} activations of the blocks, Korthikanti et al. 2022):"
+    ]
+    for pp_rank in range(sizes.pp):
+        ranks = [r for r in range(sizes.world_size) if sizes.coordinate(r)["pp"] == pp_rank]
+        mem, n = rank_memory(cfg, pp_rank, precision), in_flight(cfg, pp_rank)
+        who = "every rank" if sizes.pp == 1 else f"pp rank {pp_rank} {_group(ranks)}"
+        lines.append(
+            f"  {who}: params {human(mem.params)}, grads {human(mem.grads)}, optimizer {human(mem.optimizer)}, "
+            f"activations {human(mem.activations)} ({n} micro-batch{'es' * (n > 1)} in flight); "
+            f"total {human(mem.total)}"
+        )
+        if mem.offloaded:
+            lines.append(
+                "    offload: parameters, gradients and optimizer state sit in CPU memory; the GPU holds the "
+                "activations and the one gathered block being computed"
+            )
+    return lines
+
+
+def describe(cfg: TrainConfig, table: list[dict]) -> str:
+    """The plan as text, for a validated config (concrete sizes) and the placed workers' rank table."""
+    s, sizes = cfg.strategy, mesh_sizes(cfg)
+    gpu = any(e["gpu_ids"] for e in table)
+    precision = resolve_precision(cfg.trainer.precision, gpu)
+    nodes = len({e["node_id"] for e in table})
+    where = f"{len(table)} ranks on {nodes} node{'s' * (nodes > 1)}, {'GPU' if gpu else 'CPU'}, {precision}"
+    shape = " × ".join(f"{d}={getattr(sizes, d)}" for d in MESH_DIMS)
+    lines = [
+        f"distrain plan: {where}; strategy {s.name} (zero {s.zero}{', offload' if s.offload else ''}); mesh {shape}; "
+        f"model {num_params(cfg.model):,} parameters",
+        "mesh:",
+        *mesh_lines(sizes, table),
+        "process groups:",
+        *group_lines(sizes),
+        *(pipeline_lines(cfg) if s.pp > 1 else []),
+        *memory_lines(cfg, sizes, precision),
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,151 @@
+"""`--plan`: the layout text from fake rank tables (no Ray), then the entrypoint end to end."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO, TINY, make_config
+
+from distrain.cli import PLAN_HYDRA_OVERRIDES, plan_overrides
+from distrain.config import TrainConfig
+from distrain.layout import MESH_DIMS
+from distrain.model.llama import num_params
+from distrain.plan import describe, num_stages, rank_memory, stage_params
+from distrain.validation import validate
+
+
+def planned(tmp_path: Path, *overrides: str) -> TrainConfig:
+    cfg = make_config(tmp_path, *overrides)
+    validate(cfg)
+    return cfg
+
+
+def fake_table(n: int, per_node: int, gpus: bool) -> list[dict]:
+    """What WorkerGroup.start returns, for n workers on nodes of per_node workers each."""
+    return [
+        {
+            "rank": r,
+            "worker_index": n - 1 - r,
+            "pid": 1000 + r,
+            "node_id": f"node{r // per_node}",
+            "node_ip": f"10.0.0.{r // per_node + 1}",
+            "node_rank": r // per_node,
+            "gpu_ids": [r % per_node] if gpus else [],
+        }
+        for r in range(n)
+    ]
+
+
+def test_3d_mesh_coordinates_and_groups(tmp_path: Path):
+    cfg = planned(tmp_path, "cluster.num_workers=8", "strategy=3d", "model.n_layers=4", "trainer.precision=auto")
+    text = describe(cfg, fake_table(8, per_node=4, gpus=True))
+    lines = text.splitlines()
+
+    header = lines.index("mesh:") + 1
+    assert lines[header].split()[-4:] == list(MESH_DIMS)
+    for r in range(8):
+        row = lines[header + 1 + r].split()
+        assert row[:3] == [str(r), str(7 - r), str(1000 + r)]
+        assert row[3:7] == [f"10.0.0.{r // 4 + 1}", f"#{r // 4}", "GPU", str(r % 4)]
+        assert row[7:] == [str(r // 4), "0", str(r // 2 % 2), str(r % 2)]  # pp, dp_replicate, dp_shard, tp
+
+    assert "  pp: [0,4] [1,5] [2,6] [3,7]" in lines
+    assert "  dp_shard: [0,2] [1,3] [4,6] [5,7]" in lines
+    assert "  tp: [0,1] [2,3] [4,5] [6,7]" in lines
+    assert not any(line.startswith("  dp_replicate:") for line in lines)  # size 1: no groups
+    assert "2 nodes, GPU, bf16" in lines[0]  # precision auto on GPUs
+
+    # 1F1B: stage 0 holds 2 micro-batches in flight, the last stage 1; both stages have 2 layers.
+    stage0, stage1 = (rank_memory(cfg, pp_rank, "bf16") for pp_rank in (0, 1))
+    assert stage0.activations == 2 * stage1.activations
+
+
+@pytest.mark.parametrize(
+    ("strategy", "shards"),  # which of (params, grads, optimizer) are divided over dp_shard
+    [
+        ("ddp", (False, False, False)),
+        ("zero1", (False, False, True)),
+        ("zero2", (False, True, True)),
+        ("zero3", (True, True, True)),
+    ],
+)
+def test_memory_per_zero_level(tmp_path: Path, strategy: str, shards: tuple[bool, bool, bool]):
+    cfg = planned(tmp_path, "cluster.num_workers=4", f"strategy={strategy}")
+    p, n = num_params(cfg.model), 4
+    assert p % n == 0  # so the theory's P/N is exact
+    expected = [4 * k * (p // n if sharded else p) for k, sharded in zip((1, 1, 2), shards, strict=True)]
+    mem = rank_memory(cfg, 0, "fp32")
+    assert [mem.params, mem.grads, mem.optimizer] == expected
+
+    # Korthikanti et al.: s·b·h·34 + 5·a·s²·b bytes per layer in 16-bit, doubled in fp32, one micro-batch.
+    m, t = cfg.model, cfg.trainer
+    s, b = t.seq_len, t.micro_batch_size
+    assert mem.activations == m.n_layers * 2 * (34 * s * b * m.dim + 5 * m.n_heads * s * s * b)
+    assert mem.total == sum(expected) + mem.activations
+    assert f"strategy {strategy} (zero {cfg.strategy.zero})" in describe(cfg, fake_table(4, 4, gpus=False))
+
+
+def test_offload_says_where_the_state_lives(tmp_path: Path):
+    cfg = planned(tmp_path, "cluster.num_workers=4", "strategy=offload")
+    assert rank_memory(cfg, 0, "fp32").params == 4 * (num_params(cfg.model) // 4)  # fp32, ZeRO-3 over 4
+    assert "sit in CPU memory" in describe(cfg, fake_table(4, 4, gpus=True))
+
+
+def test_pipeline_stages_list_their_layers(tmp_path: Path):
+    cfg = planned(
+        tmp_path, "cluster.num_workers=2", "strategy=pp", "strategy.schedule=interleaved_1f1b", "model.n_layers=6"
+    )
+    text = describe(cfg, fake_table(2, 2, gpus=False))
+    assert "pipeline (interleaved_1f1b, 4 stages, 4 micro-batches per step):" in text
+    stages = [line.strip() for line in text.splitlines() if line.startswith("  stage ")]
+    assert stages == [
+        "stage 0 on pp rank 0: embedding, layer 0",
+        "stage 2 on pp rank 0: layers 3-4",
+        "stage 1 on pp rank 1: layers 1-2",
+        "stage 3 on pp rank 1: layer 5, norm, output",
+    ]
+    # The stages' parameters add up to the model's, and each rank holds its own stages' share.
+    counts = [stage_params(cfg.model, i, num_stages(cfg), 1) for i in range(4)]
+    assert sum(counts) == num_params(cfg.model)
+    assert rank_memory(cfg, 1, "fp32").params == 4 * (counts[1] + counts[3])
+
+
+def test_plan_switch_becomes_an_override():
+    assert plan_overrides(["--plan", "strategy=tp"]) == ["plan=true", "strategy=tp", *PLAN_HYDRA_OVERRIDES]
+    assert plan_overrides(["strategy=tp"]) == ["strategy=tp"]
+
+
+def run_plan(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+    env.pop("RAY_ADDRESS", None)
+    args = [*TINY, f"run.storage={tmp_path}", "cluster.num_workers=4", *overrides]
+    return subprocess.run(
+        [sys.executable, str(REPO / "jobs" / "train.py"), "--plan", *args],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=tmp_path,
+        env=env,
+    )
+
+
+def test_plan_end_to_end_writes_nothing(tmp_path: Path):
+    result = run_plan(tmp_path, "strategy=fsdp_tp")
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert "  tp: [0,1] [2,3]" in lines and "  dp_shard: [0,2] [1,3]" in lines
+    assert any(line.startswith("  every rank: params ") for line in lines)
+    assert list(tmp_path.iterdir()) == []  # no run directory, lock, Hydra record or log
+
+
+def test_plan_of_an_impossible_layout_fails_in_one_line(tmp_path: Path):
+    result = run_plan(tmp_path, "strategy.tp=3")
+    assert result.returncode == 2, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("distrain: error:")]
+    assert len(errors) == 1 and "strategy" in errors[0], result.stderr
+    assert "Traceback" not in result.stderr
+    assert list(tmp_path.iterdir()) == []
