@@ -36,6 +36,7 @@ def group_spec(cfg: TrainConfig) -> GroupSpec:
         threads_per_worker=c.threads_per_worker,
         placement_strategy=c.placement_strategy,
         placement_timeout_s=c.placement_timeout_s,
+        node_group=cfg.strategy.tp,  # a tensor-parallel group never spans two nodes
         # W&B settings and key live in the user's environment, which workers on a cluster do not share.
         env=tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("WANDB_"))),
     )

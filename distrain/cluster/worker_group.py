@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -16,7 +17,7 @@ from distrain.cluster.worker import RemoteWorker
 
 
 class PlacementError(RuntimeError):
-    """The workers could not be placed in time."""
+    """The workers could not be placed in time, or not with each block of node_group ranks on one node."""
 
 
 class WorkerFailure(RuntimeError):
@@ -32,11 +33,28 @@ class GroupSpec:
     placement_strategy: str = "PACK"
     placement_timeout_s: float = 120.0
     env: tuple[tuple[str, str], ...] = ()  # extra variables for every worker
+    # Ranks that must share a node: the tensor-parallel size. Every block of node_group consecutive
+    # ranks lands on one node, so a TP group's collectives never cross the network.
+    node_group: int = 1
+
+    def __post_init__(self) -> None:
+        if self.node_group < 1 or self.num_workers % self.node_group:
+            raise ValueError(f"num_workers={self.num_workers} is not a multiple of node_group={self.node_group}")
+
+    def bundle(self) -> dict[str, float]:
+        """One placement-group bundle holds one block of node_group workers: Ray never splits a
+        bundle across nodes, and the placement strategy then applies to whole blocks."""
+        per_worker = {"CPU": self.cpus_per_worker, "GPU": self.gpus_per_worker}
+        return {k: v * self.node_group for k, v in per_worker.items() if v}
 
 
-def rank_table(infos: list[dict]) -> list[dict]:
+def rank_table(infos: list[dict], node_group: int = 1) -> list[dict]:
     """Ranks in (node IP, node, GPU) order, so neighbouring ranks share a node and a node's GPUs
-    are in order; each entry gets rank, local_rank, node_rank and its index in `infos`."""
+    are in order; each entry gets rank, local_rank, node_rank and its index in `infos`.
+
+    When every node holds a multiple of node_group workers, this order keeps each block of
+    node_group consecutive ranks on one node; otherwise no order can, and PlacementError says so.
+    """
 
     def key(i: int) -> tuple:
         info = infos[i]
@@ -51,7 +69,21 @@ def rank_table(infos: list[dict]) -> list[dict]:
         node["members"] += 1
     for entry in table:
         entry["local_world_size"] = nodes[entry["node_id"]]["members"]
+    check_blocks(table, node_group)
     return table
+
+
+def check_blocks(table: list[dict], node_group: int) -> None:
+    """Raise PlacementError if some block of node_group consecutive ranks spans nodes: its
+    tensor-parallel collectives would run over the network, silently and slowly."""
+    for start in range(0, len(table), node_group):
+        block = table[start : start + node_group]
+        if len({e["node_id"] for e in block}) > 1:
+            per_node = Counter(f"{e['node_ip']}/{e['node_id'][:8]}" for e in table)
+            raise PlacementError(
+                f"ranks {start}-{start + len(block) - 1} must share a node (node_group={node_group}) but do not; "
+                f"workers per node {dict(per_node)} must each be a multiple of {node_group}"
+            )
 
 
 class WorkerGroup:
@@ -68,15 +100,30 @@ class WorkerGroup:
         self.shutdown()
 
     def start(self) -> list[dict]:
-        """Reserve one bundle per worker, start the actors, then rank them by where they landed."""
+        """Reserve one bundle per block of node_group workers, start the actors, then rank them by
+        where they landed; on any failure remove what was reserved and started."""
+        try:
+            return self._start()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _start(self) -> list[dict]:
         s = self.spec
-        bundle = {"CPU": s.cpus_per_worker, **({"GPU": s.gpus_per_worker} if s.gpus_per_worker else {})}
-        self.pg = placement_group([bundle] * s.num_workers, strategy=s.placement_strategy)
+        bundle, blocks = s.bundle(), s.num_workers // s.node_group
+        what = f"{s.num_workers} workers" + (f" in blocks of {s.node_group} per node" if s.node_group > 1 else "")
+        fits = _blocks_that_fit(bundle)
+        if sum(fits.values()) < blocks:
+            raise PlacementError(
+                f"cannot place {what}: each block needs {bundle} on one node, and the nodes hold {fits} blocks "
+                f"({sum(fits.values())} < {blocks}); use fewer workers or a smaller tensor-parallel size"
+            )
+        self.pg = placement_group([bundle] * blocks, strategy=s.placement_strategy)
         try:
             ray.get(self.pg.ready(), timeout=s.placement_timeout_s)
         except GetTimeoutError as e:
             raise PlacementError(
-                f"could not place {s.num_workers} workers with {bundle} each within "
+                f"could not place {what} ({bundle} per bundle) within "
                 f"cluster.placement_timeout_s={s.placement_timeout_s:g}; the cluster has "
                 f"{ray.available_resources()} free"
             ) from e
@@ -85,11 +132,13 @@ class WorkerGroup:
                 num_cpus=s.cpus_per_worker,
                 num_gpus=s.gpus_per_worker,
                 max_concurrency=2,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    self.pg, placement_group_bundle_index=i // s.node_group
+                ),
             ).remote()
             for i in range(s.num_workers)
         ]
-        self.table = rank_table(ray.get([w.node_info.remote() for w in workers]))
+        self.table = rank_table(ray.get([w.node_info.remote() for w in workers]), s.node_group)
         self.workers = [workers[entry["worker_index"]] for entry in self.table]
         return self.table
 
@@ -172,6 +221,18 @@ class WorkerGroup:
         if self.pg is not None:
             remove_placement_group(self.pg)
             self.pg = None
+
+
+def _blocks_that_fit(bundle: dict[str, float]) -> dict[str, int]:
+    """How many bundles each alive node could ever hold, by its total resources: a group that needs
+    more fails now, not after placement_timeout_s."""
+    fits = {}
+    for node in ray.nodes():
+        if node["Alive"]:
+            total = node["Resources"]
+            name = f"{node['NodeManagerAddress']}/{node['NodeID'][:8]}"
+            fits[name] = min(int(total.get(k, 0) / v + 1e-9) for k, v in bundle.items())
+    return fits
 
 
 def _first_line(error: Exception) -> str:
