@@ -153,6 +153,11 @@ class TrainConfig:
 ConfigStore.instance().store(name="train_schema", node=TrainConfig)
 
 
+def resolve_precision(precision: str, gpu: bool) -> str:
+    """`auto` is bf16 (autocast, fp32 master weights) on GPUs and fp32 on CPUs."""
+    return ("bf16" if gpu else "fp32") if precision == "auto" else precision
+
+
 def to_plain(cfg: Any) -> dict:
     """A resolved plain dict: what crosses into Ray actors (no Hydra or OmegaConf there)."""
     return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)

@@ -1,16 +1,16 @@
 """`--plan`: the layout a run would have (who holds which mesh coordinate, the process groups, the
 pipeline stages, an estimate of memory per rank), worked out from the config and the placed workers'
-rank table, so a layout can be checked before anything trains. No Ray here: the driver places the
-workers and passes the table in. (torch comes in only with `num_params`' module, distrain.model.llama.)
+rank table, so a layout can be checked before anything trains. Neither Ray nor torch here: the driver
+places the workers and passes the table in.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from distrain.config import ModelConfig, TrainConfig
+from distrain.config import ModelConfig, TrainConfig, resolve_precision
 from distrain.layout import MESH_DIMS, MeshSizes, stage_indices, stage_layers
-from distrain.model.llama import num_params
+from distrain.model.size import num_params
 from distrain.validation import mesh_sizes
 
 FP32 = 4  # bytes: master weights, gradients and optimizer state are fp32 whatever the precision
@@ -37,11 +37,6 @@ def human(n: float) -> str:
     while abs(n) >= 1024 and i < len(units) - 1:
         n, i = n / 1024, i + 1
     return f"{n:.0f} B" if i == 0 else f"{n:.1f} {units[i]}"
-
-
-def resolve_precision(precision: str, gpu: bool) -> str:
-    """As the trainer resolves it: `auto` is bf16 on GPUs, fp32 on CPUs."""
-    return ("bf16" if gpu else "fp32") if precision == "auto" else precision
 
 
 def num_stages(cfg: TrainConfig) -> int:

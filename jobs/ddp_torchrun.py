@@ -24,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from distrain.config import ModelConfig
 from distrain.data.corpus import load_tokens
 from distrain.data.loader import TRAIN, Batches, split
-from distrain.model import Transformer
+from distrain.model.llama import Transformer
 
 p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 p.add_argument("--model", default="nano", help="a conf/model/*.yaml name")

@@ -70,7 +70,7 @@ def final_weights(cfg: TrainConfig) -> dict:
     import torch.distributed.checkpoint as dcp
 
     from distrain import checkpoint
-    from distrain.model import Transformer
+    from distrain.model.llama import Transformer
 
     path = checkpoint.latest(Path(cfg.run_dir) / "checkpoints")
     state = {"model": Transformer(cfg.model, cfg.trainer.seq_len).state_dict()}

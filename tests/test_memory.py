@@ -23,7 +23,7 @@ def measure(rank: int, port: int, out: str) -> None:
 
     from distrain.config import ModelConfig, OptimConfig, StrategyConfig
     from distrain.layout import MeshSizes
-    from distrain.model import Transformer
+    from distrain.model.llama import Transformer
     from distrain.parallel import process_group
     from distrain.parallel.memory import state_bytes
     from distrain.parallel.parallelize import ParallelModel
@@ -51,7 +51,7 @@ def measure(rank: int, port: int, out: str) -> None:
 
 def test_zero_memory_matches_theory(tmp_path: Path):
     from distrain.config import ModelConfig
-    from distrain.model import num_params
+    from distrain.model.size import num_params
 
     mp.spawn(measure, args=(free_port(), str(tmp_path)), nprocs=WORLD)
     p = num_params(ModelConfig(dim=32, n_layers=2, n_heads=2, ffn_dim=64)) * 4  # fp32 bytes

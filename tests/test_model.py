@@ -10,7 +10,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from distrain.config import ModelConfig
-from distrain.model import Transformer, flops_per_token, num_params
+from distrain.model.llama import Transformer
+from distrain.model.size import flops_per_token, num_params
 
 
 def conf_models() -> list[ModelConfig]:

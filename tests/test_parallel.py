@@ -9,7 +9,7 @@ from torch import nn
 
 from distrain.config import ModelConfig, StrategyConfig
 from distrain.layout import MeshSizes, stage_indices, stage_layers
-from distrain.model import Transformer
+from distrain.model.llama import Transformer
 from distrain.parallel.parallelize import ParallelModel
 from distrain.train.loop import cross_entropy
 
@@ -94,3 +94,19 @@ def test_micro_batches_average_to_the_whole_batch_gradient(process_group):
     assert loss_sum / 4 == pytest.approx(cross_entropy(whole(x), x).item(), rel=1e-5)
     for (name, a), b in zip(whole.named_parameters(), parallel.module.parameters(), strict=True):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_fsdp_reduces_gradients_only_after_the_last_micro_batch(process_group):
+    """Under FSDP2 a skipped reduce-scatter leaves the sharded gradients unset: the micro-batch's
+    gradient is accumulated unsharded, locally, until the last micro-batch reduces it once."""
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(dim=16, n_layers=1, n_heads=2, ffn_dim=32), 8)
+    sizes = MeshSizes(pp=1, dp_replicate=1, dp_shard=1, tp=1)
+    fsdp = ParallelModel(model, StrategyConfig(zero=3), sizes, torch.device("cpu"), False, 2, cross_entropy)
+    x = torch.randint(0, 256, (2, 8))
+    with fsdp.no_sync(last=False):
+        cross_entropy(fsdp.module(x), x).backward()
+    assert all(p.grad is None for p in fsdp.module.parameters())
+    with fsdp.no_sync(last=True):
+        cross_entropy(fsdp.module(x), x).backward()
+    assert all(p.grad is not None for p in fsdp.module.parameters())

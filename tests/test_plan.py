@@ -13,7 +13,7 @@ from conftest import REPO, TINY, make_config
 from distrain.cli import PLAN_HYDRA_OVERRIDES, plan_overrides
 from distrain.config import TrainConfig
 from distrain.layout import MESH_DIMS
-from distrain.model.llama import num_params
+from distrain.model.size import num_params
 from distrain.plan import describe, num_stages, rank_memory, stage_params
 from distrain.validation import validate
 

@@ -1,5 +1,2 @@
-"""The transformer family, its tensor-parallel plan, its parameter count and its training FLOPs per token."""
-
-from distrain.model.llama import Transformer, flops_per_token, num_params, tp_plan
-
-__all__ = ["Transformer", "flops_per_token", "num_params", "tp_plan"]
+"""The transformer family (llama.py: the model and its tensor-parallel plan) and its size from the
+config alone (size.py: parameters and FLOPs per token, importable without torch)."""

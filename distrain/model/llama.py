@@ -173,21 +173,3 @@ def tp_plan(model: Transformer, loss_parallel: bool) -> dict[str, ParallelStyle]
             f"{block}.feed_forward.w3": ColwiseParallel(),
         }
     return plan
-
-
-def num_params(cfg: ModelConfig) -> int:
-    """Parameters of the full model, from the config alone (no model built)."""
-    head_dim = cfg.dim // cfg.n_heads
-    kv = (cfg.n_kv_heads or cfg.n_heads) * head_dim
-    attention = cfg.dim * cfg.dim * 2 + cfg.dim * kv * 2  # wq, wo; wk, wv
-    block = attention + 3 * cfg.dim * cfg.ffn_dim + 2 * cfg.dim
-    return 2 * cfg.vocab_size * cfg.dim + cfg.n_layers * block + cfg.dim
-
-
-def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs (forward + backward) per token: 6 per weight that multiplies the token
-    (every matrix but the embedding lookup) plus the attention scores and their weighted sum,
-    2·seq_len·dim each per layer, halved by the causal mask, times 3 for the backward pass."""
-    matmul_weights = num_params(cfg) - cfg.vocab_size * cfg.dim - (2 * cfg.n_layers + 1) * cfg.dim
-    attention = 3 * cfg.n_layers * 2 * 2 * seq_len * cfg.dim / 2
-    return 6 * matmul_weights + attention

@@ -8,7 +8,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
-from distrain.model import tp_plan
+from distrain.model.llama import tp_plan
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, vocab_sharded_loss: bool) -> None:

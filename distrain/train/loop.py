@@ -19,11 +19,12 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from distrain import checkpoint
-from distrain.config import TrainConfig, from_plain
+from distrain.config import TrainConfig, from_plain, resolve_precision
 from distrain.data.corpus import load_tokens
 from distrain.data.loader import TRAIN, VAL, Batches, split
 from distrain.layout import MeshSizes
-from distrain.model import Transformer, flops_per_token, num_params
+from distrain.model.llama import Transformer
+from distrain.model.size import flops_per_token, num_params
 from distrain.parallel import process_group
 from distrain.parallel.parallelize import ParallelModel
 from distrain.tracking import Tracker
@@ -48,12 +49,6 @@ def run_rank(job: dict, report: Report) -> dict:
         process_group.destroy()
 
 
-def resolve_precision(precision: str, device: torch.device) -> str:
-    if precision == "auto":
-        return "bf16" if device.type == "cuda" else "fp32"
-    return precision
-
-
 class Trainer:
     def __init__(self, cfg: TrainConfig, job: dict, device: torch.device, report: Report):
         self.cfg, self.device, self.report = cfg, device, report
@@ -62,7 +57,7 @@ class Trainer:
         self.started_at = job["started_at"]
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         t, s = cfg.trainer, cfg.strategy
-        self.precision = resolve_precision(t.precision, device)
+        self.precision = resolve_precision(t.precision, gpu=device.type == "cuda")
         self.micro_batch_size = t.micro_batch_size
 
         sizes = MeshSizes(s.pp, s.dp_replicate, s.dp_shard, s.tp)  # resolved by the driver
