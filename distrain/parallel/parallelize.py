@@ -122,7 +122,9 @@ class ParallelModel:
             return contextlib.nullcontext()
         return no_gradient_sync(self.module)
 
-    def forward_backward(self, x: torch.Tensor, y: torch.Tensor, micro_batch_size: int, train: bool = True):
+    def forward_backward(
+        self, x: torch.Tensor, y: torch.Tensor, micro_batch_size: int, train: bool = True
+    ) -> torch.Tensor:
         """This rank's batch through the model, in micro-batches; gradients (mean over the
         micro-batches) reduced once, after the last. Returns the summed micro-batch losses."""
         with loss_context(self.vocab_sharded_loss):
