@@ -52,9 +52,8 @@ class StrategyConfig:
     # 2: and gradients (FSDP2, parameters kept gathered between forward and backward); 3: and parameters.
     zero: int = 0
     offload: bool = False  # parameters, gradients, optimizer state and its step on the CPU (zero=3 only)
-    schedule: str = "1f1b"  # pipeline schedule; see PIPELINE_SCHEDULES
+    schedule: str = "1f1b"  # pipeline schedule; see layout.SCHEDULES
     stages_per_rank: int | None = None  # None: 2 for the multi-stage schedules, else 1
-    sequence_parallel: bool = True  # with tp: norms and residuals sharded over the sequence
     loss_parallel: bool = True  # with tp: the loss on vocabulary-sharded logits, never gathered
     activation_checkpoint: bool = False  # recompute each block's activations in the backward pass
     compile: bool = False  # torch.compile each block

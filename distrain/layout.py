@@ -12,6 +12,37 @@ MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")  # outermost to innermost
 
 
 @dataclass(frozen=True)
+class Schedule:
+    """What the driver must know of a pipeline schedule (parallel/pipeline.py maps names to classes)."""
+
+    multi_stage: bool  # several stages per rank (2 by default), looped over the ranks
+    all_at_once: bool  # every forward before any backward: all micro-batches' activations in flight
+    split_backward: bool  # zero-bubble: input- and weight-gradients computed apart
+
+    @property
+    def default_stages_per_rank(self) -> int:
+        return 2 if self.multi_stage else 1
+
+
+SCHEDULES = {
+    "gpipe": Schedule(multi_stage=False, all_at_once=True, split_backward=False),
+    "1f1b": Schedule(multi_stage=False, all_at_once=False, split_backward=False),
+    "interleaved_1f1b": Schedule(multi_stage=True, all_at_once=False, split_backward=False),
+    "looped_bfs": Schedule(multi_stage=True, all_at_once=True, split_backward=False),
+    "interleaved_zb": Schedule(multi_stage=True, all_at_once=False, split_backward=True),
+}
+
+
+def micro_batches(global_batch_size: int, micro_batch_size: int, dp: int) -> int:
+    """Micro-batches per step on each data-parallel rank (the pipeline's m; accumulation otherwise)."""
+    return global_batch_size // (micro_batch_size * dp)
+
+
+def num_stages(pp: int, stages_per_rank: int) -> int:
+    return pp * stages_per_rank if pp > 1 else 1
+
+
+@dataclass(frozen=True)
 class MeshSizes:
     pp: int
     dp_replicate: int

@@ -9,12 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from distrain.config import ModelConfig, TrainConfig, resolve_precision
-from distrain.layout import MESH_DIMS, MeshSizes, stage_indices, stage_layers
+from distrain.layout import MESH_DIMS, SCHEDULES, MeshSizes, micro_batches, num_stages, stage_indices, stage_layers
 from distrain.model.size import num_params
 from distrain.validation import mesh_sizes
 
 FP32 = 4  # bytes: master weights, gradients and optimizer state are fp32 whatever the precision
-ALL_AT_ONCE = ("gpipe", "looped_bfs")  # schedules that run every forward before any backward
 
 
 @dataclass(frozen=True)
@@ -28,8 +27,10 @@ class Memory:
     offloaded: bool = False
 
     @property
-    def total(self) -> int:
-        return self.params + self.grads + self.optimizer + self.activations
+    def device_total(self) -> int:
+        """What the accelerator holds: everything, or with offload only the activations."""
+        state = 0 if self.offloaded else self.params + self.grads + self.optimizer
+        return state + self.activations
 
 
 def human(n: float) -> str:
@@ -37,11 +38,6 @@ def human(n: float) -> str:
     while abs(n) >= 1024 and i < len(units) - 1:
         n, i = n / 1024, i + 1
     return f"{n:.0f} B" if i == 0 else f"{n:.1f} {units[i]}"
-
-
-def num_stages(cfg: TrainConfig) -> int:
-    s = cfg.strategy
-    return s.pp * s.stages_per_rank if s.pp > 1 else 1
 
 
 def rank_stages(cfg: TrainConfig, pp_rank: int) -> list[int]:
@@ -69,9 +65,9 @@ def optimizer_states(cfg: TrainConfig) -> int:
     return 2 if o.name == "adamw" else int(o.momentum != 0)
 
 
-def micro_batches(cfg: TrainConfig) -> int:
+def step_micro_batches(cfg: TrainConfig) -> int:
     t = cfg.trainer
-    return t.global_batch_size // (t.micro_batch_size * mesh_sizes(cfg).dp)
+    return micro_batches(t.global_batch_size, t.micro_batch_size, mesh_sizes(cfg).dp)
 
 
 def in_flight(cfg: TrainConfig, pp_rank: int) -> int:
@@ -81,23 +77,22 @@ def in_flight(cfg: TrainConfig, pp_rank: int) -> int:
     s = cfg.strategy
     if s.pp == 1:
         return 1
-    return micro_batches(cfg) if s.schedule in ALL_AT_ONCE else min(micro_batches(cfg), s.pp - pp_rank)
+    n = step_micro_batches(cfg)
+    return n if SCHEDULES[s.schedule].all_at_once else min(n, s.pp - pp_rank)
 
 
 def layer_activations(cfg: TrainConfig, precision: str) -> tuple[int, int]:
     """(bytes a block keeps for the backward pass, bytes it needs while its forward is recomputed).
 
     Korthikanti et al. 2022, eq. 1-2 and 4: a transformer block stores s·b·h·(34 + 5·a·s/h) bytes in
-    16-bit (s sequence, b micro-batch, h dim, a heads); sequence parallel divides it all by tp, tensor
-    parallel alone only the 24 + 5·a·s/h inside attention and MLP; fp32 doubles it; with activation
-    checkpointing a block keeps only its 2·s·b·h input (÷ tp with sequence parallel). An estimate: it
+    16-bit (s sequence, b micro-batch, h dim, a heads); tensor parallelism (always with sequence
+    parallelism here) divides it all by tp; fp32 doubles it; with activation checkpointing a block
+    keeps only its 2·s·b·h input (÷ tp). An estimate: it
     assumes a 4h MLP, and counts the a·s² attention scores that a fused SDPA kernel does not store.
     """
     m, t, s = cfg.model, cfg.trainer, cfg.strategy
     sbh, scores, tp = t.seq_len * t.micro_batch_size * m.dim, 5 * m.n_heads * t.seq_len**2 * t.micro_batch_size, s.tp
-    sharded = s.sequence_parallel or tp == 1
-    full = (34 * sbh + scores) // tp if sharded else 10 * sbh + (24 * sbh + scores) // tp
-    kept = 2 * sbh // tp if sharded else 2 * sbh
+    full, kept = (34 * sbh + scores) // tp, 2 * sbh // tp
     scale = 2 if precision == "fp32" else 1
     return scale * (kept if s.activation_checkpoint else full), scale * full
 
@@ -108,13 +103,13 @@ def rank_memory(cfg: TrainConfig, pp_rank: int, precision: str) -> Memory:
     ZeRO-1 shards the optimizer state (K·P/N); ZeRO-2 the gradients too (P/N); ZeRO-3 the parameters
     too (P/N). Offload keeps the ZeRO-3 numbers in CPU memory."""
     s = cfg.strategy
-    stages = rank_stages(cfg, pp_rank)
-    p = sum(stage_params(cfg.model, i, num_stages(cfg), s.tp) for i in stages)
+    stages, n_stages = rank_stages(cfg, pp_rank), num_stages(s.pp, s.stages_per_rank)
+    p = sum(stage_params(cfg.model, i, n_stages, s.tp) for i in stages)
 
     def shard(n: int, level: int) -> int:  # sharded over dp_shard from ZeRO `level` up (rounded up: padding)
         return -(-n // s.dp_shard) if s.zero >= level else n
 
-    layers = sum(len(stage_layers(cfg.model.n_layers, num_stages(cfg))[i]) for i in stages)
+    layers = sum(len(stage_layers(cfg.model.n_layers, n_stages)[i]) for i in stages)
     kept, full = layer_activations(cfg, precision)
     activations = layers * in_flight(cfg, pp_rank) * kept + (full - kept)
     return Memory(
@@ -154,8 +149,9 @@ def group_lines(sizes: MeshSizes) -> list[str]:
 
 
 def pipeline_lines(cfg: TrainConfig) -> list[str]:
-    s, stages = cfg.strategy, num_stages(cfg)
-    lines = [f"pipeline ({s.schedule}, {stages} stages, {micro_batches(cfg)} micro-batches per step):"]
+    s = cfg.strategy
+    stages = num_stages(s.pp, s.stages_per_rank)
+    lines = [f"pipeline ({s.schedule}, {stages} stages, {step_micro_batches(cfg)} micro-batches per step):"]
     for pp_rank in range(s.pp):
         for i in rank_stages(cfg, pp_rank):
             parts = ["embedding"] if i == 0 else []
@@ -178,7 +174,7 @@ def memory_lines(cfg: TrainConfig, sizes: MeshSizes, precision: str) -> list[str
         lines.append(
             f"  {who}: params {human(mem.params)}, grads {human(mem.grads)}, optimizer {human(mem.optimizer)}, "
             f"activations {human(mem.activations)} ({n} micro-batch{'es' * (n > 1)} in flight); "
-            f"total {human(mem.total)}"
+            f"total {human(mem.device_total)}{' on the device' if mem.offloaded else ''}"
         )
         if mem.offloaded:
             lines.append(

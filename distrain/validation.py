@@ -7,10 +7,8 @@ import os
 
 from distrain.config import ConfigError, TrainConfig
 from distrain.data.corpus import corpus_files
-from distrain.layout import MeshSizes
+from distrain.layout import SCHEDULES, MeshSizes, micro_batches, num_stages
 
-# Pipeline schedules: name -> stages each rank holds by default (single- or multi-stage schedule).
-PIPELINE_SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "looped_bfs": 2, "interleaved_zb": 2}
 OPTIMIZERS = ("adamw", "sgd")
 WANDB_MODES = (None, "online", "offline", "disabled")
 PRECISIONS = ("auto", "fp32", "bf16")
@@ -38,7 +36,7 @@ def resolve_layout(cfg: TrainConfig) -> None:
     sizes = mesh_sizes(cfg)
     s.dp_replicate, s.dp_shard = sizes.dp_replicate, sizes.dp_shard
     if s.stages_per_rank is None:
-        s.stages_per_rank = PIPELINE_SCHEDULES.get(s.schedule, 1)
+        s.stages_per_rank = SCHEDULES[s.schedule].default_stages_per_rank if s.schedule in SCHEDULES else 1
 
 
 def _validate_mesh(cfg: TrainConfig) -> None:
@@ -68,7 +66,14 @@ def _validate_mesh(cfg: TrainConfig) -> None:
 
 def _validate_parallelisms(cfg: TrainConfig) -> None:
     """The per-parallelism rules; runs after resolve_layout, so every size is concrete."""
-    m, s, t = cfg.model, cfg.strategy, cfg.trainer
+    _validate_sharding(cfg)
+    _validate_tensor_parallel(cfg)
+    _validate_pipeline(cfg)
+    _validate_compile_and_checkpointing(cfg)
+
+
+def _validate_sharding(cfg: TrainConfig) -> None:
+    s = cfg.strategy
     _require(s.zero in (0, 1, 2, 3), f"strategy.zero={s.zero}: choose 0 (DDP), 1, 2 or 3")
     _require(
         s.zero > 0 or s.dp_shard == 1,
@@ -82,52 +87,82 @@ def _validate_parallelisms(cfg: TrainConfig) -> None:
     )
     _require(
         s.zero != 1 or (s.tp == 1 and s.pp == 1 and s.dp_replicate == 1),
-        f"unsupported combination: strategy.zero=1 (ZeroRedundancyOptimizer over DDP) needs a 1-D data-parallel "
-        f"mesh (tp=1, pp=1, dp_replicate=1; got tp={s.tp}, pp={s.pp}, dp_replicate={s.dp_replicate}); "
-        f"use strategy.zero=2 or 3 to combine sharding with other dims",
+        f"strategy.zero=1 (ZeroRedundancyOptimizer over DDP) is not supported with tp={s.tp}, pp={s.pp}, "
+        f"dp_replicate={s.dp_replicate}: it needs a 1-D data-parallel mesh; use strategy.zero=2 or 3 to combine "
+        f"sharding with other dims",
     )
     _require(
         not s.offload or (s.zero == 3 and s.tp == 1 and s.pp == 1),
-        f"unsupported combination: strategy.offload=true needs strategy.zero=3, tp=1, pp=1 "
-        f"(got zero={s.zero}, tp={s.tp}, pp={s.pp})",
+        f"strategy.offload=true is not supported with zero={s.zero}, tp={s.tp}, pp={s.pp}: it needs "
+        f"strategy.zero=3, tp=1, pp=1 (strategy=offload)",
     )
-    if s.tp > 1:
-        kv = m.n_kv_heads or m.n_heads
-        sizes = {"n_heads": m.n_heads, "n_kv_heads": kv, "ffn_dim": m.ffn_dim, "vocab_size": m.vocab_size}
-        for key, v in sizes.items():
-            _require(v % s.tp == 0, f"strategy.tp={s.tp} does not divide model.{key}={v}; choose a tp that divides it")
-        _require(
-            not s.sequence_parallel or t.seq_len % s.tp == 0,
-            f"strategy.tp={s.tp} does not divide trainer.seq_len={t.seq_len} (sequence parallel shards it); "
-            f"change one, or set strategy.sequence_parallel=false",
-        )
+
+
+def _validate_tensor_parallel(cfg: TrainConfig) -> None:
+    m, s, t = cfg.model, cfg.strategy, cfg.trainer
+    if s.tp == 1:
+        return
+    sizes = {"n_heads": m.n_heads, "n_kv_heads": m.n_kv_heads or m.n_heads, "ffn_dim": m.ffn_dim}
+    sizes["vocab_size"] = m.vocab_size
+    for key, v in sizes.items():
+        _require(v % s.tp == 0, f"strategy.tp={s.tp} does not divide model.{key}={v}; choose a tp that divides it")
     _require(
-        s.schedule in PIPELINE_SCHEDULES,
-        f"strategy.schedule={s.schedule!r} is not a known pipeline schedule; choose one of: "
-        f"{', '.join(PIPELINE_SCHEDULES)}",
+        t.seq_len % s.tp == 0,
+        f"strategy.tp={s.tp} does not divide trainer.seq_len={t.seq_len} (sequence parallelism shards it); "
+        f"change one of them",
+    )
+
+
+def _validate_pipeline(cfg: TrainConfig) -> None:
+    m, s, t = cfg.model, cfg.strategy, cfg.trainer
+    _require(
+        s.schedule in SCHEDULES,
+        f"strategy.schedule={s.schedule!r} is not a known pipeline schedule; choose one of: {', '.join(SCHEDULES)}",
     )
     _require(s.stages_per_rank >= 1, f"strategy.stages_per_rank={s.stages_per_rank}: must be ≥ 1")
-    if s.pp > 1:
-        multi = PIPELINE_SCHEDULES[s.schedule] > 1
+    if s.pp == 1:
+        return
+    multi = SCHEDULES[s.schedule].multi_stage
+    _require(
+        multi or s.stages_per_rank == 1,
+        f"strategy.schedule={s.schedule} runs one stage per rank; set strategy.stages_per_rank=1 "
+        f"or choose interleaved_1f1b",
+    )
+    stages = num_stages(s.pp, s.stages_per_rank)
+    _require(
+        stages <= m.n_layers,
+        f"strategy.pp × stages_per_rank = {stages} stages but model.n_layers={m.n_layers}; "
+        f"every stage needs a layer: lower strategy.pp or strategy.stages_per_rank",
+    )
+    n = micro_batches(t.global_batch_size, t.micro_batch_size, dp_size(cfg))
+    _require(
+        n >= s.pp and (not multi or n % s.pp == 0),
+        f"strategy.schedule={s.schedule} on strategy.pp={s.pp} needs {'a multiple of ' if multi else ''}"
+        f"at least {s.pp} micro-batches per step, but trainer.global_batch_size / (micro_batch_size × "
+        f"data-parallel size) = {n}; raise trainer.global_batch_size or lower trainer.micro_batch_size",
+    )
+
+
+def _validate_compile_and_checkpointing(cfg: TrainConfig) -> None:
+    """Combinations that crash inside torch 2.13 (each reproduced), refused before any worker starts."""
+    s = cfg.strategy
+    split = s.pp > 1 and SCHEDULES[s.schedule].split_backward
+    for key, on in (("compile", s.compile), ("activation_checkpoint", s.activation_checkpoint)):
         _require(
-            multi or s.stages_per_rank == 1,
-            f"strategy.schedule={s.schedule} runs one stage per rank; set strategy.stages_per_rank=1 "
-            f"or choose interleaved_1f1b",
+            not (on and split),
+            f"strategy.{key}=true is not supported with strategy.schedule={s.schedule} (its split backward pass "
+            f"fails on it); choose another schedule or set strategy.{key}=false",
         )
-        stages = s.pp * s.stages_per_rank
-        _require(
-            stages <= m.n_layers,
-            f"strategy.pp × stages_per_rank = {stages} stages but model.n_layers={m.n_layers}; "
-            f"every stage needs a layer: lower strategy.pp or strategy.stages_per_rank",
-        )
-        if t.global_batch_size % (t.micro_batch_size * dp_size(cfg)) == 0:
-            n_micro = t.global_batch_size // (t.micro_batch_size * dp_size(cfg))
-            _require(
-                n_micro >= s.pp and (not multi or n_micro % s.pp == 0),
-                f"strategy.schedule={s.schedule} on strategy.pp={s.pp} needs {'a multiple of ' if multi else ''}"
-                f"at least {s.pp} micro-batches per step, but trainer.global_batch_size / (micro_batch_size × "
-                f"data-parallel size) = {n_micro}; raise trainer.global_batch_size or lower trainer.micro_batch_size",
-            )
+    _require(
+        not (s.compile and s.tp > 1),
+        f"strategy.compile=true is not supported with strategy.tp={s.tp} (DTensor's backward fails under "
+        f"compile); set strategy.compile=false",
+    )
+    _require(
+        not (s.compile and s.activation_checkpoint),
+        "strategy.compile=true is not supported with strategy.activation_checkpoint=true (the checkpoint's "
+        "context cannot be traced); set one of them to false",
+    )
 
 
 def validate(cfg: TrainConfig) -> None:

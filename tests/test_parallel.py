@@ -97,16 +97,30 @@ def test_micro_batches_average_to_the_whole_batch_gradient(process_group):
 
 
 def test_fsdp_reduces_gradients_only_after_the_last_micro_batch(process_group):
-    """Under FSDP2 a skipped reduce-scatter leaves the sharded gradients unset: the micro-batch's
-    gradient is accumulated unsharded, locally, until the last micro-batch reduces it once."""
+    """Under FSDP2 a skipped reduce-scatter leaves the sharded gradients unset; the micro-batch's
+    gradient waits, unsharded and local, and the last micro-batch reduces the sum of both at once."""
+    cfg = ModelConfig(dim=16, n_layers=1, n_heads=2, ffn_dim=32)
     torch.manual_seed(0)
-    model = Transformer(ModelConfig(dim=16, n_layers=1, n_heads=2, ffn_dim=32), 8)
+    reference, model = Transformer(cfg, 8), Transformer(cfg, 8)
+    model.load_state_dict(reference.state_dict())
     sizes = MeshSizes(pp=1, dp_replicate=1, dp_shard=1, tp=1)
     fsdp = ParallelModel(model, StrategyConfig(zero=3), sizes, torch.device("cpu"), False, 2, cross_entropy)
-    x = torch.randint(0, 256, (2, 8))
+    x1, x2 = torch.randint(0, 256, (2, 8)), torch.randint(0, 256, (2, 8))
     with fsdp.no_sync(last=False):
-        cross_entropy(fsdp.module(x), x).backward()
+        cross_entropy(fsdp.module(x1), x1).backward()
     assert all(p.grad is None for p in fsdp.module.parameters())
     with fsdp.no_sync(last=True):
-        cross_entropy(fsdp.module(x), x).backward()
-    assert all(p.grad is not None for p in fsdp.module.parameters())
+        cross_entropy(fsdp.module(x2), x2).backward()
+    (cross_entropy(reference(x1), x1) + cross_entropy(reference(x2), x2)).backward()
+    for (name, want), got in zip(reference.named_parameters(), fsdp.module.parameters(), strict=True):
+        torch.testing.assert_close(got.grad.full_tensor(), want.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_every_schedule_name_has_a_torch_schedule():
+    from distrain.layout import SCHEDULES
+    from distrain.parallel.pipeline import SCHEDULE_CLASSES
+
+    assert SCHEDULE_CLASSES.keys() == SCHEDULES.keys()
+    for name, schedule in SCHEDULES.items():
+        multi = issubclass(SCHEDULE_CLASSES[name], torch.distributed.pipelining.schedules.PipelineScheduleMulti)
+        assert multi == schedule.multi_stage, name

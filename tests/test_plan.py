@@ -14,7 +14,7 @@ from distrain.cli import PLAN_HYDRA_OVERRIDES, plan_overrides
 from distrain.config import TrainConfig
 from distrain.layout import MESH_DIMS
 from distrain.model.size import num_params
-from distrain.plan import describe, num_stages, rank_memory, stage_params
+from distrain.plan import describe, rank_memory, stage_params
 from distrain.validation import validate
 
 
@@ -85,13 +85,15 @@ def test_memory_per_zero_level(tmp_path: Path, strategy: str, shards: tuple[bool
     m, t = cfg.model, cfg.trainer
     s, b = t.seq_len, t.micro_batch_size
     assert mem.activations == m.n_layers * 2 * (34 * s * b * m.dim + 5 * m.n_heads * s * s * b)
-    assert mem.total == sum(expected) + mem.activations
+    assert mem.device_total == sum(expected) + mem.activations
     assert f"strategy {strategy} (zero {cfg.strategy.zero})" in describe(cfg, fake_table(4, 4, gpus=False))
 
 
 def test_offload_says_where_the_state_lives(tmp_path: Path):
     cfg = planned(tmp_path, "cluster.num_workers=4", "strategy=offload")
-    assert rank_memory(cfg, 0, "fp32").params == 4 * (num_params(cfg.model) // 4)  # fp32, ZeRO-3 over 4
+    mem = rank_memory(cfg, 0, "fp32")
+    assert mem.params == 4 * (num_params(cfg.model) // 4)  # fp32, ZeRO-3 over 4
+    assert mem.device_total == mem.activations  # the model state is not on the device
     assert "sit in CPU memory" in describe(cfg, fake_table(4, 4, gpus=True))
 
 
@@ -109,7 +111,7 @@ def test_pipeline_stages_list_their_layers(tmp_path: Path):
         "stage 3 on pp rank 1: layer 5, norm, output",
     ]
     # The stages' parameters add up to the model's, and each rank holds its own stages' share.
-    counts = [stage_params(cfg.model, i, num_stages(cfg), 1) for i in range(4)]
+    counts = [stage_params(cfg.model, i, 4, 1) for i in range(4)]
     assert sum(counts) == num_params(cfg.model)
     assert rank_memory(cfg, 1, "fp32").params == 4 * (counts[1] + counts[3])
 

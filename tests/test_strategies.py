@@ -26,12 +26,14 @@ LAYOUTS = {
     "tp": (2, ["strategy=tp"], 1e-4),
     "dp_tp": (4, ["strategy=tp"], 1e-4),
     "fsdp_tp": (4, ["strategy=fsdp_tp"], 1e-4),
+    "tp_gathered_loss": (2, ["strategy=tp", "strategy.loss_parallel=false"], 1e-4),
     "pp_gpipe": (2, ["strategy=pp", "strategy.schedule=gpipe"], 1e-4),
     "pp_1f1b": (2, ["strategy=pp", "strategy.schedule=1f1b"], 1e-4),
     "pp_interleaved_1f1b": (2, ["strategy=pp", "strategy.schedule=interleaved_1f1b"], 1e-4),
     "pp_looped_bfs": (2, ["strategy=pp", "strategy.schedule=looped_bfs"], 1e-4),
     "pp_interleaved_zb": (2, ["strategy=pp", "strategy.schedule=interleaved_zb"], 1e-4),
     "dp_pp": (4, ["strategy=pp"], 1e-4),
+    "pp_checkpointed": (2, ["strategy=pp", "strategy.activation_checkpoint=true"], 1e-4),
     "3d": (8, ["strategy=3d"], 1e-4),
 }
 

@@ -39,10 +39,11 @@ def apply_replicate(model: nn.Module, dp_mesh: DeviceMesh, bf16: bool) -> nn.Mod
 
 
 def mixed_precision(bf16: bool) -> MixedPrecisionPolicy:
-    """bf16 compute with fp32 master weights and fp32 gradient reduction, or fp32 throughout."""
-    return (
-        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
-    )
+    """bf16 compute with fp32 master weights and fp32 gradient reduction, or fp32 throughout.
+    Inputs are not cast: the rotary tables a block receives stay fp32, as under DDP's autocast."""
+    if bf16:
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False)
+    return MixedPrecisionPolicy(cast_forward_inputs=False)
 
 
 def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, reshard_after_forward: bool, bf16: bool, offload: bool) -> None:

@@ -9,7 +9,6 @@ clipping across stages, and the module whose parameters the optimizer and checkp
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -21,10 +20,8 @@ from distrain.config import StrategyConfig
 from distrain.layout import MeshSizes
 from distrain.parallel.data_parallel import apply_ddp, apply_fsdp, apply_replicate, no_gradient_sync
 from distrain.parallel.dims import DATA_PARALLEL, build_mesh, coordinate, submesh
-from distrain.parallel.pipeline import Pipeline, split_stages
+from distrain.parallel.pipeline import LossFn, Pipeline, split_stages
 from distrain.parallel.tensor_parallel import apply_tp, loss_context
-
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def apply_activation_checkpointing(model: nn.Module) -> None:
@@ -58,6 +55,8 @@ def stage_union(parts: list[nn.Module]) -> nn.Module:
 
 
 class ParallelModel:
+    """One rank's share of the model under a strategy: its stages, wrapped, and how to step them."""
+
     def __init__(
         self,
         model: nn.Module,
@@ -87,12 +86,13 @@ class ParallelModel:
 
         self.pipeline = None
         if sizes.pp > 1:
-            num_stages = sizes.pp * cfg.stages_per_rank
-            self.pipeline = Pipeline(parts, num_stages, self.mesh["pp"], device, cfg.schedule, n_microbatches, loss_fn)
+            self.pipeline = Pipeline(parts, self.mesh["pp"], device, cfg.schedule, n_microbatches, loss_fn)
         self.parts = list(parts.values())
         self.module = self.parts[0] if len(self.parts) == 1 else stage_union(self.parts)
 
     def apply_data_parallel(self, model: nn.Module, bf16: bool) -> nn.Module:
+        """DDP where nothing else shards the model; FSDP2 for ZeRO-2/3; and for a replicated model
+        that holds DTensors (TP) or is a pipeline stage, FSDP2's `replicate`, which composes with both."""
         c, mesh = self.cfg, self.dp_mesh
         if mesh is None:  # every worker is taken by tensor or pipeline parallelism
             return model
@@ -118,6 +118,7 @@ class ParallelModel:
         return self.sizes.world_size // self.sizes.pp
 
     def no_sync(self, last: bool) -> contextlib.AbstractContextManager:
+        """For a non-final micro-batch: keep its gradient local (no collective) until the last one."""
         if last or self.dp_mesh is None:
             return contextlib.nullcontext()
         return no_gradient_sync(self.module)

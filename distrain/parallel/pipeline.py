@@ -21,9 +21,12 @@ from torch.distributed.pipelining import (
     ScheduleLoopedBFS,
 )
 
-from distrain.layout import stage_indices, stage_layers
+from distrain.layout import SCHEDULES, num_stages, stage_indices, stage_layers
 
-SCHEDULES = {
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+# The classes behind layout.SCHEDULES' names (a test checks that the two name the same schedules).
+SCHEDULE_CLASSES = {
     "gpipe": ScheduleGPipe,
     "1f1b": Schedule1F1B,
     "interleaved_1f1b": ScheduleInterleaved1F1B,
@@ -35,8 +38,8 @@ SCHEDULES = {
 def split_stages(model: nn.Module, pp_mesh: DeviceMesh, stages_per_rank: int) -> dict[int, nn.Module]:
     """This rank's stages, stage index → module; `model` itself becomes the last of them."""
     pp, pp_rank = pp_mesh.size(), pp_mesh.get_local_rank()
-    num_stages = pp * stages_per_rank
-    layers = stage_layers(len(model.layers), num_stages)
+    n_stages = num_stages(pp, stages_per_rank)
+    layers = stage_layers(len(model.layers), n_stages)
     mine = stage_indices(pp_rank, pp, stages_per_rank)
     stages = {}
     for n, index in enumerate(mine):
@@ -46,7 +49,7 @@ def split_stages(model: nn.Module, pp_mesh: DeviceMesh, stages_per_rank: int) ->
             del stage.layers[name]
         if index != 0:
             stage.tok_embeddings = None
-        if index != num_stages - 1:
+        if index != n_stages - 1:
             stage.norm, stage.output = None, None
         stages[index] = stage
     return stages
@@ -58,21 +61,20 @@ class Pipeline:
     def __init__(
         self,
         stages: dict[int, nn.Module],
-        num_stages: int,
         pp_mesh: DeviceMesh,
         device: torch.device,
         schedule: str,
         n_microbatches: int,
-        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        loss_fn: LossFn,
     ):
-        group = pp_mesh.get_group()
-        self.stages = [PipelineStage(m, i, num_stages, device, group=group) for i, m in stages.items()]
+        group, n_stages = pp_mesh.get_group(), num_stages(pp_mesh.size(), len(stages))
+        self.stages = [PipelineStage(m, i, n_stages, device, group=group) for i, m in stages.items()]
         self.has_first = 0 in stages
-        self.has_last = num_stages - 1 in stages
-        cls = SCHEDULES[schedule]
-        single = cls in (ScheduleGPipe, Schedule1F1B)
-        # scale_grads: the gradient is the mean over the micro-batches, as without a pipeline.
-        self.schedule = cls(self.stages[0] if single else self.stages, n_microbatches, loss_fn=loss_fn)
+        self.has_last = n_stages - 1 in stages
+        cls = SCHEDULE_CLASSES[schedule]
+        multi = SCHEDULES[schedule].multi_stage
+        # scale_grads (the default): the gradient is the mean over the micro-batches, as without a pipeline.
+        self.schedule = cls(self.stages if multi else self.stages[0], n_microbatches, loss_fn=loss_fn)
 
     def step(self, x: torch.Tensor, y: torch.Tensor, train: bool = True) -> list[torch.Tensor]:
         """Run the local batch through the pipeline (forward and backward when training); the

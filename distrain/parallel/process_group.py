@@ -11,8 +11,9 @@ import torch
 import torch.distributed as dist
 
 
-def init_from_env(timeout_s: float = 600.0) -> torch.device:
-    """NCCL and the local GPU when CUDA is visible, gloo and the CPU otherwise.
+def init_from_env(timeout_s: float = 600.0, cpu_collectives: bool = False) -> torch.device:
+    """NCCL and the local GPU when CUDA is visible, gloo and the CPU otherwise. `cpu_collectives`
+    adds gloo beside NCCL for tensors that live in CPU memory on a GPU machine (CPU offload).
 
     Reads RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT, exactly as torchrun sets them,
     so the same code runs under Ray workers and under plain torchrun.
@@ -24,14 +25,14 @@ def init_from_env(timeout_s: float = 600.0) -> torch.device:
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
-        backend = "nccl"
+        backend = "cuda:nccl,cpu:gloo" if cpu_collectives else "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
     if not dist.is_initialized():
         dist.init_process_group(
             backend,
             timeout=datetime.timedelta(seconds=timeout_s),
-            device_id=device if backend == "nccl" else None,
+            device_id=device if device.type == "cuda" else None,
         )
     return device
 

@@ -22,7 +22,7 @@ from distrain import checkpoint
 from distrain.config import TrainConfig, from_plain, resolve_precision
 from distrain.data.corpus import load_tokens
 from distrain.data.loader import TRAIN, VAL, Batches, split
-from distrain.layout import MeshSizes
+from distrain.layout import micro_batches
 from distrain.model.llama import Transformer
 from distrain.model.size import flops_per_token, num_params
 from distrain.parallel import process_group
@@ -30,6 +30,7 @@ from distrain.parallel.parallelize import ParallelModel
 from distrain.tracking import Tracker
 from distrain.train.metrics import peak_flops, peak_memory_bytes
 from distrain.train.optim import build_optimizer, local_optimizer, lr_at
+from distrain.validation import mesh_sizes
 
 Report = Callable[[dict], None]
 STATE_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -42,9 +43,10 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 def run_rank(job: dict, report: Report) -> dict:
     """Train this rank's part of the run described by `job` (a plain dict: config, run_dir,
     resume_from, started_at); rank 0 returns the run's results, the others an empty dict."""
-    device = process_group.init_from_env()
+    cfg = from_plain(job["config"])
+    device = process_group.init_from_env(cpu_collectives=cfg.strategy.offload)
     try:
-        return Trainer(from_plain(job["config"]), job, device, report).fit()
+        return Trainer(cfg, job, device, report).fit()
     finally:
         process_group.destroy()
 
@@ -60,11 +62,14 @@ class Trainer:
         self.precision = resolve_precision(t.precision, gpu=device.type == "cuda")
         self.micro_batch_size = t.micro_batch_size
 
-        sizes = MeshSizes(s.pp, s.dp_replicate, s.dp_shard, s.tp)  # resolved by the driver
+        sizes = mesh_sizes(cfg)
         assert sizes.world_size == self.world, f"{sizes} does not cover the {self.world} ranks"
-        self.accum_steps = t.global_batch_size // (t.micro_batch_size * sizes.dp)  # micro-batches per step
+        self.accum_steps = micro_batches(t.global_batch_size, t.micro_batch_size, sizes.dp)
         torch.manual_seed(t.seed)  # the same initial weights on every rank
-        model = Transformer(cfg.model, t.seq_len).to(device)
+        # Plain ZeRO-3 (and offload) moves each block to the device as it shards it: the whole model
+        # need never fit there.
+        fsdp_only = s.zero == 3 and s.tp == 1 and s.pp == 1
+        model = Transformer(cfg.model, t.seq_len).to("cpu" if fsdp_only else device)
         self.parallel = ParallelModel(
             model, s, sizes, device, self.precision == "bf16", self.accum_steps, cross_entropy
         )
