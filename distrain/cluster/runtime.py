@@ -19,16 +19,14 @@ def attach_address(address: str | None) -> str | None:
 
 
 def connect(address: str | None) -> None:
-    """Attach to the cluster `attach_address` names, or start a local one on loopback only;
-    `address="local"` keeps Ray from joining a stale `ray start` cluster."""
+    """Attach to the cluster `attach_address` names, or start a local one on loopback only (see the
+    package's __init__); `address="local"` keeps Ray from joining a stale `ray start` cluster."""
     if ray.is_initialized():
         return
     address = attach_address(address)
     if address:
         ray.init(address=address, logging_level="WARNING")
         return
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # bind 127.0.0.1, not the external NIC
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # a private cluster phones nobody
     ray.init(address="local", include_dashboard=False, logging_level="WARNING")
 
 
