@@ -1,0 +1,537 @@
+"""Collective bandwidth between distrain's workers, like nccl-tests:  python jobs/bench_collectives.py
+
+Checks a cluster before training on it. The workers are started the way training starts them (distrain's
+Ray layer: one worker per GPU, or a CPU share each with gloo when the cluster has no GPUs) and join the
+same process group, then time broadcast, reduce, all-reduce, all-gather, reduce-scatter and send/recv
+over message sizes from --min-bytes to --max-bytes. Per size it prints nccl-tests' columns: size, element
+count, dtype, time per operation (the max over ranks of each rank's mean), algorithm bandwidth
+(size / time) and bus bandwidth (algbw × nccl-tests' factor for the operation, comparable with the
+link's speed). Writes a markdown report (docs/collectives.md) and, with --json, the raw numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import shlex
+import sys
+import time
+from collections.abc import Callable
+from importlib.metadata import version
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch is imported where it runs: the driver itself never needs it
+    import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+OPS = ("broadcast", "reduce", "all_reduce", "all_gather", "reduce_scatter", "sendrecv")
+DTYPES = ("float32", "bfloat16", "float16")
+CPU_MAX_BYTES = 64 << 20  # keeps the default run on 2 CPU cores to about 2 minutes
+GPU_MAX_BYTES = 256 << 20
+UNSUPPORTED = re.compile(r"not supported|unsupported|does not support|not implemented", re.IGNORECASE)
+
+Row = dict  # {"op", "bytes", "count", "dtype", "time_us" (None: n/a), "algbw_gbps", "busbw_gbps", "note"}
+
+
+def bus_factor(op: str, world: int) -> float:
+    """nccl-tests' bus-bandwidth factor: the share of the data each rank's link carries, so the bus
+    bandwidth of a correct ring implementation is the link's speed whatever the world size."""
+    if op == "all_reduce":
+        return 2 * (world - 1) / world
+    if op in ("all_gather", "reduce_scatter"):
+        return (world - 1) / world
+    return 1.0
+
+
+def parse_bytes(text: str) -> int:
+    """'1024', '1K', '64M', '1G' (binary multiples, as nccl-tests reads -b/-e)."""
+    match = re.fullmatch(r"\s*(\d+)\s*([KMG]?)B?\s*", text, re.IGNORECASE)
+    if not match:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 1024, 1K, 64M or 1G")
+    return int(match[1]) << {"": 0, "K": 10, "M": 20, "G": 30}[match[2].upper()]
+
+
+def human(n: int) -> str:
+    for unit, shift in (("G", 30), ("M", 20), ("K", 10)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift} {unit}B"
+    return f"{n} B"
+
+
+def sizes(lo: int, hi: int, factor: int) -> list[int]:
+    out = [lo]
+    while out[-1] * factor <= hi:
+        out.append(out[-1] * factor)
+    return out
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--address", default=None, help="Ray cluster; default RAY_ADDRESS, else an embedded local one")
+    p.add_argument("--num-workers", type=int, default=None, help="ranks; default: every GPU, or 2 on CPUs")
+    p.add_argument("--cpu", action="store_true", help="gloo on CPU workers even when the cluster has GPUs")
+    p.add_argument(
+        "--min-bytes", type=parse_bytes, default=parse_bytes("1K"), help="smallest message, e.g. 1K (default)"
+    )
+    p.add_argument("--max-bytes", type=parse_bytes, default=None, help="largest message; default 64M on CPU, 256M GPU")
+    p.add_argument("--factor", type=int, choices=(2, 4), default=2, help="ratio between consecutive sizes (default 2)")
+    p.add_argument("--iters", type=int, default=20, help="timed operations per size (default 20)")
+    p.add_argument(
+        "--warmup", type=int, default=5, help="untimed operations per size before the timed ones (default 5)"
+    )
+    p.add_argument("--ops", default=",".join(OPS), help=f"comma-separated subset of {','.join(OPS)} (default: all)")
+    p.add_argument("--dtype", choices=DTYPES, default="float32", help="element type (default float32)")
+    p.add_argument("--cpus-per-worker", type=float, default=0.25, help="Ray CPU share per worker (default 0.25)")
+    p.add_argument("--threads-per-worker", type=int, default=1, help="torch threads per worker (default 1)")
+    p.add_argument(
+        "--out", default="docs/collectives.md", help="markdown report, '' for none (default docs/collectives.md)"
+    )
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the raw numbers as JSON")
+    args = p.parse_args(argv)
+    args.ops = [op.strip() for op in args.ops.split(",") if op.strip()]
+    unknown = sorted(set(args.ops) - set(OPS))
+    if unknown or not args.ops:
+        p.error(f"--ops: unknown {', '.join(unknown) or '(none given)'}; choose from {','.join(OPS)}")
+    if args.min_bytes < 1 or (args.max_bytes is not None and args.max_bytes < args.min_bytes):
+        p.error("--min-bytes must be at least 1 and at most --max-bytes")
+    if args.iters < 1 or args.warmup < 0:
+        p.error("--iters must be at least 1 and --warmup at least 0")
+    if args.num_workers is not None and args.num_workers < 1:
+        p.error("--num-workers must be at least 1")
+    return args
+
+
+# -- on every rank ----------------------------------------------------------------------------------
+
+
+def bench_rank(plan: dict, report: Callable[[dict], None]) -> dict:
+    """One rank's measurements; rank 0 returns the rows and every rank's device, the others {}. Each
+    time is reduced to its max over ranks inside the group, as nccl-tests does, so rank 0 holds the
+    finished row at once and its progress reports let the driver print rows as they come."""
+    import torch
+    import torch.distributed as dist
+
+    from distrain.parallel import process_group
+
+    device = process_group.init_from_env()
+    try:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        dtype = getattr(torch, plan["dtype"])
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        rows: list[Row] = []
+        for op in plan["ops"]:
+            note = None  # why the op is n/a, once it is
+            for size in plan["sizes"]:
+                count = size // itemsize
+                if op in ("all_gather", "reduce_scatter"):
+                    count -= count % world  # the large buffer splits evenly over the ranks
+                row = {"op": op, "bytes": count * itemsize, "count": count, "dtype": plan["dtype"], "time_us": None}
+                if count == 0:
+                    row["note"] = f"below one {plan['dtype']} per rank"
+                elif op == "sendrecv" and world == 1:
+                    row["note"] = note = "needs 2 ranks"
+                elif note is None:
+                    call, buffers = make_op(op, count, dtype, device, rank, world)
+                    note = probe(op, call, buffers, device, rank, world)
+                    if note is None:
+                        seconds = time_op(call, plan["warmup"], plan["iters"], device)
+                        worst = torch.tensor([seconds], dtype=torch.float64, device=device)
+                        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+                        row["time_us"] = worst.item() * 1e6
+                    del call, buffers
+                row.setdefault("note", note)
+                rows.append(row)
+                report({"rows": list(rows)})  # a copy: the driver's poll reads it from another thread
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        devices: list = [None] * world
+        dist.all_gather_object(devices, f"{os.uname().nodename}: {name}")
+        return {"rows": rows, "devices": devices} if rank == 0 else {}
+    finally:
+        process_group.destroy()
+
+
+Buffers = dict  # "in" (where present) and "out" of one operation
+
+
+def make_op(
+    op: str, count: int, dtype: torch.dtype, device: torch.device, rank: int, world: int
+) -> tuple[Callable[[], None], Buffers]:
+    """The operation on fresh buffers filled with rank + 1 (for `probe`'s check). In place where the
+    collective allows it (broadcast, reduce, all-reduce); all-gather and reduce-scatter go between one
+    buffer of `count` elements and one of count / world, like nccl-tests' out-of-place runs."""
+    import torch
+    import torch.distributed as dist
+
+    def filled(n: int) -> torch.Tensor:
+        return torch.full((n,), float(rank + 1), dtype=dtype, device=device)
+
+    # all_gather_single / reduce_scatter_single are the names torch 2.13 prefers; older ones have the others
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    if op in ("broadcast", "reduce", "all_reduce"):
+        buf = filled(count)
+        if op == "broadcast":
+            return (lambda: dist.broadcast(buf, src=0)), {"out": buf}
+        if op == "reduce":
+            return (lambda: dist.reduce(buf, dst=0)), {"out": buf}
+        return (lambda: dist.all_reduce(buf)), {"out": buf}
+    if op == "all_gather":
+        inp, out = filled(count // world), torch.empty(count, dtype=dtype, device=device)
+        return (lambda: all_gather(out, inp)), {"in": inp, "out": out}
+    if op == "reduce_scatter":
+        inp, out = filled(count), torch.empty(count // world, dtype=dtype, device=device)
+        return (lambda: reduce_scatter(out, inp)), {"in": inp, "out": out}
+    if op == "sendrecv":
+        send, recv = filled(count), torch.zeros(count, dtype=dtype, device=device)
+        ring = [
+            dist.P2POp(dist.isend, send, (rank + 1) % world),
+            dist.P2POp(dist.irecv, recv, (rank - 1) % world),
+        ]
+
+        def sendrecv() -> None:  # every rank sends to the next while receiving from the previous
+            for work in dist.batch_isend_irecv(ring):
+                work.wait()
+
+        return sendrecv, {"in": send, "out": recv}
+    raise ValueError(op)
+
+
+def expected(op: str, rank: int, world: int, numel: int) -> torch.Tensor | None:
+    """What `out` holds after one operation on inputs filled with rank + 1 (None: unspecified)."""
+    import torch
+
+    total = world * (world + 1) / 2
+    if op == "broadcast":
+        return torch.ones(numel)
+    if op in ("all_reduce", "reduce_scatter"):
+        return torch.full((numel,), total)
+    if op == "reduce":
+        return torch.full((numel,), total) if rank == 0 else None
+    if op == "all_gather":
+        return torch.arange(1, world + 1, dtype=torch.float64).repeat_interleave(numel // world)
+    if op == "sendrecv":
+        return torch.full((numel,), float((rank - 1) % world + 1))
+    raise ValueError(op)
+
+
+OK, UNSUPPORTED_HERE, WRONG = 2, 1, 0  # a rank's probe outcome; the group acts on the worst
+
+
+def probe(
+    op: str, call: Callable[[], None], buffers: Buffers, device: torch.device, rank: int, world: int
+) -> str | None:
+    """Run the operation once and check its result; return why it is n/a (the backend lacks it for this
+    dtype or device) or None. Every rank learns the worst outcome over ranks, so all skip it or all fail
+    together instead of the others waiting for a peer that never comes."""
+    import torch
+    import torch.distributed as dist
+
+    note, outcome = None, OK
+    try:
+        call()
+    except (RuntimeError, NotImplementedError, ValueError) as e:
+        if not UNSUPPORTED.search(str(e)):
+            raise
+        note, outcome = f"unsupported: {str(e).strip().splitlines()[0][:120]}", UNSUPPORTED_HERE
+    if outcome == OK:
+        want = expected(op, rank, world, buffers["out"].numel())
+        if want is not None and not torch.allclose(buffers["out"].double().cpu(), want.double(), rtol=1e-2):
+            outcome = WRONG
+    worst = torch.tensor([outcome], device=device)
+    dist.all_reduce(worst, op=dist.ReduceOp.MIN)
+    if worst.item() == WRONG:
+        raise RuntimeError(f"{op} of {buffers['out'].numel()} elements gave a wrong result on some rank")
+    if worst.item() == UNSUPPORTED_HERE:
+        return note or "unsupported on another rank"
+    for buf in buffers.values():
+        buf.zero_()  # repeated in-place sums of zeros never overflow, whatever --iters
+    return None
+
+
+def time_op(call: Callable[[], None], warmup: int, iters: int, device: torch.device) -> float:
+    """Mean seconds per operation on this rank: CUDA events around the launched loop on a GPU (the
+    launches queue up, as in nccl-tests), wall-clock time on a CPU, where gloo's calls return when
+    their operation is done. A barrier first, so every rank starts the timed loop together."""
+    import torch
+    import torch.distributed as dist
+
+    for _ in range(warmup):
+        call()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        dist.barrier()
+        torch.cuda.synchronize(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            call()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3 / iters
+    dist.barrier()
+    began = time.perf_counter()
+    for _ in range(iters):
+        call()
+    return (time.perf_counter() - began) / iters
+
+
+# -- on the driver ----------------------------------------------------------------------------------
+
+
+def finish_row(row: Row, world: int) -> Row:
+    if row["time_us"] is None:
+        return {**row, "algbw_gbps": None, "busbw_gbps": None}
+    algbw = row["bytes"] / (row["time_us"] * 1e-6) / 1e9
+    return {**row, "algbw_gbps": algbw, "busbw_gbps": algbw * bus_factor(row["op"], world)}
+
+
+CONSOLE = "{:>12} {:>12} {:>9} {:>12} {:>10} {:>10}  {}"
+
+
+def console_header(op: str) -> str:
+    return "\n".join(
+        [
+            f"# {op}",
+            CONSOLE.format("size(B)", "count", "type", "time(us)", "algbw", "busbw", "").rstrip(),
+            CONSOLE.format("", "(elements)", "", "", "(GB/s)", "(GB/s)", "").rstrip(),
+        ]
+    )
+
+
+def console_row(row: Row) -> str:
+    if row["time_us"] is None:
+        return CONSOLE.format(row["bytes"], row["count"], row["dtype"], "n/a", "n/a", "n/a", row["note"] or "")
+    return CONSOLE.format(
+        row["bytes"],
+        row["count"],
+        row["dtype"],
+        f"{row['time_us']:.1f}",
+        f"{row['algbw_gbps']:.3f}",
+        f"{row['busbw_gbps']:.3f}",
+        "",
+    ).rstrip()
+
+
+class Printer:
+    """Prints rank 0's finished rows as its progress reports them, so a long run is not silent."""
+
+    def __init__(self, world: int):
+        self.world, self.printed = world, 0
+        self.op: str | None = None
+
+    def __call__(self, progress: list[dict]) -> None:
+        rows = progress[0].get("rows", []) if progress else []
+        for row in rows[self.printed :]:
+            if row["op"] != self.op:
+                self.op = row["op"]
+                print(("\n" if self.printed else "") + console_header(self.op), flush=True)
+            print(console_row(finish_row(row, self.world)), flush=True)
+        self.printed = max(self.printed, len(rows))
+
+
+def machine(backend: str, world: int, devices: list[str], load: float) -> dict:
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
+        platform.processor() or "unknown",
+    )
+    info = {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch": version("torch"),
+        "ray": version("ray"),
+        "python": platform.python_version(),
+        "backend": backend,
+        "world_size": world,
+        "load": load,  # before the run: other work on the machine skews CPU numbers most
+        "ranks": devices,  # "host: device" of each rank, in rank order
+    }
+    gpus = [d.split(": ", 1)[1] for d in devices if not d.endswith(": cpu")]
+    if gpus:
+        info["gpu"] = f"{len(gpus)} × {gpus[0]}" if len(set(gpus)) == 1 else ", ".join(gpus)
+    return info
+
+
+def summary(rows: list[Row]) -> dict[str, dict]:
+    """Per op: the peak busbw (what large messages get) and the lowest time (the latency floor that
+    small messages pay), the two numbers a reader checks first."""
+    out: dict[str, dict] = {}
+    for r in rows:
+        if r["time_us"] is None:
+            continue
+        s = out.setdefault(r["op"], {"peak_busbw_gbps": -1.0, "min_time_us": float("inf")})
+        if r["busbw_gbps"] > s["peak_busbw_gbps"]:
+            s["peak_busbw_gbps"], s["peak_at_bytes"] = r["busbw_gbps"], r["bytes"]
+        if r["time_us"] < s["min_time_us"]:
+            s["min_time_us"], s["min_at_bytes"] = r["time_us"], r["bytes"]
+    return out
+
+
+def markdown(args: argparse.Namespace, info: dict, rows: list[Row], command: str, wall_s: float, reading: str) -> str:
+    world = info["world_size"]
+    hosts = sorted({d.split(": ", 1)[0] for d in info["ranks"]})
+    hardware = f"{info['cpu']}, {info['cores']} cores, " + (info.get("gpu") or "no GPU")
+    lines = [
+        "# Collectives",
+        "",
+        "Bandwidth of torch.distributed collectives between distrain's workers, reported the way",
+        "[nccl-tests](https://github.com/NVIDIA/nccl-tests) reports it, so a cluster can be checked before",
+        "training on it. `jobs/bench_collectives.py` starts the workers through distrain's own Ray layer",
+        "(`WorkerGroup`: one worker per GPU with NCCL, or a CPU share each with gloo) and each rank joins the",
+        "process group with `init_from_env`, exactly as training does.",
+        "",
+        "```bash",
+        command,
+        "```",
+        "",
+        f"- Machine: {hardware}; torch {info['torch']}, ray {info['ray']}, Python {info['python']}; "
+        f"1-minute load average {info['load']:.2f} before the run and {info['load_after']:.2f} after it "
+        "(other work on the machine inflates CPU times).",
+        f"- {world} rank(s) on {len(hosts)} node(s), {info['backend']}, {args.dtype}; {args.warmup} warm-up and "
+        f"{args.iters} timed operations per size; sizes {human(args.min_bytes)}–{human(args.max_bytes)} in steps "
+        f"of ×{args.factor}; {args.threads_per_worker} torch thread(s) per worker. The whole run took "
+        f"{wall_s:.0f} s, Ray's start included.",
+        "- **time**: each rank's mean time per operation (CUDA events around the loop on GPUs; wall clock",
+        "  after a barrier on CPUs, where gloo's calls return when done), the max over ranks.",
+        "- **size** is the larger buffer, as in nccl-tests: all-gather's output and reduce-scatter's input",
+        "  (each rank contributes or keeps size ÷ ranks); **count** is its number of elements.",
+        "- **algbw** = size ÷ time (GB/s = 10⁹ B/s); **busbw** = algbw × nccl-tests' factor: all-reduce",
+        "  2(n−1)/n, all-gather and reduce-scatter (n−1)/n, broadcast, reduce and send/recv 1. busbw is",
+        "  comparable across world sizes and with the speed of the links themselves.",
+        "- broadcast, reduce and all-reduce run in place; send/recv is a ring (each rank sends to the next",
+        "  and receives from the previous at once). Each operation's result is checked once before timing.",
+        "- **n/a**: the backend does not implement the operation for this dtype or device (gloo lacks some,",
+        "  depending on the PyTorch version; torch 2.13's gloo has all six for float32 and bfloat16); the",
+        "  benchmark says so and goes on rather than failing.",
+        "",
+        "## Summary",
+        "",
+        "| operation | peak busbw (GB/s) | at size | lowest time (µs) | at size |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    table = summary(rows)
+    for op in args.ops:
+        if op in table:
+            s = table[op]
+            lines.append(
+                f"| {op} | {s['peak_busbw_gbps']:.3f} | {human(s['peak_at_bytes'])} "
+                f"| {s['min_time_us']:,.1f} | {human(s['min_at_bytes'])} |"
+            )
+        else:
+            lines.append(f"| {op} | n/a | | n/a | |")
+    lines += ["", "## Reading", "", reading, ""]
+    for op in args.ops:
+        mine = [r for r in rows if r["op"] == op]
+        lines += [
+            f"## {op} (busbw factor {bus_factor(op, world):.3g})",
+            "",
+            "| size | size (B) | count | type | time (µs) | algbw (GB/s) | busbw (GB/s) |",
+            "| ---: | ---: | ---: | --- | ---: | ---: | ---: |",
+        ]
+        for r in mine:
+            if r["time_us"] is None:
+                cells = ["n/a", "n/a", "n/a"]
+            else:
+                cells = [f"{r['time_us']:,.1f}", f"{r['algbw_gbps']:.3f}", f"{r['busbw_gbps']:.3f}"]
+            lines.append(f"| {human(r['bytes'])} | {r['bytes']} | {r['count']} | {r['dtype']} | {' | '.join(cells)} |")
+        notes = sorted({r["note"] for r in mine if r.get("note")})
+        lines += ["", *(f"n/a: {n}" for n in notes), *([""] if notes else [])]
+    return "\n".join(lines)
+
+
+def previous_reading(out: Path) -> str | None:
+    """The hand-written reading of an earlier report, kept when the tables are regenerated (check it
+    still fits the new numbers)."""
+    if out.exists():
+        text = out.read_text()
+        if "\n## Reading\n" in text:
+            return text.split("\n## Reading\n", 1)[1].split("\n## ", 1)[0].strip()
+    return None
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if (args.address or os.environ.get("RAY_ADDRESS")) in (None, "", "local"):
+        # An embedded cluster, on loopback only. Ray reads this when it is imported, hence before the imports
+        # below: set later (as distrain.cluster.runtime.connect does), Ray still binds the external interface.
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    import ray
+
+    from distrain.cluster.runtime import CapacityError, check_capacity, connect, has_gpus
+    from distrain.cluster.worker_group import GroupSpec, PlacementError, WorkerFailure, WorkerGroup
+
+    exe = os.path.relpath(sys.executable, ROOT) if sys.executable.startswith(str(ROOT)) else sys.executable
+    command = shlex.join([exe, "jobs/bench_collectives.py", *(sys.argv[1:] if argv is None else argv)])
+    started, load = time.time(), os.getloadavg()[0]
+    connect(args.address)
+    try:
+        use_gpu = has_gpus() and not args.cpu
+        if args.num_workers is None:
+            args.num_workers = int(ray.cluster_resources().get("GPU", 0)) if use_gpu else 2
+        if args.max_bytes is None:
+            args.max_bytes = max(args.min_bytes, GPU_MAX_BYTES if use_gpu else CPU_MAX_BYTES)
+        spec = GroupSpec(
+            num_workers=args.num_workers,
+            cpus_per_worker=args.cpus_per_worker,
+            gpus_per_worker=1 if use_gpu else 0,
+            threads_per_worker=args.threads_per_worker,
+        )
+        check_capacity(spec.num_workers, spec.cpus_per_worker, spec.gpus_per_worker)
+        backend = "nccl" if use_gpu else "gloo"
+        if args.num_workers == 1:
+            print("bench_collectives: 1 rank: the collectives move no data and send/recv is n/a", file=sys.stderr)
+        plan = {
+            "ops": args.ops,
+            "sizes": sizes(args.min_bytes, args.max_bytes, args.factor),
+            "dtype": args.dtype,
+            "iters": args.iters,
+            "warmup": args.warmup,
+        }
+        print(
+            f"bench_collectives: {args.num_workers} rank(s), {backend}, {args.dtype}, "
+            f"{human(args.min_bytes)}..{human(args.max_bytes)} ×{args.factor}, "
+            f"{args.warmup}+{args.iters} operations per size, ops {','.join(args.ops)}",
+            flush=True,
+        )
+        printer = Printer(args.num_workers)
+        with WorkerGroup(spec) as group:
+            group.start()
+            result = group.run(bench_rank, plan, on_progress=printer)[0]
+        printer([{"rows": result["rows"]}])  # whatever the last poll missed
+    except (CapacityError, PlacementError, WorkerFailure) as e:
+        raise SystemExit(f"bench_collectives: error: {e}") from None
+    finally:
+        ray.shutdown()
+    wall_s = time.time() - started
+    rows = [finish_row(r, args.num_workers) for r in result["rows"]]
+    info = machine(backend, args.num_workers, result["devices"], load)
+    info["load_after"] = os.getloadavg()[0]
+    print(f"\nbench_collectives: done in {wall_s:.0f}s")
+    for op, s in summary(rows).items():
+        print(
+            f"  {op:15s} peak busbw {s['peak_busbw_gbps']:.3f} GB/s at {human(s['peak_at_bytes'])}; "
+            f"lowest time {s['min_time_us']:.1f} µs at {human(s['min_at_bytes'])}"
+        )
+    if args.out:
+        out = ROOT / args.out
+        out.parent.mkdir(parents=True, exist_ok=True)
+        reading = previous_reading(out)
+        blank = "(No reading yet: say here what the numbers mean for this cluster.)"
+        out.write_text(markdown(args, info, rows, command, wall_s, reading or blank))
+        print(f"wrote {out}" + ("; it keeps the earlier Reading: check that against these numbers" if reading else ""))
+    if args.json:
+        raw = {"command": command, "machine": info, "settings": vars(args), "wall_s": wall_s, "rows": rows}
+        Path(args.json).write_text(json.dumps(raw, indent=1) + "\n")
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
