@@ -4,7 +4,7 @@ Both run as subprocesses on this machine with the same model, batches, optimizer
 `jobs/train.py` (Ray workers) and `torchrun --standalone jobs/ddp_torchrun.py`. Per run it takes the
 median step time after a warm-up (from the wall-clock `time` of consecutive step records, so all
 per-step work counts, logging included) and the time from launching the command to the first
-completed step. It prints a table and writes it, with the machine and settings, to docs/benchmarks.md.
+completed step. It prints a table and writes it, with the machine and settings, to docs/ddp.md.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=10, help="first steps left out of the step time")
     p.add_argument("--repeats", type=int, default=3, help="runs of each, alternating which goes first")
     p.add_argument("--timeout", type=float, default=1200.0, help="seconds one run may take")
-    p.add_argument("--out", default="docs/benchmarks.md", help="markdown file to write ('' for none)")
+    p.add_argument("--out", default="docs/ddp.md", help="markdown file to write ('' for none)")
     args = p.parse_args()
     if torch.cuda.is_available() and args.workers > torch.cuda.device_count():
         p.error(f"--workers={args.workers} but this machine has {torch.cuda.device_count()} GPU(s)")
@@ -324,9 +324,7 @@ def markdown(args: argparse.Namespace, info: dict, results: list[Result], comman
     hardware = f"{info['cpu']}, {info['cores']} cores" + (f", {info['gpu']}" if "gpu" in info else ", no GPU")
     return "\n".join(
         [
-            "# Benchmarks",
-            "",
-            "## DDP: distrain vs torchrun",
+            "# DDP: distrain vs torchrun",
             "",
             "distrain's DDP (`jobs/train.py`: an embedded Ray cluster, one worker actor per rank) beside the",
             "plain DDP script a user would write by hand (`jobs/ddp_torchrun.py` under",
