@@ -96,7 +96,7 @@ def stage_layers(n_layers: int, num_stages: int) -> list[range]:
     extra[-1] += 1
     counts = [1] * num_stages
     for _ in range(n_layers - num_stages):
-        cheapest = min(range(num_stages), key=lambda i: (counts[i] + extra[i], i))
+        cheapest = min(range(num_stages), key=lambda i: (counts[i] + extra[i], counts[i], i))
         counts[cheapest] += 1
     bounds = [sum(counts[:i]) for i in range(num_stages + 1)]
     return [range(bounds[i], bounds[i + 1]) for i in range(num_stages)]

@@ -27,6 +27,7 @@ def test_mesh_sizes_fill_the_open_dim_and_lay_ranks_out_row_major():
     [
         (4, 2, [2, 2]),  # embedding + 2 blocks | 2 blocks + head
         (6, 4, [1, 2, 2, 1]),  # the end stages carry the embedding and the head
+        (8, 4, [2, 2, 2, 2]),  # ties go to the stage with fewer blocks
         (8, 8, [1] * 8),
         (5, 1, [5]),
     ],

@@ -1,0 +1,349 @@
+"""Pipeline bubble, measured:  python jobs/bench_bubble.py [--pp 2] [--micro-batches 2 4 8 16]
+
+Runs every schedule distrain offers (`distrain.layout.SCHEDULES`) through `ParallelModel`
+in `pp` gloo processes on 127.0.0.1 (no Ray: a parallel-layer measurement) and times, on each rank,
+the calls that compute: its stages' forward, backward (input and weight parts) and the loss. A
+rank's idle fraction is 1 − compute / step, the step being the slowest rank's wall time of the
+schedule's `step` (all ranks start it together after a barrier), beside the textbook bubble
+(p − 1) / (v·m + p − 1). jobs/bench_strategies.py puts the results in docs/strategies.md; alone,
+this prints the table and can write the plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from distrain.config import ModelConfig, StrategyConfig
+from distrain.layout import SCHEDULES, MeshSizes, stage_layers
+from distrain.model.llama import Transformer
+from distrain.parallel import process_group
+from distrain.parallel.parallelize import ParallelModel
+from distrain.train.loop import cross_entropy
+
+ROOT = Path(__file__).resolve().parent.parent
+# The stage calls a schedule makes that compute; the rest of its time is spent waiting on peers.
+STAGE_COMPUTE = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
+COLOURS = {"gpipe": "#1f77b4", "1f1b": "#ff7f0e", "interleaved_1f1b": "#2ca02c", "looped_bfs": "#d62728"}
+COLOURS["interleaved_zb"] = "#9467bd"
+DISTURBED = 0.9  # a rank computing with its core less than this share of the time: the cell is starred
+
+
+@dataclass
+class BubbleSetup:
+    pp: int = 2
+    micro_batches: list[int] = field(default_factory=lambda: [2, 4, 8, 16])
+    dim: int = 256
+    n_layers: int = 8
+    seq_len: int = 128
+    micro_batch_size: int = 2
+    steps: int = 8  # timed steps per schedule and micro-batch count
+    warmup: int = 1  # untimed first steps (the first one also infers the stages' shapes)
+
+    @property
+    def model(self) -> ModelConfig:
+        heads = self.dim // 64
+        return ModelConfig(name="bubble", dim=self.dim, n_layers=self.n_layers, n_heads=heads, ffn_dim=3 * self.dim)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def join_group(rank: int, world: int, port: int) -> torch.device:
+    """Join a gloo group on loopback as torchrun would set it up, with one torch thread per rank."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+    os.environ.update(MASTER_PORT=str(port), CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    return process_group.init_from_env()
+
+
+def spawn(fn: Callable[..., None], world: int, *args: Any) -> list[dict]:
+    """Run fn(rank, port, out_dir, *args) in `world` processes; each writes its result to rank<r>.json.
+    A rank that dies after writing it (gloo can abort a process on its way out while one of its threads
+    still runs) has done its work: its result is kept, with a warning."""
+    with tempfile.TemporaryDirectory(prefix="bench_") as out:
+        files = [Path(out, f"rank{r}.json") for r in range(world)]
+        try:
+            mp.spawn(fn, args=(free_port(), out, *args), nprocs=world)
+        except mp.ProcessExitedException as e:
+            if not all(f.exists() for f in files):
+                raise
+            print(f"bench: {e} after writing its results; keeping them", file=sys.stderr, flush=True)
+        return [json.loads(f.read_text()) for f in files]
+
+
+class ComputeClock:
+    """Wall seconds this rank spends inside the calls it wraps, and the CPU seconds its thread got
+    meanwhile: their ratio falls below 1 when another process took the rank's core."""
+
+    def __init__(self) -> None:
+        self.seconds = self.cpu_seconds = 0.0
+
+    def wrap(self, fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start, cpu = time.perf_counter(), time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+                self.cpu_seconds += time.thread_time() - cpu
+
+        return timed
+
+
+def valid(schedule: str, pp: int, m: int) -> bool:
+    """What distrain's validation allows: m ≥ pp, and a multiple of pp for the multi-stage schedules."""
+    return m >= pp and (not SCHEDULES[schedule].multi_stage or m % pp == 0)
+
+
+Timing = tuple[float, float, float]  # one step on one rank: compute wall seconds, compute CPU seconds, step seconds
+
+
+def time_schedule(setup: BubbleSetup, schedule: str, m: int, device: torch.device) -> list[Timing]:
+    """This rank's timing of each timed step; the step is the pipeline's, its slowest rank's."""
+    torch.manual_seed(0)
+    model = Transformer(setup.model, setup.seq_len)
+    v = SCHEDULES[schedule].default_stages_per_rank
+    strategy = StrategyConfig(dp_replicate=1, pp=setup.pp, schedule=schedule, stages_per_rank=v)
+    clock = ComputeClock()
+    parallel = ParallelModel(model, strategy, MeshSizes(setup.pp, 1, 1, 1), device, False, m, clock.wrap(cross_entropy))
+    for stage in parallel.pipeline.stages:
+        for name in STAGE_COMPUTE:
+            setattr(stage, name, clock.wrap(getattr(stage, name)))
+    tokens = torch.randint(0, setup.model.vocab_size, (m * setup.micro_batch_size, setup.seq_len))
+    timed = []
+    for i in range(setup.warmup + setup.steps):
+        dist.barrier()
+        clock.seconds = clock.cpu_seconds = 0.0
+        start = time.perf_counter()
+        parallel.forward_backward(tokens, tokens, setup.micro_batch_size)
+        elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        if i >= setup.warmup:
+            timed.append((clock.seconds, clock.cpu_seconds, elapsed.item()))
+    return timed
+
+
+def bubble_rank(rank: int, port: int, out: str, setup: BubbleSetup) -> None:
+    """One pipeline rank: every schedule at every micro-batch count; compute and step seconds to a file."""
+    device = join_group(rank, setup.pp, port)
+    cores = sorted(os.sched_getaffinity(0))
+    if setup.pp <= len(cores):
+        os.sched_setaffinity(0, {cores[rank]})  # a core of its own: no rank waits for a CPU, only for its peers
+    results = {}
+    for schedule in SCHEDULES:
+        for m in setup.micro_batches:
+            if valid(schedule, setup.pp, m):
+                results[f"{schedule}/{m}"] = time_schedule(setup, schedule, m, device)
+    Path(out, f"rank{rank}.json").write_text(json.dumps(results))
+    process_group.destroy()
+
+
+def theory(schedule: str, pp: int, m: int) -> float:
+    """Bubble of GPipe/1F1B, (p − 1) / (m + p − 1); with v stages per rank (interleaved, looped BFS)
+    each stage's work is 1/v as long, so (p − 1) / (v·m + p − 1). Balanced stages assumed; zero-bubble
+    schedules aim below it by filling the bubble with deferred weight gradients."""
+    v = SCHEDULES[schedule].default_stages_per_rank
+    return (pp - 1) / (v * m + pp - 1)
+
+
+def measure_bubble(setup: BubbleSetup) -> dict[str, dict[int, dict[str, Any]]]:
+    """schedule → m → idle (median over the timed steps of the mean over ranks), step seconds
+    (median), theory; the least CPU share of any rank's compute (below 1 when other processes took the
+    rank's core, which stretches its compute and makes its peers wait: idle that is not bubble); and the
+    balance, the least-computing rank's compute over the most-computing one's (median over steps)."""
+    ranks = spawn(bubble_rank, setup.pp, setup)
+    results: dict[str, dict[int, dict[str, Any]]] = {}
+    for key in ranks[0]:
+        schedule, m = key.split("/")
+        steps = [[r[key][i] for r in ranks] for i in range(setup.steps)]  # step → rank → (wall, cpu, step)
+        results.setdefault(schedule, {})[int(m)] = {
+            "idle": statistics.median(statistics.fmean(1 - wall / step for wall, _, step in s) for s in steps),
+            "step_s": statistics.median(s[0][2] for s in steps),
+            "theory": theory(schedule, setup.pp, int(m)),
+            "cpu_share": min(sum(cpu for _, cpu, _ in r[key]) / sum(wall for wall, _, _ in r[key]) for r in ranks),
+            "balance": statistics.median(min(wall for wall, _, _ in s) / max(wall for wall, _, _ in s) for s in steps),
+        }
+    return results
+
+
+def cell(point: dict[str, Any]) -> str:
+    """'measured (theory)', starred where other processes held a rank's core for over 10% of its compute."""
+    star = "*" if point["cpu_share"] < DISTURBED else ""
+    return f"{point['idle']:.3f}{star} ({point['theory']:.3f})"
+
+
+def table(results: dict[str, dict[int, dict[str, Any]]], setup: BubbleSetup) -> list[str]:
+    """Markdown: one row per schedule; per micro-batch count m, the idle fraction 'measured (theory)',
+    then the step's seconds."""
+    ms = setup.micro_batches
+    rows = [
+        "| schedule | v | " + " | ".join([*(f"idle, m = {m}" for m in ms), *(f"step (s), m = {m}" for m in ms)]) + " |",
+        "| --- | ---: | " + " | ".join("---:" for _ in range(2 * len(ms))) + " |",
+    ]
+    for schedule, by_m in results.items():
+        cells = [cell(by_m[m]) if m in by_m else "—" for m in setup.micro_batches]
+        cells += [f"{by_m[m]['step_s']:.2f}" if m in by_m else "—" for m in setup.micro_batches]
+        rows.append(f"| {schedule} | {SCHEDULES[schedule].default_stages_per_rank} | " + " | ".join(cells) + " |")
+    return rows
+
+
+def svg(results: dict[str, dict[int, dict[str, Any]]], setup: BubbleSetup) -> str:
+    """A line plot by hand (no plotting library): idle fraction against m on a log₂ axis, one
+    coloured line per schedule, the theory for v = 1 and v = 2 in black, dashed and dotted."""
+    width, height, left, right, top, bottom = 760, 440, 70, 240, 40, 60
+    lo, hi = setup.micro_batches[0], max(setup.micro_batches[-1], 2 * setup.micro_batches[0])
+    highest = max([p["idle"] for by_m in results.values() for p in by_m.values()] + [theory("gpipe", setup.pp, lo)])
+    y_top = math.ceil(highest * 10 + 0.2) / 10
+
+    def x(m: float) -> float:
+        return left + (width - left - right) * math.log2(m / lo) / math.log2(hi / lo)
+
+    def y(v: float) -> float:
+        return top + (height - top - bottom) * (1 - v / y_top)
+
+    def line(points: list[tuple[float, float]], colour: str, dash: str = "none") -> str:
+        d = " ".join(f"{x(m):.1f},{y(v):.1f}" for m, v in points)
+        return f'<polyline points="{d}" fill="none" stroke="{colour}" stroke-width="2" stroke-dasharray="{dash}"/>'
+
+    def text(at_x: float, at_y: float, label: str, anchor: str = "middle", extra: str = "") -> str:
+        return f'<text x="{at_x:.1f}" y="{at_y:.1f}" text-anchor="{anchor}" {extra}>{label}</text>'
+
+    middle = (x(lo) + x(hi)) / 2
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" '
+        'font-size="13"><rect width="100%" height="100%" fill="white"/>',
+        text(middle, 22, f"Pipeline bubble: pp = {setup.pp}, measured vs theory", extra='font-size="15"'),
+        text(middle, height - 16, "micro-batches per step, m (log scale)"),
+        text(0, 0, "idle fraction of a rank", extra=f'transform="translate(20,{(y(0) + y(y_top)) / 2}) rotate(-90)"'),
+    ]
+    for i in range(round(y_top * 10) + 1):
+        out.append(f'<line x1="{x(lo) - 4}" y1="{y(i / 10)}" x2="{x(hi)}" y2="{y(i / 10)}" stroke="#ddd"/>')
+        out.append(text(x(lo) - 8, y(i / 10) + 4, f"{i / 10:.1f}", "end"))
+    out += [text(x(m), y(0) + 18, str(m)) for m in setup.micro_batches]
+    out.append(line([(lo, y_top), (lo, 0), (hi, 0)], "black").replace('stroke-width="2"', 'stroke-width="1"'))
+    curve = [lo * (hi / lo) ** (k / 40) for k in range(41)]
+    legend = []
+    for v, dash in ((1, "7,4"), (2, "2,3")):
+        out.append(line([(m, (setup.pp - 1) / (v * m + setup.pp - 1)) for m in curve], "black", dash))
+        legend.append((f"theory (p−1)/({'' if v == 1 else v}m+p−1)", "black", dash))
+    for schedule, by_m in results.items():
+        colour, points = COLOURS[schedule], sorted((m, p["idle"]) for m, p in by_m.items())
+        out.append(line(points, colour))
+        out += [f'<circle cx="{x(m):.1f}" cy="{y(v):.1f}" r="3.5" fill="{colour}"/>' for m, v in points]
+        legend.append((f"{schedule} (v = {SCHEDULES[schedule].default_stages_per_rank})", colour, "none"))
+    for i, (name, colour, dash) in enumerate(legend):
+        at = top + 10 + 22 * i
+        out.append(
+            f'<line x1="{x(hi) + 15}" y1="{at}" x2="{x(hi) + 43}" y2="{at}" stroke="{colour}" stroke-width="2" '
+            f'stroke-dasharray="{dash}"/>'
+        )
+        out.append(text(x(hi) + 49, at + 4, name, "start"))
+    return "\n".join([*out, "</svg>", ""])
+
+
+def section(results: dict[str, dict[int, dict[str, Any]]], setup: BubbleSetup, plot: str) -> list[str]:
+    """The bubble's part of docs/strategies.md: set-up, table, plot and a reading of the numbers."""
+    splits = {v: [len(r) for r in stage_layers(setup.n_layers, setup.pp * v)] for v in (1, 2)}
+    cores = len(os.sched_getaffinity(0))
+    points = [p for by_m in results.values() for p in by_m.values()]
+    clean = [p["idle"] - p["theory"] for p in points if p["cpu_share"] >= DISTURBED]
+    below = [f"{s} at m = {m}" for s, by_m in results.items() for m, p in by_m.items() if p["idle"] < p["theory"]]
+    comparison = (
+        f"Measured minus theory: {statistics.median(clean):+.3f} (median over the {len(clean)} unstarred cells of "
+        f"{len(points)}; range {min(clean):+.3f} to {max(clean):+.3f})."
+        if clean
+        else "Every cell is starred: other processes held the cores throughout, so these idle fractions include "
+        "their interference and say little against theory; rerun on a quiet machine."
+    )
+    if below:
+        comparison += (
+            f" Below theory: {', '.join(below)} (interleaved_zb's deferred weight gradients fill part of the bubble, "
+            "which the formula does not count; elsewhere, noise)."
+        )
+    last = {s: by_m[max(by_m)]["idle"] for s, by_m in results.items()}
+    m_last = max(max(by_m) for by_m in results.values())
+    placement = (
+        "each pinned to a core of its own"
+        if setup.pp <= cores
+        else f"on {cores} cores: oversubscribed, so a rank waiting for a core counts as computing and the idle "
+        "fraction is not the bubble alone"
+    )
+    return [
+        f"Model dim {setup.dim}, {setup.n_layers} layers, {setup.dim // 64} heads, ffn {3 * setup.dim}, vocab "
+        f"{setup.model.vocab_size}, "
+        f"sequence {setup.seq_len}, micro-batches of {setup.micro_batch_size} sequences, fp32, through "
+        f"`ParallelModel` on pp = {setup.pp} gloo processes with one thread, {placement}. distrain splits the "
+        f"blocks into stages of {splits[1]} blocks (v = 1) and {splits[2]} (v = 2, rank r holding stages r and "
+        f"r + {setup.pp}), counting the embedding and the head as a block each. Each rank times its compute: its "
+        "stages' `forward_one_chunk`, `backward_one_chunk`, `backward_weight_one_chunk` and the loss. Idle = "
+        "1 − compute / step, the step being the slowest rank's wall time of the schedule's `step`, started after "
+        f"a barrier; mean over ranks, median over {setup.steps} timed steps after {setup.warmup} warm-up. Cells: "
+        "measured (theory (p − 1)/(v·m + p − 1), v = stages per rank); * marks a cell where another process "
+        f"held a rank's core for more than {1 - DISTURBED:.0%} of its compute time.",
+        "",
+        *table(results, setup),
+        "",
+        f"![idle fraction against micro-batches per schedule, with theory]({plot})",
+        "",
+        f"{comparison} At m = {m_last}: "
+        + ", ".join(f"{s} {v:.3f}" for s, v in last.items())
+        + ". Theory counts only the pipeline's fill and drain, with equal stages. A real step adds unequal "
+        f"ranks: the less loaded one computes {statistics.median(p['balance'] for p in points):.0%} as long as the "
+        "other (median over the cells; the last stage also runs the head and the loss, and a core's speed varies "
+        "from step to step), and waits for it at every micro-batch. It adds the send and receive of every "
+        "micro-batch (gloo's threads need a core, and both are computing), the schedule's Python bookkeeping and "
+        "the gradient scaling after the last backward, all outside the timed calls. GPipe and 1F1B have the same "
+        "bubble in theory (1F1B holds fewer activations, it does not idle less); v = 2 halves the fill and drain."
+        + (
+            f" pp = {2 * setup.pp} is not measured here: {2 * setup.pp} single-threaded ranks on {cores} cores take "
+            "turns, so a rank's compute would include its waits for a core and its idle fraction would not "
+            f"isolate the bubble; `--bubble-pp {2 * setup.pp}` measures it on a machine with as many cores."
+            if cores < 2 * setup.pp
+            else ""
+        ),
+    ]
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    d = BubbleSetup()
+    p.add_argument("--pp", type=int, default=d.pp, help="pipeline ranks (processes)")
+    p.add_argument("--micro-batches", type=int, nargs="+", default=d.micro_batches, help="micro-batch counts m")
+    p.add_argument("--steps", type=int, default=d.steps, help="timed steps per schedule and m")
+    p.add_argument("--svg", default="", help="write the plot here (e.g. docs/bubble.svg)")
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    setup = BubbleSetup(pp=args.pp, micro_batches=sorted(args.micro_batches), steps=args.steps)
+    results = measure_bubble(setup)
+    print(json.dumps(asdict(setup)))
+    print("\n".join(table(results, setup)))
+    if args.svg:
+        Path(ROOT, args.svg).write_text(svg(results, setup))
+        print(f"wrote {args.svg}")
+
+
+if __name__ == "__main__":
+    main()
