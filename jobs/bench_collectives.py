@@ -14,15 +14,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import shlex
 import sys
 import time
 from collections.abc import Callable
-from importlib.metadata import version
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from machine import machine  # jobs/machine.py, beside this script
 
 if TYPE_CHECKING:  # torch is imported where it runs: the driver itself never needs it
     import torch
@@ -333,21 +333,9 @@ class Printer:
         self.printed = max(self.printed, len(rows))
 
 
-def machine(backend: str, world: int, devices: list[str], load: float) -> dict:
-    cpu = next(
-        (
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("model name")
-        ),
-        platform.processor() or "unknown",
-    )
-    info = {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "torch": version("torch"),
-        "ray": version("ray"),
-        "python": platform.python_version(),
+def run_info(backend: str, world: int, devices: list[str], load: float) -> dict:
+    """The machine, and how this run used it."""
+    info = machine() | {
         "backend": backend,
         "world_size": world,
         "load": load,  # before the run: other work on the machine skews CPU numbers most
@@ -512,7 +500,7 @@ def main(argv: list[str] | None = None) -> None:
         ray.shutdown()
     wall_s = time.time() - started
     rows = [finish_row(r, args.num_workers) for r in result["rows"]]
-    info = machine(backend, args.num_workers, result["devices"], load)
+    info = run_info(backend, args.num_workers, result["devices"], load)
     info["load_after"] = os.getloadavg()[0]
     print(f"\nbench_collectives: done in {wall_s:.0f}s")
     for op, s in summary(rows).items():

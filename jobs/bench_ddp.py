@@ -13,7 +13,6 @@ import argparse
 import contextlib
 import json
 import os
-import platform
 import shlex
 import signal
 import statistics
@@ -22,10 +21,10 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from importlib.metadata import version
 from pathlib import Path
 
 import torch
+from machine import machine  # jobs/machine.py, beside this script
 
 ROOT = Path(__file__).resolve().parent.parent
 GOAL = 1.05  # distrain's step time may be at most 5% above torchrun's
@@ -226,28 +225,6 @@ def run_torchrun(args: argparse.Namespace, tmp: Path, repeat: int, attempt: int)
     run = launch(cmd, log, args.timeout, {"GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")})
     records = [json.loads(line) for line in log.read_text().splitlines() if line.startswith('{"step"')]
     return finish("torchrun", repeat, cmd, log, run, records, args)
-
-
-def machine() -> dict:
-    cpu = next(
-        (
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("model name")
-        ),
-        platform.processor() or "unknown",
-    )
-    info = {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "torch": torch.__version__,
-        "ray": version("ray"),
-        "python": platform.python_version(),
-        "load": os.getloadavg()[0],
-    }
-    if torch.cuda.is_available():
-        info["gpu"] = f"{torch.cuda.device_count()} × {torch.cuda.get_device_name(0)}"
-    return info
 
 
 def summarise(results: list[Result], runner: str) -> dict:

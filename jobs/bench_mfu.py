@@ -13,16 +13,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shlex
 import shutil
 import statistics
 import sys
 import tempfile
 from dataclasses import dataclass
-from importlib.metadata import version
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from machine import machine  # jobs/machine.py, beside this script
 
 if TYPE_CHECKING:  # imported where used: without a GPU the benchmark loads neither Ray nor the trainer
     from distrain.config import TrainConfig
@@ -150,19 +150,6 @@ def measure(variant: str, run_dir: Path, warmup: int, peak_flops: float | None) 
         records[-1]["loss"],
         len(records),
     )
-
-
-def machine() -> dict:
-    import torch
-
-    info = {
-        "gpu": torch.cuda.get_device_name(0),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "ray": version("ray"),
-        "python": platform.python_version(),
-    }
-    return info
 
 
 def table(results: list[Result], failures: dict[str, str] | None = None) -> list[str]:
