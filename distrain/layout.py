@@ -77,6 +77,11 @@ class MeshSizes:
             rank //= size
         return {name: coord[name] for name in MESH_DIMS}
 
+    def data_shard(self, rank: int) -> tuple[int, int]:
+        """The rank's slice of the global batch: its index over the data-parallel dims, and their size."""
+        c = self.coordinate(rank)
+        return c["dp_replicate"] * self.dp_shard + c["dp_shard"], self.dp
+
     def groups(self, dim: str) -> list[list[int]]:
         """The ranks of every process group along `dim` (ranks equal on every other dim)."""
         by_rest: dict[tuple, list[int]] = {}

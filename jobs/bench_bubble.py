@@ -135,7 +135,7 @@ def time_schedule(setup: BubbleSetup, schedule: str, m: int, device: torch.devic
         dist.barrier()
         clock.seconds = clock.cpu_seconds = 0.0
         start = time.perf_counter()
-        parallel.forward_backward(tokens, tokens, setup.micro_batch_size)
+        parallel.forward_backward(tokens, tokens)
         elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         if i >= setup.warmup:

@@ -41,7 +41,7 @@ def measure(rank: int, port: int, out: str) -> None:
         batch = torch.randint(0, 256, (2, 32))
 
         def step(parallel=parallel, optimizer=optimizer, x=batch) -> None:  # bound now, not at loop end
-            parallel.forward_backward(x, x, 2)
+            parallel.forward_backward(x, x)
             optimizer.step()
 
         results[zero] = state_bytes(parallel.module, local_optimizer(optimizer), step)

@@ -18,6 +18,7 @@ def test_mesh_sizes_fill_the_open_dim_and_lay_ranks_out_row_major():
     sizes = MeshSizes.fill(8, pp=2, dp_replicate=-1, dp_shard=1, tp=2)
     assert sizes == MeshSizes(pp=2, dp_replicate=2, dp_shard=1, tp=2)
     assert sizes.coordinate(5) == {"pp": 1, "dp_replicate": 0, "dp_shard": 0, "tp": 1}
+    assert [sizes.data_shard(r) for r in (0, 2, 5, 6)] == [(0, 2), (1, 2), (0, 2), (1, 2)]
     assert sizes.groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]  # neighbours: one node each
     assert sizes.groups("pp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
 
@@ -91,7 +92,7 @@ def test_micro_batches_average_to_the_whole_batch_gradient(process_group):
     cross_entropy(whole(x), x).backward()
     sizes = MeshSizes(pp=1, dp_replicate=1, dp_shard=1, tp=1)
     parallel = ParallelModel(split, StrategyConfig(), sizes, torch.device("cpu"), False, 4, cross_entropy)
-    loss_sum = parallel.forward_backward(x, x, micro_batch_size=2)
+    loss_sum = parallel.forward_backward(x, x)
     assert loss_sum / 4 == pytest.approx(cross_entropy(whole(x), x).item(), rel=1e-5)
     for (name, a), b in zip(whole.named_parameters(), parallel.module.parameters(), strict=True):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-7, msg=name)

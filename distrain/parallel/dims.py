@@ -21,12 +21,3 @@ def submesh(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh | None:
     if not present:
         return None
     return mesh[present] if len(present) > 1 else mesh[present[0]]
-
-
-def coordinate(mesh: DeviceMesh, names: tuple[str, ...]) -> tuple[int, int]:
-    """This rank's index and the group size over `names` flattened (0 and 1 when none exist)."""
-    index, size = 0, 1
-    for name, coord, dim in zip(mesh.mesh_dim_names, mesh.get_coordinate(), mesh.shape, strict=True):
-        if name in names:
-            index, size = index * dim + coord, size * dim
-    return index, size

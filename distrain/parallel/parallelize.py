@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 from distrain.config import StrategyConfig
 from distrain.layout import MeshSizes
 from distrain.parallel.data_parallel import apply_ddp, apply_fsdp, apply_replicate, no_gradient_sync
-from distrain.parallel.dims import DATA_PARALLEL, build_mesh, coordinate, submesh
+from distrain.parallel.dims import DATA_PARALLEL, build_mesh, submesh
 from distrain.parallel.pipeline import LossFn, Pipeline, split_stages
 from distrain.parallel.tensor_parallel import apply_tp, loss_context
 
@@ -67,7 +67,7 @@ class ParallelModel:
         n_microbatches: int,
         loss_fn: LossFn,
     ):
-        self.cfg, self.sizes, self.loss_fn = cfg, sizes, loss_fn
+        self.cfg, self.sizes, self.loss_fn, self.n_microbatches = cfg, sizes, loss_fn, n_microbatches
         self.mesh = build_mesh(sizes, device.type)
         self.dp_mesh = submesh(self.mesh, DATA_PARALLEL)
         self.vocab_sharded_loss = sizes.tp > 1 and cfg.loss_parallel
@@ -110,7 +110,7 @@ class ParallelModel:
 
     def data_shard(self) -> tuple[int, int]:
         """This rank's slice of the global batch: its index and the count over the data-parallel dims."""
-        return coordinate(self.mesh, DATA_PARALLEL)
+        return self.sizes.data_shard(dist.get_rank())
 
     @property
     def loss_holders(self) -> int:
@@ -123,16 +123,14 @@ class ParallelModel:
             return contextlib.nullcontext()
         return no_gradient_sync(self.module)
 
-    def forward_backward(
-        self, x: torch.Tensor, y: torch.Tensor, micro_batch_size: int, train: bool = True
-    ) -> torch.Tensor:
-        """This rank's batch through the model, in micro-batches; gradients (mean over the
-        micro-batches) reduced once, after the last. Returns the summed micro-batch losses."""
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor, train: bool = True) -> torch.Tensor:
+        """This rank's batch through the model in `n_microbatches` equal micro-batches; gradients
+        (mean over the micro-batches) reduced once, after the last. Returns the summed losses."""
         with loss_context(self.vocab_sharded_loss):
             if self.pipeline is not None:
                 losses = [as_tensor(loss.detach()) for loss in self.pipeline.step(x, y, train)]
                 return torch.stack(losses).sum() if losses else torch.zeros((), device=x.device)
-            micro = list(zip(x.split(micro_batch_size), y.split(micro_batch_size), strict=True))
+            micro = list(zip(x.chunk(self.n_microbatches), y.chunk(self.n_microbatches), strict=True))
             total = torch.zeros((), device=x.device)
             for i, (xm, ym) in enumerate(micro):
                 with self.no_sync(i == len(micro) - 1) if train else torch.no_grad():

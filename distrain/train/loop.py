@@ -60,7 +60,6 @@ class Trainer:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         t, s = cfg.trainer, cfg.strategy
         self.precision = resolve_precision(t.precision, gpu=device.type == "cuda")
-        self.micro_batch_size = t.micro_batch_size
 
         sizes = mesh_sizes(cfg)
         assert sizes.world_size == self.world, f"{sizes} does not cover the {self.world} ranks"
@@ -103,7 +102,7 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         with self.autocast():
-            loss_sum = self.parallel.forward_backward(*self.batch(self.train_batches, step), self.micro_batch_size)
+            loss_sum = self.parallel.forward_backward(*self.batch(self.train_batches, step))
         grad_norm = self.parallel.clip_grad_norm(self.cfg.optim.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -125,7 +124,7 @@ class Trainer:
         with self.autocast():
             for i in range(self.cfg.trainer.eval_batches):
                 x, y = self.batch(self.val_batches, i)
-                loss_sum += self.parallel.forward_backward(x, y, self.micro_batch_size, train=False)
+                loss_sum += self.parallel.forward_backward(x, y, train=False)
         for part in self.parallel.parts:
             part.train()
         return self.global_mean(loss_sum) / self.cfg.trainer.eval_batches
