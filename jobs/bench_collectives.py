@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from machine import machine  # jobs/machine.py, beside this script
+from machine import describe, machine  # jobs/machine.py, beside this script
 
 if TYPE_CHECKING:  # torch is imported where it runs: the driver itself never needs it
     import torch
@@ -365,7 +365,6 @@ def summary(rows: list[Row]) -> dict[str, dict]:
 def markdown(args: argparse.Namespace, info: dict, rows: list[Row], command: str, wall_s: float, reading: str) -> str:
     world = info["world_size"]
     hosts = sorted({d.split(": ", 1)[0] for d in info["ranks"]})
-    hardware = f"{info['cpu']}, {info['cores']} cores, " + (info.get("gpu") or "no GPU")
     lines = [
         "# Collectives",
         "",
@@ -379,7 +378,7 @@ def markdown(args: argparse.Namespace, info: dict, rows: list[Row], command: str
         command,
         "```",
         "",
-        f"- Machine: {hardware}; torch {info['torch']}, ray {info['ray']}, Python {info['python']}; "
+        f"- Machine: {describe(info)}; "
         f"1-minute load average {info['load']:.2f} before the run and {info['load_after']:.2f} after it "
         "(other work on the machine inflates CPU times).",
         f"- {world} rank(s) on {len(hosts)} node(s), {info['backend']}, {args.dtype}; {args.warmup} warm-up and "

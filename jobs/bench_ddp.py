@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from machine import machine  # jobs/machine.py, beside this script
+from machine import describe, machine  # jobs/machine.py, beside this script
 
 ROOT = Path(__file__).resolve().parent.parent
 GOAL = 1.05  # distrain's step time may be at most 5% above torchrun's
@@ -298,7 +298,6 @@ def markdown(args: argparse.Namespace, info: dict, results: list[Result], comman
         else f"The losses at the last step differ by {gap:.3g}, more than rounding: check that both "
         "runners still train the same way before trusting the ratio."
     )
-    hardware = f"{info['cpu']}, {info['cores']} cores" + (f", {info['gpu']}" if "gpu" in info else ", no GPU")
     return "\n".join(
         [
             "# DDP: distrain vs torchrun",
@@ -313,8 +312,7 @@ def markdown(args: argparse.Namespace, info: dict, results: list[Result], comman
             command,
             "```",
             "",
-            f"- Machine: {hardware}; torch {info['torch']}, ray {info['ray']}, Python {info['python']}; "
-            f"1-minute load average before the runs {info['load']:.2f}.",
+            f"- Machine: {describe(info)}; 1-minute load average before the runs {info['load']:.2f}.",
             f"- Settings: model `{args.model}`, {args.workers} DDP ranks, global batch {args.global_batch} × "
             f"{args.seq_len} tokens, micro-batch {args.micro_batch} ({accum} micro-batch(es) per rank and step), "
             f"{precision()}, {args.steps} steps, `OMP_NUM_THREADS=1`; distrain with `logger.wandb.mode=disabled "

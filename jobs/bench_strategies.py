@@ -26,9 +26,9 @@ import torch
 from bench_bubble import BubbleSetup, join_group, measure_bubble, spawn, svg
 from bench_bubble import section as bubble_section
 from bench_bubble import table as bubble_table
-from bench_ddp import machine
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
+from machine import describe, machine  # jobs/machine.py, beside this script
 from omegaconf import OmegaConf
 
 from distrain.config import ModelConfig, OptimConfig, StrategyConfig, TrainConfig
@@ -258,7 +258,6 @@ def step_reading(results: list[dict]) -> str:
 
 
 def markdown(args: argparse.Namespace, info: dict, sections: dict) -> str:
-    hardware = f"{info['cpu']}, {info['cores']} cores" + (f", {info['gpu']}" if "gpu" in info else ", no GPU")
     memory, params = sections["memory"]
     bubble, setup = sections["bubble"]
     steps = sections["steps"]
@@ -273,7 +272,7 @@ def markdown(args: argparse.Namespace, info: dict, sections: dict) -> str:
             "```",
             "",
             f"- Date: {time.strftime('%Y-%m-%d %H:%M %Z')}.",
-            f"- Machine: {hardware}; torch {info['torch']}, ray {info['ray']}, Python {info['python']}.",
+            f"- Machine: {describe(info)}.",
             f"- 1-minute load average at the start of each part: {loads} (the machine is shared; other "
             "processes on its 2 cores slow the runs down and add noise, most to the step times).",
             "",

@@ -32,3 +32,11 @@ def machine() -> dict:
         info["gpu"] = f"{torch.cuda.device_count()} × {torch.cuda.get_device_name(0)}"
         info["cuda"] = torch.version.cuda
     return info
+
+
+def describe(info: dict) -> str:
+    """The machine in one line for a page's header: CPU, cores, GPUs; torch, ray and Python versions."""
+    return (
+        f"{info['cpu']}, {info['cores']} cores, {info.get('gpu') or 'no GPU'}; "
+        f"torch {info['torch']}, ray {info['ray']}, Python {info['python']}"
+    )
