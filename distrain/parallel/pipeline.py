@@ -41,18 +41,22 @@ def split_stages(model: nn.Module, pp_mesh: DeviceMesh, stages_per_rank: int) ->
     n_stages = num_stages(pp, stages_per_rank)
     layers = stage_layers(len(model.layers), n_stages)
     mine = stage_indices(pp_rank, pp, stages_per_rank)
+    _keep_layers(model, {i for index in mine for i in layers[index]})  # before copying: copy only this rank's blocks
     stages = {}
     for n, index in enumerate(mine):
         stage = model if n == len(mine) - 1 else copy.deepcopy(model)
-        keep = {str(i) for i in layers[index]}
-        for name in [name for name in stage.layers if name not in keep]:
-            del stage.layers[name]
+        _keep_layers(stage, set(layers[index]))
         if index != 0:
             stage.tok_embeddings = None
         if index != n_stages - 1:
             stage.norm, stage.output = None, None
         stages[index] = stage
     return stages
+
+
+def _keep_layers(model: nn.Module, keep: set[int]) -> None:
+    for name in [name for name in model.layers if int(name) not in keep]:
+        del model.layers[name]
 
 
 class Pipeline:
