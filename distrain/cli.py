@@ -41,8 +41,8 @@ def run(cfg: DictConfig) -> None:
     """Train (or with `plan=true` print the layout), and exit non-zero on failure (what `ray job submit`
     reports as FAILED). Imports here, not at the top, so `--cfg job` and a bad group choice do not
     wait for torch and Ray to load."""
+    from distrain.cluster.placement import PlacementError, WorkerFailure
     from distrain.cluster.runtime import CapacityError
-    from distrain.cluster.worker_group import PlacementError, WorkerFailure
     from distrain.config import ConfigError
     from distrain.fsutil import LockedError
     from distrain.launch import train
@@ -57,8 +57,11 @@ def run(cfg: DictConfig) -> None:
     if config.plan:
         print(summary["plan"])
         return
+    nan = float("nan")
     print(
-        f"distrain: {summary['status']} at step {summary['final_step']}: loss {summary['final_loss']:.4f}, "
-        f"val loss {summary['final_val_loss'] or float('nan'):.4f}, {summary['wall_s']:.1f}s; "
-        f"run directory {config.run_dir}"
+        f"distrain: {summary['status']} at step {summary['final_step']}: loss {summary['final_loss'] or nan:.4f}, "
+        f"val loss {summary.get('final_val_loss') or nan:.4f}, {summary['wall_s']:.1f}s, "
+        f"{summary['restarts']} restarts; run directory {config.run_dir}"
     )
+    if summary["status"] == "stopped":
+        print(f"distrain: stopped on request; the same command with run.name={config.run.name} resumes it")

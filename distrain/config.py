@@ -90,7 +90,14 @@ class ClusterConfig:
     cpus_per_worker: float = 0.25  # a fraction lets several CPU workers share a core
     threads_per_worker: int = 1
     placement_strategy: str = "PACK"
-    placement_timeout_s: float = 120.0
+    placement_timeout_s: float = 120.0  # to place the workers; after a node loss, to place all of them again
+    # Fault tolerance (distrain/cluster/supervisor.py).
+    max_failures: int = 3  # worker failures (deaths, errors, hangs) survived by restarting; -1: no limit
+    min_workers: int | None = None  # the fewest workers a run may shrink to after losing nodes; None: num_workers
+    hang_timeout_s: float | None = None  # no step for this long is a hang; None: 10 median steps, at least 60 s
+    setup_timeout_s: float = 600.0  # the same outside steps: start-up, checkpoint load and save, evaluation
+    restart_backoff_s: float = 1.0  # first wait between retries that make no progress; doubles up to 60 s
+    stop_grace_s: float | None = None  # on SIGTERM, time to checkpoint and exit; None: see launch.stop_grace_s
 
 
 @dataclass

@@ -6,24 +6,34 @@ what they run, and `distrain.train` trains one rank without knowing it runs unde
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import json
 import os
+import signal
+import threading
 import time
+import uuid
 import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from distrain import checkpoint
+from distrain.cluster.placement import GroupSpec
 from distrain.cluster.runtime import attach_address, check_capacity, connect, has_gpus
-from distrain.cluster.worker_group import GroupSpec, WorkerGroup
-from distrain.config import ConfigError, TrainConfig, to_plain
-from distrain.fsutil import exclusive_lock, write_json
+from distrain.cluster.supervisor import Policy, Supervisor
+from distrain.cluster.worker_group import WorkerGroup
+from distrain.config import ClusterConfig, ConfigError, TrainConfig, to_plain
+from distrain.fsutil import exclusive_lock
 from distrain.plan import describe
 from distrain.progress import ProgressLine
 from distrain.tracking import SUMMARY_FILE, read_metrics, wandb_mode, write_summary
 from distrain.train.loop import run_rank
-from distrain.validation import validate
+from distrain.validation import smaller_layouts, validate
 
 LOCK_FILE = ".lock"  # held by the driver while the run trains: one writer per run directory
+DEFAULT_STOP_GRACE_S = 30.0
+RAY_JOB_STOP_WAIT_DEFAULT_S = 3.0  # Ray's own default (dashboard/modules/job/job_supervisor.py)
 
 
 def group_spec(cfg: TrainConfig) -> GroupSpec:
@@ -36,6 +46,7 @@ def group_spec(cfg: TrainConfig) -> GroupSpec:
         threads_per_worker=c.threads_per_worker,
         placement_strategy=c.placement_strategy,
         placement_timeout_s=c.placement_timeout_s,
+        start_timeout_s=c.setup_timeout_s,
         node_group=cfg.strategy.tp,  # a tensor-parallel group never spans two nodes
         # W&B settings and key live in the user's environment, which workers on a cluster do not share.
         env=tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("WANDB_"))),
@@ -43,10 +54,11 @@ def group_spec(cfg: TrainConfig) -> GroupSpec:
 
 
 def train(cfg: TrainConfig) -> dict:
-    """Train the run `cfg` describes, resuming from its newest committed checkpoint if it has one;
-    return the summary also written to summary.json. With `cfg.plan`, write nothing and return the
-    layout's description instead (`plan`)."""
+    """Train the run `cfg` describes, resuming from its newest committed checkpoint if it has one,
+    under the supervisor (restarts, hangs, node loss, SIGTERM); return the summary also written to
+    summary.json. With `cfg.plan`, write nothing and return the layout's description instead."""
     started = time.time()
+    composed = copy.deepcopy(cfg)  # before validate fills the layout: smaller layouts are filled anew
     validate(cfg)
     if not os.path.isabs(cfg.run.storage) and attach_address(cfg.cluster.address):
         raise ConfigError(
@@ -55,51 +67,114 @@ def train(cfg: TrainConfig) -> dict:
         )
     if cfg.plan:
         return {"status": "planned", "plan": plan(cfg)}
-    cfg.run.storage = os.path.abspath(cfg.run.storage)  # workers run elsewhere
-    cfg.logger.wandb.mode = wandb_mode(cfg.logger.wandb.mode)
+    layouts = {cfg.cluster.num_workers: cfg, **smaller_layouts(composed)}
+    for layout in layouts.values():
+        layout.run.storage = os.path.abspath(cfg.run.storage)  # workers run elsewhere
+        layout.logger.wandb.mode = wandb_mode(cfg.logger.wandb.mode)
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     with exclusive_lock(run_dir / LOCK_FILE):
-        return _train_locked(cfg, run_dir, started)
+        return _train_locked(layouts, run_dir, started)
 
 
-def _train_locked(cfg: TrainConfig, run_dir: Path, started: float) -> dict:
+def _train_locked(layouts: dict[int, TrainConfig], run_dir: Path, started: float) -> dict:
+    cfg = next(iter(layouts.values()))
     resume_from = checkpoint.latest(run_dir / "checkpoints")
-    job = {
-        "config": to_plain(cfg),
-        "run_dir": str(run_dir),
-        "resume_from": str(resume_from) if resume_from else None,
-        "started_at": started,
-    }
+    meta = checkpoint.read_meta(resume_from) if resume_from else {}
     if resume_from:
-        check_resumable(checkpoint.read_meta(resume_from).get("config"), job["config"])
+        check_resumable(meta.get("config"), to_plain(cfg))
+    history = _previous_summaries(run_dir)
+    wandb_run_id = meta.get("wandb_run_id") or next(
+        (h["wandb_run_id"] for h in reversed(history) if h.get("wandb_run_id")), None
+    )
+    if cfg.logger.wandb.mode != "disabled":
+        wandb_run_id = wandb_run_id or uuid.uuid4().hex[:8]  # one W&B run across every attempt
+
+    def make_attempt(world_size: int) -> tuple[tuple, dict]:
+        latest = checkpoint.latest(run_dir / "checkpoints")
+        job = {
+            "config": to_plain(layouts[world_size]),
+            "run_dir": str(run_dir),
+            "resume_from": str(latest) if latest else None,
+            "wandb_run_id": wandb_run_id,
+            "started_at": started,
+        }
+        return (job,), {"resumed_from_step": checkpoint.read_meta(latest)["step"] if latest else 0}
 
     spec = placeable_spec(cfg)
     summary = {
         "status": "failed",
         "restarts": 0,
-        "resumed_from": job["resume_from"],
-        "history": _previous_summaries(run_dir),
+        "resumed_from": str(resume_from) if resume_from else None,
+        "wandb_run_id": wandb_run_id,
+        "history": history,
     }
     progress = ProgressLine(cfg.logger.progress_interval_s)
+    supervisor = Supervisor(
+        spec, policy(cfg.cluster), run_rank, make_attempt, list(layouts), run_dir, progress.update, progress.message
+    )
     try:
-        with WorkerGroup(spec) as group:
-            write_json(run_dir / "placement.json", group.start())
-            results = group.run(run_rank, job, on_progress=lambda ranks: progress.update(ranks[0]))
-        summary.update(results[0], status="completed")
+        with stop_signals(supervisor.request_stop):
+            results = supervisor.run()
+        stopped = supervisor.attempts[-1].outcome != "completed"  # a stop request ended it first
+        summary.update((results or [None])[0] or _from_metrics(run_dir), status="stopped" if stopped else "completed")
     except BaseException as e:
-        logged = read_metrics(str(run_dir))
-        summary.update(
-            final_step=logged[-1]["step"] if logged else 0,
-            final_loss=logged[-1]["loss"] if logged else None,
-            error=f"{type(e).__name__}: {e}",
-        )
+        summary.update(_from_metrics(run_dir), error=f"{type(e).__name__}: {e}")
         raise
     finally:
         progress.close()
+        summary["attempts"] = [a.record() for a in supervisor.attempts]
+        summary["restarts"] = max(len(supervisor.attempts) - 1, 0)
         summary["wall_s"] = time.time() - started
         write_summary(str(run_dir), summary)
     return summary
+
+
+def policy(c: ClusterConfig) -> Policy:
+    return Policy(
+        max_failures=c.max_failures,
+        hang_timeout_s=c.hang_timeout_s,
+        setup_timeout_s=c.setup_timeout_s,
+        restart_backoff_s=c.restart_backoff_s,
+        stop_grace_s=c.stop_grace_s or stop_grace_s(),
+    )
+
+
+def stop_grace_s() -> float:
+    """How long after SIGTERM the driver still lives: under `ray job submit` (which sets
+    RAY_JOB_CONFIG_JSON_ENV_VAR for the driver), RAY_JOB_STOP_WAIT_TIME_S, 3 s unless the job's
+    env_vars say otherwise; elsewhere (a terminal, a scheduler) 30 s unless that variable is set."""
+    under_ray_job = "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ
+    default = RAY_JOB_STOP_WAIT_DEFAULT_S if under_ray_job else DEFAULT_STOP_GRACE_S
+    return float(os.environ.get("RAY_JOB_STOP_WAIT_TIME_S", default))
+
+
+@contextlib.contextmanager
+def stop_signals(request_stop: Callable[[], None]) -> Iterator[None]:
+    """SIGTERM (`ray job stop`, a preempted node) or Ctrl-C asks for a clean stop: checkpoint, then
+    exit. A second one stops at once. Signals reach only the main thread; elsewhere, nothing to do."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received = []
+
+    def handler(signum: int, frame: object) -> None:
+        if received:
+            raise KeyboardInterrupt
+        received.append(signum)
+        request_stop()
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def _from_metrics(run_dir: Path) -> dict:
+    logged = read_metrics(str(run_dir))
+    return {"final_step": logged[-1]["step"] if logged else 0, "final_loss": logged[-1]["loss"] if logged else None}
 
 
 def placeable_spec(cfg: TrainConfig) -> GroupSpec:

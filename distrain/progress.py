@@ -42,6 +42,12 @@ class ProgressLine:
             self._write(self.unprinted)
             self.unprinted = None
 
+    def message(self, text: str) -> None:
+        """An event (a failure, a recovery) on a line of its own; a terminal's progress line is
+        redrawn below it at the next update."""
+        self.stream.write(("\r\033[K" if self.tty else "") + f"distrain: {text}\n")
+        self.stream.flush()
+
     def render(self, step: int, max_steps: int, now: float) -> str:
         parts = [f"step {step}/{max_steps}"]
         m = self.metrics

@@ -3,9 +3,10 @@ rule a one-line ConfigError naming the key and the fix. Fills the layout's open 
 
 from __future__ import annotations
 
+import copy
 import os
 
-from distrain.config import ConfigError, TrainConfig
+from distrain.config import ClusterConfig, ConfigError, TrainConfig
 from distrain.data.corpus import corpus_files
 from distrain.layout import SCHEDULES, MeshSizes, micro_batches, num_stages
 
@@ -165,6 +166,43 @@ def _validate_compile_and_checkpointing(cfg: TrainConfig) -> None:
     )
 
 
+def _validate_fault_tolerance(c: ClusterConfig) -> None:
+    _require(c.max_failures >= -1, f"cluster.max_failures={c.max_failures}: must be ≥ 0, or -1 for no limit")
+    _require(
+        c.min_workers is None or 1 <= c.min_workers <= c.num_workers,
+        f"cluster.min_workers={c.min_workers}: must be between 1 and cluster.num_workers={c.num_workers} (or null)",
+    )
+    for key in ("hang_timeout_s", "stop_grace_s"):
+        value = getattr(c, key)
+        _require(value is None or value > 0, f"cluster.{key}={value}: must be positive (or null for the default)")
+    _require(c.setup_timeout_s > 0, f"cluster.setup_timeout_s={c.setup_timeout_s}: must be positive")
+    _require(c.restart_backoff_s >= 0, f"cluster.restart_backoff_s={c.restart_backoff_s}: must be ≥ 0")
+
+
+def smaller_layouts(cfg: TrainConfig) -> dict[int, TrainConfig]:
+    """What a run may shrink to after losing nodes: for each worker count below cluster.num_workers,
+    down to cluster.min_workers, whose layout validates with the same global batch (fewer workers
+    take more gradient accumulation steps), the validated config; largest first. Call it on the
+    config as composed, before `validate` fills its layout for num_workers."""
+    c = cfg.cluster
+    layouts = {}
+    for n in range(c.num_workers - 1, (c.min_workers or c.num_workers) - 1, -1):
+        trial = copy.deepcopy(cfg)
+        trial.cluster.num_workers = n
+        try:
+            validate(trial)
+        except ConfigError:
+            continue
+        layouts[n] = trial
+    _require(
+        bool(layouts) or (c.min_workers or c.num_workers) == c.num_workers,
+        f"cluster.min_workers={c.min_workers} allows no layout smaller than {c.num_workers} workers: a run shrinks "
+        f"by data-parallel replicas only (strategy.dp_replicate or dp_shard=-1), keeping strategy.tp × pp and a "
+        f"trainer.global_batch_size they divide; change one of these or set cluster.min_workers=null",
+    )
+    return layouts
+
+
 def validate(cfg: TrainConfig) -> None:
     """Check everything that can be checked without a cluster; raise ConfigError naming key and fix.
     Fills the layout's open sizes on success (resolve_layout)."""
@@ -174,6 +212,7 @@ def validate(cfg: TrainConfig) -> None:
     resolve_layout(cfg)
     _require(c.cpus_per_worker > 0, f"cluster.cpus_per_worker={c.cpus_per_worker}: must be positive")
     _require(c.threads_per_worker >= 1, f"cluster.threads_per_worker={c.threads_per_worker}: must be ≥ 1")
+    _validate_fault_tolerance(c)
 
     _require(m.dim % m.n_heads == 0, f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}")
     _require((m.dim // m.n_heads) % 2 == 0, f"model.dim / model.n_heads = {m.dim // m.n_heads} must be even (rotary)")

@@ -108,7 +108,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # -- on every rank ----------------------------------------------------------------------------------
 
 
-def bench_rank(plan: dict, report: Callable[[dict], None]) -> dict:
+def bench_rank(plan: dict, channel) -> dict:
     """One rank's measurements; rank 0 returns the rows and every rank's device, the others {}. Each
     time is reduced to its max over ranks inside the group, as nccl-tests does, so rank 0 holds the
     finished row at once and its progress reports let the driver print rows as they come."""
@@ -145,7 +145,7 @@ def bench_rank(plan: dict, report: Callable[[dict], None]) -> dict:
                     del call, buffers
                 row.setdefault("note", note)
                 rows.append(row)
-                report({"rows": list(rows)})  # a copy: the driver's poll reads it from another thread
+                channel.report({"rows": list(rows)})  # a copy: the driver's poll reads it from another thread
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         devices: list = [None] * world
         dist.all_gather_object(devices, f"{os.uname().nodename}: {name}")
@@ -452,8 +452,9 @@ def main(argv: list[str] | None = None) -> None:
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     import ray
 
+    from distrain.cluster.placement import GroupSpec, PlacementError, WorkerFailure
     from distrain.cluster.runtime import CapacityError, check_capacity, connect, has_gpus
-    from distrain.cluster.worker_group import GroupSpec, PlacementError, WorkerFailure, WorkerGroup
+    from distrain.cluster.worker_group import WorkerGroup
 
     exe = os.path.relpath(sys.executable, ROOT) if sys.executable.startswith(str(ROOT)) else sys.executable
     command = shlex.join([exe, "jobs/bench_collectives.py", *(sys.argv[1:] if argv is None else argv)])

@@ -278,7 +278,7 @@ def main(argv: list[str] | None = None) -> None:
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     import ray
 
-    from distrain.cluster.worker_group import WorkerFailure
+    from distrain.cluster.placement import WorkerFailure
     from distrain.launch import train
     from distrain.train.metrics import peak_flops
 

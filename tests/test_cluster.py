@@ -10,8 +10,9 @@ import pytest
 import ray
 import ray.cloudpickle
 
+from distrain.cluster.placement import GroupSpec, WorkerFailure, rank_table
 from distrain.cluster.runtime import CapacityError, check_capacity
-from distrain.cluster.worker_group import GroupSpec, WorkerFailure, WorkerGroup, rank_table
+from distrain.cluster.worker_group import WorkerGroup
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests/
 
@@ -40,8 +41,8 @@ def test_rank_table_sorts_by_node_then_gpu():
     assert all(e["local_world_size"] == 2 for e in table)
 
 
-def environment(report):
-    report({"step": 1})
+def environment(channel):
+    channel.report({"step": 1})
     return {k: os.environ[k] for k in ENV_KEYS}
 
 
@@ -60,13 +61,13 @@ def test_workers_get_torchrun_environment_on_loopback():
     assert all(e["node_ip"] == "127.0.0.1" for e in table)
 
 
-def fail_on_rank_one(report):
+def fail_on_rank_one(channel):
     if os.environ["RANK"] == "1":
         raise ValueError("boom on purpose")
     time.sleep(60)  # the healthy ranks would wait forever in a collective; the group kills them
 
 
-def die_on_rank_two(report):
+def die_on_rank_two(channel):
     if os.environ["RANK"] == "2":
         os._exit(9)
     time.sleep(60)
@@ -82,9 +83,9 @@ def test_a_failing_rank_is_reported_at_once(fn, rank, what):
     assert time.monotonic() - start < 30  # not after the healthy ranks' 60 s sleep
 
 
-def report_steps(report):
+def report_steps(channel):
     for step in range(1, 4):
-        report({"step": step})
+        channel.report({"step": step})
         time.sleep(0.6)
     return os.environ["RANK"]
 
@@ -94,7 +95,7 @@ def test_progress_reaches_the_driver_while_ranks_run():
     seen = []
     with WorkerGroup(spec(2)) as group:
         group.start()
-        results = group.run(report_steps, on_progress=lambda ranks: seen.append(ranks[0].get("step")), poll_s=0.2)
+        results = group.run(report_steps, on_progress=lambda ranks: seen.append(ranks[0].get("step")))
     assert results == ["0", "1"]
     assert {1, 2} & set(seen)  # polled mid-run, while `run` held the actors' other thread
 

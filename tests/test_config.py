@@ -11,7 +11,7 @@ import pytest
 from conftest import REPO, make_config
 
 from distrain.config import ConfigError
-from distrain.validation import validate
+from distrain.validation import smaller_layouts, validate
 
 
 @pytest.mark.parametrize(
@@ -73,6 +73,12 @@ from distrain.validation import validate
         (["optim.name=lion"], "optim.name"),
         (["checkpoint.keep=0"], "checkpoint.keep"),
         (["logger.wandb.mode=sometimes"], "logger.wandb.mode"),
+        (["cluster.max_failures=-2"], "cluster.max_failures"),
+        (["cluster.min_workers=3", "cluster.num_workers=2"], "cluster.min_workers"),
+        (["cluster.hang_timeout_s=0"], "cluster.hang_timeout_s"),
+        (["cluster.stop_grace_s=-1"], "cluster.stop_grace_s"),
+        (["cluster.setup_timeout_s=0"], "cluster.setup_timeout_s"),
+        (["cluster.restart_backoff_s=-1"], "cluster.restart_backoff_s"),
     ],
 )
 def test_validate_names_the_key(tmp_path: Path, overrides: list[str], key: str):
@@ -83,6 +89,30 @@ def test_validate_names_the_key(tmp_path: Path, overrides: list[str], key: str):
 
 def test_defaults_are_valid(tmp_path: Path):
     validate(make_config(tmp_path, "run.name=ok"))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "sizes"),
+    [
+        # 8 sequences of micro-batch 2: 4 and 2 workers divide them, 3 does not.
+        (["cluster.num_workers=4", "cluster.min_workers=2"], [2]),
+        (["cluster.num_workers=4"], []),  # no min_workers: no shrinking
+        # tp=2: a run loses whole tensor-parallel pairs, so 3 workers is no layout.
+        (["strategy=tp", "cluster.num_workers=4", "cluster.min_workers=2"], [2]),
+    ],
+)
+def test_a_run_shrinks_only_to_valid_layouts_with_the_same_global_batch(tmp_path, overrides, sizes):
+    layouts = smaller_layouts(make_config(tmp_path, "run.name=ok", *overrides))
+    assert list(layouts) == sizes
+    for n, cfg in layouts.items():
+        assert cfg.cluster.num_workers == n and cfg.trainer.global_batch_size == 8  # validated, layout filled
+        assert cfg.strategy.dp_replicate * cfg.strategy.dp_shard * cfg.strategy.tp * cfg.strategy.pp == n
+
+
+def test_min_workers_that_allow_no_smaller_layout_are_refused(tmp_path: Path):
+    cfg = make_config(tmp_path, "run.name=bad", "strategy=tp", "strategy.dp_replicate=1", "cluster.min_workers=1")
+    with pytest.raises(ConfigError, match=r"cluster\.min_workers=1 allows no layout smaller than 2 workers"):
+        smaller_layouts(cfg)
 
 
 @pytest.mark.parametrize(

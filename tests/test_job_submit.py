@@ -135,3 +135,30 @@ def test_ray_job_submit_trains_and_reports_status(ray_head, tmp_path: Path):
     assert "Job 'distrain-bad' failed" in out, out
     logs = subprocess.run([RAY, "job", "logs", "distrain-bad"], env=ray_head, capture_output=True, text=True)
     assert "trainer.global_batch_size=7" in logs.stdout
+
+
+def test_ray_job_stop_checkpoints_before_the_job_ends(ray_head, tmp_path: Path):
+    """`ray job stop` sends the driver SIGTERM, and SIGKILL RAY_JOB_STOP_WAIT_TIME_S later: in
+    between, every rank stops at one step and a checkpoint is committed."""
+    run_dir = tmp_path / "stopped"
+    overrides = [*TINY, f"run.storage={tmp_path}", "run.name=stopped", "trainer.max_steps=5000"]
+    wait = json.dumps({"env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": "60"}})
+    subprocess.run(
+        [RAY, "job", "submit", "--no-wait", "--submission-id=distrain-stop", f"--working-dir={REPO}"]
+        + [f"--runtime-env-json={wait}", "--", "python", "jobs/train.py", *overrides],
+        env=ray_head,
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    deadline = time.monotonic() + 240
+    while not (run_dir / "metrics.jsonl").exists() or len((run_dir / "metrics.jsonl").read_text().splitlines()) < 5:
+        assert time.monotonic() < deadline, "the job did not start training"
+        time.sleep(0.5)
+    subprocess.run([RAY, "job", "stop", "distrain-stop"], env=ray_head, capture_output=True, timeout=120)
+    status = subprocess.run([RAY, "job", "status", "distrain-stop"], env=ray_head, capture_output=True, text=True)
+    assert "Job 'distrain-stop' was stopped" in status.stdout + status.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "stopped" and 5 <= summary["final_step"] < 5000
+    step = summary["final_step"]
+    assert (run_dir / "checkpoints" / f"step_{step:08d}" / "COMMITTED").exists()

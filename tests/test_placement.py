@@ -21,7 +21,8 @@ os.environ["RAY_USAGE_STATS_ENABLED"] = "0"  # the cluster binds 127.0.0.1 only 
 
 import pytest  # noqa: E402
 
-from distrain.cluster.worker_group import GroupSpec, PlacementError, WorkerGroup, rank_table  # noqa: E402
+from distrain.cluster.placement import GroupSpec, PlacementError, rank_table  # noqa: E402
+from distrain.cluster.worker_group import WorkerGroup  # noqa: E402
 
 # (CPUs, GPUs) of the head and two more nodes. One-CPU workers: PACK fills a 3-CPU node first, so 4
 # land 3 + 1, and 8 can only land 3 + 3 + 2. The (logical) GPUs hold 2 + 1 + 1 pairs.
@@ -70,22 +71,29 @@ def test_group_spec_needs_whole_blocks():
     assert spec.bundle() == {"CPU": 0.5, "GPU": 2}
 
 
-def test_tp_blocks_never_span_nodes_on_an_uneven_cluster():
+def run_script(script: str, *args: str, timeout_s: float) -> tuple[int, str, str]:
+    """Run a test file as a script (its multi-node scenario, on a Cluster of its own) in a session
+    of its own, so that a hung run is ended with its whole cluster; (exit status, stdout, stderr)."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     proc = subprocess.Popen(
-        [sys.executable, __file__],
+        [sys.executable, script, *args],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        start_new_session=True,  # so that a hung run can be ended with its cluster, by its group id
+        start_new_session=True,
     )
     try:
-        out, err = proc.communicate(timeout=120)
+        out, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
-    assert proc.returncode == 0, err[-3000:]
+    return proc.returncode, out, err
+
+
+def test_tp_blocks_never_span_nodes_on_an_uneven_cluster():
+    code, out, err = run_script(__file__, timeout_s=120)
+    assert code == 0, err[-3000:]
     results = json.loads(out.strip().splitlines()[-1])
 
     # The naive layout splits a TP pair: 4 workers land 3 + 1; 8 on nodes of 3, 3, 2 can only land so.

@@ -2,21 +2,40 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
+import sys
+import threading
 import time
+import traceback
 from collections.abc import Callable
 from typing import Any
 
 import ray
 
 
-class Worker:
-    """Runs one rank's function. Created with max_concurrency=2: `run` holds one thread for the
-    whole training while `progress` answers on the other, so the driver can watch a busy rank."""
+class Channel:
+    """What a rank's function shares with the supervisor while it runs: progress goes up
+    (`report`), a request to stop comes down (`stop_deadline`: the wall-clock time by which the
+    supervisor wants the rank to have returned, or None)."""
 
     def __init__(self) -> None:
-        self._progress: dict = {}
+        self.progress: dict = {}
+        self.stop_deadline: float | None = None
+
+    def report(self, progress: dict) -> None:
+        self.progress = {**self.progress, **progress, "time": time.time()}
+
+
+class Worker:
+    """Runs one rank's function. Created with max_concurrency=2: `run` holds one thread for the
+    whole training while the other answers `progress`, `request_stop` and `stacks`, so the driver
+    can watch and steer a busy rank. One actor may run several attempts in turn: a rank whose
+    call returned is reused after a failure elsewhere, its imports already warm."""
+
+    def __init__(self) -> None:
+        self.channel = Channel()
 
     def node_info(self) -> dict:
         return {
@@ -32,16 +51,34 @@ class Worker:
             s.bind((ray.util.get_node_ip_address(), 0))
             return s.getsockname()[1]
 
-    def run(self, fn: Callable[..., Any], env: dict[str, str], *args: Any) -> Any:
-        """Call fn(*args, report) with the rank's environment; `report` feeds `progress`."""
-        os.environ.update(env)
-        return fn(*args, self._report)
+    def reset(self) -> None:
+        """A fresh channel for the next `run`. A call of its own, answered before `run` is sent:
+        `run` may wait seconds for its function to unpickle (importing torch), and a stop request
+        that arrives meanwhile must reach the channel that run will read."""
+        gc.collect()  # what an earlier attempt in this process left behind
+        self.channel = Channel()
 
-    def _report(self, progress: dict) -> None:
-        self._progress = {**progress, "time": time.time()}
+    def run(self, fn: Callable[..., Any], env: dict[str, str], *args: Any) -> Any:
+        """Call fn(*args, channel) with the rank's environment."""
+        os.environ.update(env)
+        return fn(*args, self.channel)
 
     def progress(self) -> dict:
-        return self._progress
+        return self.channel.progress
+
+    def request_stop(self, deadline: float) -> None:
+        self.channel.stop_deadline = deadline
+
+    def stacks(self) -> str:
+        """Every thread's Python stack but this one's: where a hung rank is stuck."""
+        me = threading.get_ident()
+        names = {t.ident: t.name for t in threading.enumerate()}
+        parts = [f"pid {os.getpid()}, {time.strftime('%Y-%m-%d %H:%M:%S')}"]
+        for ident, frame in sys._current_frames().items():
+            if ident != me:
+                stack = "".join(traceback.format_stack(frame))
+                parts.append(f"Thread {names.get(ident, ident)}:\n{stack}")
+        return "\n".join(parts)
 
 
 RemoteWorker = ray.remote(Worker)

@@ -1,89 +1,19 @@
-"""Place N workers, give each its rank and torchrun-style environment, run a function on all."""
+"""A placed group of worker actors: start them, give each its rank and torchrun-style environment,
+run a function on all, watch it, and replace the workers a failure took."""
 
 from __future__ import annotations
 
-import ipaddress
-from collections import Counter
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import ray
-from ray.exceptions import GetTimeoutError, RayError
+from ray.exceptions import GetTimeoutError, RayActorError, RayError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from distrain.cluster.placement import GroupSpec, PlacementError, WorkerFailure, blocks_that_fit, rank_table
 from distrain.cluster.worker import RemoteWorker
-
-
-class PlacementError(RuntimeError):
-    """The workers could not be placed in time, or not with each block of node_group ranks on one node."""
-
-
-class WorkerFailure(RuntimeError):
-    """A rank raised or its process died; the original error is chained."""
-
-
-@dataclass(frozen=True)
-class GroupSpec:
-    num_workers: int
-    cpus_per_worker: float
-    gpus_per_worker: int
-    threads_per_worker: int
-    placement_strategy: str = "PACK"
-    placement_timeout_s: float = 120.0
-    env: tuple[tuple[str, str], ...] = ()  # extra variables for every worker
-    # Ranks that must share a node: the tensor-parallel size. Every block of node_group consecutive
-    # ranks lands on one node, so a TP group's collectives never cross the network.
-    node_group: int = 1
-
-    def __post_init__(self) -> None:
-        if self.node_group < 1 or self.num_workers % self.node_group:
-            raise ValueError(f"num_workers={self.num_workers} is not a multiple of node_group={self.node_group}")
-
-    def bundle(self) -> dict[str, float]:
-        """One placement-group bundle holds one block of node_group workers: Ray never splits a
-        bundle across nodes, and the placement strategy then applies to whole blocks."""
-        per_worker = {"CPU": self.cpus_per_worker, "GPU": self.gpus_per_worker}
-        return {k: v * self.node_group for k, v in per_worker.items() if v}
-
-
-def rank_table(infos: list[dict], node_group: int = 1) -> list[dict]:
-    """Ranks in (node IP, node, GPU) order, so neighbouring ranks share a node and a node's GPUs
-    are in order; each entry gets rank, local_rank, node_rank and its index in `infos`.
-
-    When every node holds a multiple of node_group workers, this order keeps each block of
-    node_group consecutive ranks on one node; otherwise no order can, and PlacementError says so.
-    """
-
-    def key(i: int) -> tuple:
-        info = infos[i]
-        return (ipaddress.ip_address(info["node_ip"]), info["node_id"], info["gpu_ids"], i)
-
-    table, nodes = [], {}
-    for rank, i in enumerate(sorted(range(len(infos)), key=key)):
-        node = nodes.setdefault(infos[i]["node_id"], {"node_rank": len(nodes), "members": 0})
-        table.append(
-            {**infos[i], "rank": rank, "worker_index": i, "node_rank": node["node_rank"], "local_rank": node["members"]}
-        )
-        node["members"] += 1
-    for entry in table:
-        entry["local_world_size"] = nodes[entry["node_id"]]["members"]
-    check_blocks(table, node_group)
-    return table
-
-
-def check_blocks(table: list[dict], node_group: int) -> None:
-    """Raise PlacementError if some block of node_group consecutive ranks spans nodes: its
-    tensor-parallel collectives would run over the network, silently and slowly."""
-    for start in range(0, len(table), node_group):
-        block = table[start : start + node_group]
-        if len({e["node_id"] for e in block}) > 1:
-            per_node = Counter(f"{e['node_ip']}/{e['node_id'][:8]}" for e in table)
-            raise PlacementError(
-                f"ranks {start}-{start + len(block) - 1} must share a node (node_group={node_group}) but do not; "
-                f"workers per node {dict(per_node)} must each be a multiple of {node_group}"
-            )
 
 
 class WorkerGroup:
@@ -92,6 +22,10 @@ class WorkerGroup:
         self.pg = None
         self.workers: list = []  # in rank order once started
         self.table: list[dict] = []
+        self.calls: dict = {}  # the running `run` call of each rank: ObjectRef → rank
+        self.returned: set[int] = set()  # ranks whose call ended without their process dying
+        self._asked: dict = {}  # rank → (its unanswered progress question, when asked)
+        self._progress: dict[int, dict] = {}
 
     def __enter__(self) -> WorkerGroup:
         return self
@@ -99,21 +33,22 @@ class WorkerGroup:
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
 
-    def start(self) -> list[dict]:
+    def start(self, patient: bool = False) -> list[dict]:
         """Reserve one bundle per block of node_group workers, start the actors, then rank them by
-        where they landed; on any failure remove what was reserved and started."""
+        where they landed; on any failure remove what was reserved and started. A group the alive
+        nodes could never hold fails at once, unless `patient` (waiting for nodes to come back)."""
         try:
-            return self._start()
+            return self._start(patient)
         except BaseException:
             self.shutdown()
             raise
 
-    def _start(self) -> list[dict]:
+    def _start(self, patient: bool) -> list[dict]:
         s = self.spec
         bundle, blocks = s.bundle(), s.num_workers // s.node_group
         what = f"{s.num_workers} workers" + (f" in blocks of {s.node_group} per node" if s.node_group > 1 else "")
-        fits = _blocks_that_fit(bundle)
-        if sum(fits.values()) < blocks:
+        fits = blocks_that_fit(bundle)
+        if sum(fits.values()) < blocks and not patient:
             raise PlacementError(
                 f"cannot place {what}: each block needs {bundle} on one node, and the nodes hold {fits} blocks "
                 f"({sum(fits.values())} < {blocks}); use fewer workers or a smaller tensor-parallel size"
@@ -127,19 +62,31 @@ class WorkerGroup:
                 f"cluster.placement_timeout_s={s.placement_timeout_s:g}; the cluster has "
                 f"{ray.available_resources()} free"
             ) from e
-        self.workers = workers = [
-            RemoteWorker.options(
-                num_cpus=s.cpus_per_worker,
-                num_gpus=s.gpus_per_worker,
-                max_concurrency=2,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    self.pg, placement_group_bundle_index=i // s.node_group
-                ),
-            ).remote()
-            for i in range(s.num_workers)
-        ]
-        self.table = rank_table(ray.get([w.node_info.remote() for w in workers]), s.node_group)
-        self.workers = [workers[entry["worker_index"]] for entry in self.table]
+        actors = [self._actor(i // s.node_group) for i in range(s.num_workers)]
+        self.workers = actors  # shutdown finds them, even if the next line fails
+        return self._rank(actors, self._started(actors, [i // s.node_group for i in range(s.num_workers)]))
+
+    def _started(self, actors: list, bundles: list[int]) -> list[dict]:
+        """Where each new actor runs, once it has started (slow: a process, perhaps a runtime env)."""
+        try:
+            infos = ray.get([w.node_info.remote() for w in actors], timeout=self.spec.start_timeout_s)
+        except (GetTimeoutError, RayActorError) as e:  # its node died between reservation and start
+            raise PlacementError(f"{len(actors)} workers were placed but did not start: {first_line(e)}") from e
+        return [dict(info, bundle=bundle) for info, bundle in zip(infos, bundles, strict=True)]
+
+    def _actor(self, bundle: int):
+        s = self.spec
+        return RemoteWorker.options(
+            num_cpus=s.cpus_per_worker,
+            num_gpus=s.gpus_per_worker,
+            max_concurrency=2,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle),
+        ).remote()
+
+    def _rank(self, actors: list, infos: list[dict]) -> list[dict]:
+        """Order the actors by where they landed (rank_table); each info names its bundle."""
+        self.table = rank_table(infos, self.spec.node_group)
+        self.workers = [actors[entry["worker_index"]] for entry in self.table]
         return self.table
 
     def environments(self) -> list[dict[str, str]]:
@@ -169,73 +116,147 @@ class WorkerGroup:
             envs.append({k: str(v) for k, v in env.items()})
         return envs
 
-    def run(
-        self,
-        fn: Callable[..., Any],
-        *args: Any,
-        on_progress: Callable[[list[dict]], None] | None = None,
-        poll_s: float = 1.0,
-    ) -> list[Any]:
-        """Run fn(*args, report) on every rank; return the results in rank order.
-
-        Waits on the ranks' calls themselves, so a rank that raises or whose process dies is
-        seen at once, not at the next poll; the first failure raises WorkerFailure.
-        """
-        refs = {
+    def launch(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Start fn(*args, channel) on every rank, on a fresh rendezvous port; `poll` collects the results."""
+        ray.get([w.reset.remote() for w in self.workers])
+        self.calls = {
             w.run.remote(fn, env, *args): rank
             for rank, (w, env) in enumerate(zip(self.workers, self.environments(), strict=True))
         }
-        results: list[Any] = [None] * len(refs)
-        pending = list(refs)
-        while pending:
-            done, pending = ray.wait(pending, num_returns=1, timeout=poll_s)
-            for ref in done:
-                rank = refs[ref]
-                try:
-                    results[rank] = ray.get(ref)
-                except RayError as e:
-                    entry = self.table[rank]
-                    raise WorkerFailure(
-                        f"rank {rank} (pid {entry['pid']} on {entry['node_ip']}) failed: {_first_line(e)}"
-                    ) from e
+        self.returned, self._asked, self._progress = set(), {}, {}
+
+    def run(
+        self, fn: Callable[..., Any], *args: Any, on_progress: Callable[[list[dict]], None] | None = None
+    ) -> list[Any]:
+        """Run fn(*args, channel) on every rank once, with no recovery (the supervisor's job): the
+        first rank that raises or dies raises WorkerFailure. The results in rank order."""
+        self.launch(fn, *args)
+        results: list[Any] = [None] * len(self.workers)
+        while self.calls:
+            for rank, value, error in self.poll(timeout_s=1.0):
+                if error is not None:
+                    raise WorkerFailure(f"{self.who(rank)} failed: {first_line(error)}") from error
+                results[rank] = value
             if on_progress is not None:
                 on_progress(self.progress())  # also once after the last rank finished: its final report
         return results
 
+    def who(self, rank: int) -> str:
+        entry = self.table[rank]
+        return f"rank {rank} (pid {entry['pid']} on {entry['node_ip']})"
+
+    def poll(self, timeout_s: float) -> list[tuple[int, Any, RayError | None]]:
+        """(rank, result, error) of every call that ended, waiting up to timeout_s for the first.
+        Waiting on the calls themselves sees a rank that raises or whose process dies at once."""
+        if not self.calls:
+            return []
+        ready, _ = ray.wait(list(self.calls), num_returns=1, timeout=timeout_s)
+        if ready:
+            ready, _ = ray.wait(list(self.calls), num_returns=len(self.calls), timeout=0)
+        ended = []
+        for ref in ready:
+            rank = self.calls.pop(ref)
+            try:
+                ended.append((rank, ray.get(ref), None))
+                self.returned.add(rank)
+            except RayError as e:
+                ended.append((rank, None, e))
+                if not isinstance(e, RayActorError):  # it raised: the process is alive and usable
+                    self.returned.add(rank)
+        return ended
+
     def progress(self) -> list[dict]:
-        """The latest progress each rank reported ({} for a rank that has not reported or is gone)."""
-        refs = [w.progress.remote() for w in self.workers]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=5.0)
+        """The latest progress of each rank, never waiting on one that does not answer (a stopped
+        or wedged process): its question stays open and its last answer stands."""
+        for rank, w in enumerate(self.workers):
+            if rank not in self._asked:
+                self._asked[rank] = (w.progress.remote(), time.monotonic())
+        refs = [ref for ref, _ in self._asked.values()]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        for rank, (ref, _) in list(self._asked.items()):
+            if ref in ready:
+                del self._asked[rank]
+                try:
+                    self._progress[rank] = ray.get(ref)
+                except RayError:
+                    pass
+        return [self._progress.get(rank, {}) for rank in range(len(self.workers))]
+
+    def last_progress(self, rank: int, timeout_s: float = 2.0) -> dict:
+        """A rank's final report, asked again: for a rank whose call ended, the polled one may be stale."""
+        try:
+            return ray.get(self.workers[rank].progress.remote(), timeout=timeout_s)
+        except (RayError, GetTimeoutError):
+            return self._progress.get(rank, {})
+
+    def silent(self, longer_than_s: float) -> list[int]:
+        """The ranks that have left a progress question unanswered for longer_than_s."""
+        now = time.monotonic()
+        return [rank for rank, (_, asked) in sorted(self._asked.items()) if now - asked > longer_than_s]
+
+    def stacks(self, timeout_s: float = 5.0) -> list[str]:
+        """Every rank's Python stacks; a rank that cannot answer in timeout_s says so instead."""
+        refs = [w.stacks.remote() for w in self.workers]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
         out = []
         for ref in refs:
             try:
-                out.append(ray.get(ref) if ref in ready else {})
-            except RayError:
-                out.append({})
+                out.append(ray.get(ref) if ref in ready else f"no answer within {timeout_s:g} s (stopped or wedged)")
+            except RayError as e:
+                out.append(f"no answer: {first_line(e)}")
         return out
+
+    def request_stop(self, deadline: float) -> None:
+        for w in self.workers:
+            w.request_stop.remote(deadline)
+
+    def release_unhealthy(self, timeout_s: float = 5.0) -> None:
+        """After a failure: kill every actor whose call did not return (dead, or stuck in a
+        collective) or that no longer answers (a rank that raised as its node went down); the
+        others stay, alive and with their imports warm, for `refill`."""
+        pings = {rank: self.workers[rank].node_info.remote() for rank in self.returned}
+        ready, _ = ray.wait(list(pings.values()), num_returns=len(pings), timeout=timeout_s)
+        for rank, ref in pings.items():
+            try:
+                ray.get(ref) if ref in ready else self.returned.discard(rank)
+            except RayError:
+                self.returned.discard(rank)
+        for entry in self.table:
+            if entry["rank"] not in self.returned:
+                ray.kill(self.workers[entry["rank"]], no_restart=True)
+
+    def refill(self) -> list[dict]:
+        """Start new actors in the bundles `release_unhealthy` emptied and rank the group again.
+        PlacementError if the placement group is not whole again within placement_timeout_s (a
+        node of it is gone and nothing took its place)."""
+        kept = [entry for entry in self.table if entry["rank"] in self.returned]
+        lost = [entry for entry in self.table if entry["rank"] not in self.returned]
+        self.workers = [self.workers[e["rank"]] for e in kept]
+        self.calls = {}
+        try:
+            ray.get(self.pg.ready(), timeout=self.spec.placement_timeout_s)
+        except GetTimeoutError as e:
+            raise PlacementError(
+                f"could not restart {len(lost)} workers: their placement group lost a node and was not whole again "
+                f"within cluster.placement_timeout_s={self.spec.placement_timeout_s:g}"
+            ) from e
+        new = [self._actor(e["bundle"]) for e in lost]
+        self.workers += new
+        return self._rank(self.workers, [*kept, *self._started(new, [e["bundle"] for e in lost])])
 
     def shutdown(self) -> None:
         for w in self.workers:
             ray.kill(w, no_restart=True)
-        self.workers = []
+        self.workers, self.calls = [], {}
         if self.pg is not None:
             remove_placement_group(self.pg)
             self.pg = None
 
 
-def _blocks_that_fit(bundle: dict[str, float]) -> dict[str, int]:
-    """How many bundles each alive node could ever hold, by its total resources: a group that needs
-    more fails now, not after placement_timeout_s."""
-    fits = {}
-    for node in ray.nodes():
-        if node["Alive"]:
-            total = node["Resources"]
-            name = f"{node['NodeManagerAddress']}/{node['NodeID'][:8]}"
-            fits[name] = min(int(total.get(k, 0) / v + 1e-9) for k, v in bundle.items())
-    return fits
-
-
-def _first_line(error: Exception) -> str:
+def first_line(error: Exception, limit: int = 160) -> str:
+    """The error's type and the last line of its message (where Python puts the exception's own
+    words), cut to `limit` characters: Ray's death notices run to a paragraph."""
     cause = getattr(error, "cause", None) or error
     lines = str(cause).strip().splitlines()
-    return f"{type(cause).__name__}: {lines[-1] if lines else ''}"
+    line = lines[-1] if lines else ""
+    return f"{type(cause).__name__}: {line if len(line) <= limit else line[: limit - 1] + '…'}"

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed._composable import checkpoint
 from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
 
 from distrain.config import StrategyConfig
 from distrain.layout import MeshSizes
@@ -139,6 +140,17 @@ class ParallelModel:
                         (loss / len(micro)).backward()
                 total += as_tensor(loss.detach())
             return total
+
+    def settle_buckets(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """DDP reduces its first backward's gradients in a bucket laid out in reverse parameter
+        order and every later one in buckets rebuilt from the order gradients arrived in. With 3+
+        ranks another layout sums each element in another order (gloo's ring starts each chunk at
+        a different rank), so the first step after a restart would differ in the last bits from
+        the same step in a run that never stopped. One backward before the first step, gradients
+        thrown away, gives every step of every run the rebuilt layout."""
+        if isinstance(self.module, DistributedDataParallel):
+            self.forward_backward(x, y)
+            self.module.zero_grad(set_to_none=True)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """The norm of the whole model's gradient, over shards, tensor-parallel peers and stages;

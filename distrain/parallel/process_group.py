@@ -11,9 +11,10 @@ import torch
 import torch.distributed as dist
 
 
-def init_from_env(timeout_s: float = 600.0, cpu_collectives: bool = False) -> torch.device:
-    """NCCL and the local GPU when CUDA is visible, gloo and the CPU otherwise. `cpu_collectives`
-    adds gloo beside NCCL for tensors that live in CPU memory on a GPU machine (CPU offload).
+def init_from_env(timeout_s: float = 600.0) -> torch.device:
+    """NCCL and the local GPU when CUDA is visible, gloo and the CPU otherwise. On GPUs gloo runs
+    beside NCCL for tensors in CPU memory: CPU offload's gradient norm, and the trainer's per-step
+    agreement on stopping, which must not wait on the GPU's queue.
 
     Reads RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT, exactly as torchrun sets them,
     so the same code runs under Ray workers and under plain torchrun.
@@ -25,7 +26,7 @@ def init_from_env(timeout_s: float = 600.0, cpu_collectives: bool = False) -> to
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
-        backend = "cuda:nccl,cpu:gloo" if cpu_collectives else "nccl"
+        backend = "cuda:nccl,cpu:gloo"
     else:
         device, backend = torch.device("cpu"), "gloo"
     if not dist.is_initialized():

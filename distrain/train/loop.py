@@ -1,8 +1,8 @@
 """One rank's training: mesh → model → strategy → data shard → step loop → checkpoints.
 
 `run_rank` is what a worker executes. It knows torch.distributed (through `distrain.parallel`)
-and nothing about Ray: it joins the process group from torchrun-style environment variables
-and reports progress through the `report` callable it is given.
+and nothing about Ray: it joins the process group from torchrun-style environment variables,
+reports progress through the channel it is given, and reads a stop request from it.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -32,7 +32,6 @@ from distrain.train.metrics import peak_flops, peak_memory_bytes
 from distrain.train.optim import build_optimizer, local_optimizer, lr_at
 from distrain.validation import mesh_sizes
 
-Report = Callable[[dict], None]
 STATE_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
@@ -40,20 +39,31 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
-def run_rank(job: dict, report: Report) -> dict:
+class Channel(Protocol):
+    """The supervisor's line to a rank: progress up (phase, step, timestamps), a stop request down
+    (the wall-clock deadline by which it wants the rank to have returned)."""
+
+    stop_deadline: float | None
+
+    def report(self, progress: dict) -> None: ...
+
+
+def run_rank(job: dict, channel: Channel) -> dict:
     """Train this rank's part of the run described by `job` (a plain dict: config, run_dir,
-    resume_from, started_at); rank 0 returns the run's results, the others an empty dict."""
+    resume_from, wandb_run_id, started_at); rank 0 returns the run's results, the others an empty
+    dict. The results say `stopped` when a stop request ended the run before max_steps."""
     cfg = from_plain(job["config"])
-    device = process_group.init_from_env(cpu_collectives=cfg.strategy.offload)
+    device = process_group.init_from_env()
+    channel.report({"phase": "setup", "joined_at": time.time()})
     try:
-        return Trainer(cfg, job, device, report).fit()
+        return Trainer(cfg, job, device, channel).fit()
     finally:
         process_group.destroy()
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, job: dict, device: torch.device, report: Report):
-        self.cfg, self.device, self.report = cfg, device, report
+    def __init__(self, cfg: TrainConfig, job: dict, device: torch.device, channel: Channel):
+        self.cfg, self.device, self.channel = cfg, device, channel
         self.plain_config = job["config"]
         self.run_dir = Path(job["run_dir"])
         self.started_at = job["started_at"]
@@ -79,12 +89,15 @@ class Trainer:
         self.val_batches = Batches(data.val, t.seq_len, t.global_batch_size, t.seed, VAL)
         self.dp_rank, self.dp_size = self.parallel.data_shard()
 
-        self.step, self.loss, wandb_run_id = 0, math.nan, None
+        self.step, self.loss, self.save_s = 0, math.nan, 0.0
         if job["resume_from"]:
-            wandb_run_id = self.load(job["resume_from"])
+            self.load(job["resume_from"])
+        with self.autocast():
+            self.parallel.settle_buckets(*self.batch(self.train_batches, self.step + 1))
         self.tracker = None
         if self.rank == 0:
-            self.tracker = Tracker(str(self.run_dir), job["config"], self.step, wandb_run_id)
+            self.tracker = Tracker(str(self.run_dir), job["config"], self.step, job["wandb_run_id"])
+        channel.report({"step": self.step, "max_steps": t.max_steps, "loaded_at": time.time()})
 
     # -- one step -------------------------------------------------------------------------------
 
@@ -118,6 +131,7 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
+        self.channel.report({"phase": "eval"})
         for part in self.parallel.parts:
             part.eval()
         loss_sum = torch.zeros((), device=self.device)
@@ -127,6 +141,7 @@ class Trainer:
                 loss_sum += self.parallel.forward_backward(x, y, train=False)
         for part in self.parallel.parts:
             part.train()
+        self.channel.report({"phase": "train"})
         return self.global_mean(loss_sum) / self.cfg.trainer.eval_batches
 
     # -- the loop -------------------------------------------------------------------------------
@@ -136,7 +151,7 @@ class Trainer:
         tokens_per_step = t.global_batch_size * t.seq_len
         flops_token = flops_per_token(self.cfg.model, t.seq_len)
         peak = peak_flops(self.device, self.precision)
-        first_step_s, val_loss = None, None
+        first_step_s, val_loss, stopped = None, None, False
         window_start, window_steps = time.perf_counter(), 0
         fit_start = time.perf_counter()
 
@@ -146,9 +161,10 @@ class Trainer:
             window_steps += 1
             if first_step_s is None:
                 first_step_s = time.time() - self.started_at
+                self.channel.report({"first_step_at": time.time()})
             last = self.step == t.max_steps
             evaluate_now = (t.eval_interval > 0 and self.step % t.eval_interval == 0) or last
-            progress = {"step": self.step, "max_steps": t.max_steps}
+            progress = {"phase": "train", "step": self.step, "max_steps": t.max_steps}
             if self.step % t.log_interval == 0 or evaluate_now:
                 self.loss = self.global_mean(loss_sum)  # waits for the window's steps to finish
                 elapsed = time.perf_counter() - window_start
@@ -169,11 +185,14 @@ class Trainer:
                     self.tracker.log(self.step, metrics)
                 progress.update(metrics)
                 window_start, window_steps = time.perf_counter(), 0  # evaluation is not training time
-            self.report(progress)
+            self.channel.report(progress)
+            stopped, save_fits = self.agree_on_stop()
             if (self.cfg.checkpoint.interval and self.step % self.cfg.checkpoint.interval == 0) or last:
-                save_start = time.perf_counter()
-                self.save()
-                window_start += time.perf_counter() - save_start  # nor is saving
+                window_start += self.checkpoint()  # saving is not training time either
+            elif stopped and save_fits:
+                self.checkpoint()
+            if stopped:
+                break
 
         results = {
             "final_step": self.step,
@@ -185,13 +204,32 @@ class Trainer:
             "num_params": num_params(self.cfg.model),
             "flops_per_token": flops_token,
             "wandb_run_id": None,
+            "stopped": stopped and self.step < t.max_steps,
         }
         if self.tracker is not None:
             results["wandb_run_id"] = self.tracker.wandb_run_id
             self.tracker.close(results)
         return results if self.rank == 0 else {}
 
+    def agree_on_stop(self) -> tuple[bool, bool]:
+        """Whether the supervisor asked any rank to stop, and whether a checkpoint still fits before
+        its deadline (judged by the last save's duration). One all-reduce of two numbers in CPU
+        memory per step gives every rank the same answer at the same step."""
+        votes = torch.tensor([self.channel.stop_deadline or 0.0, time.time() + self.save_s], dtype=torch.float64)
+        dist.all_reduce(votes, op=dist.ReduceOp.MAX)
+        deadline, ready_by = votes.tolist()
+        return deadline > 0, ready_by <= deadline
+
     # -- checkpoints ----------------------------------------------------------------------------
+
+    def checkpoint(self) -> float:
+        """Save, telling the supervisor that this rank is saving (slow, not hung); return the seconds."""
+        self.channel.report({"phase": "checkpoint"})
+        start = time.perf_counter()
+        self.save()
+        self.save_s = time.perf_counter() - start
+        self.channel.report({"phase": "train"})
+        return self.save_s
 
     def state(self) -> dict:
         """Keyed by full-model parameter name, whatever the layout: a checkpoint resumes on any.
@@ -218,8 +256,8 @@ class Trainer:
             self.run_dir / "checkpoints", self.step, self.state(), meta, rank_state, self.cfg.checkpoint.keep
         )
 
-    def load(self, path: str) -> str | None:
-        """Restore weights, optimizer, step, data position and RNG; return the W&B run id."""
+    def load(self, path: str) -> None:
+        """Restore weights, optimizer, step, data position and RNG."""
         state = self.state()
         meta, rank_state = checkpoint.load(path, state)
         set_state_dict(
@@ -234,4 +272,3 @@ class Trainer:
             torch.set_rng_state(rank_state["cpu_rng"])
             if "cuda_rng" in rank_state and self.device.type == "cuda":
                 torch.cuda.set_rng_state(rank_state["cuda_rng"], self.device)
-        return meta["wandb_run_id"]
