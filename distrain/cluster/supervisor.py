@@ -86,7 +86,6 @@ class Supervisor:
         self.stop_requested_at: float | None = None
         self.step_times: list[float] = []
         self.group: WorkerGroup | None = None
-        self.refill_started = 0.0  # when the last failed attempt's group was torn down for refilling
 
     def request_stop(self) -> None:
         """Ask for a clean stop (SIGTERM): the ranks checkpoint if time allows, then return."""
@@ -144,13 +143,6 @@ class Supervisor:
                 self.on_event(f"continuing on {n} of {full} workers; growing back when there is room")
             return {"table": table, **timings, "placed_at": time.time()}
         raise AssertionError("unreachable: the last candidate raises")
-
-    def _refill(self, since: float) -> dict:
-        """The same group, its unhealthy actors replaced in their bundles."""
-        self.group.release_unhealthy()
-        self.refill_started = time.time()
-        table = self.group.refill()
-        return {"table": table, "since": since, "torn_down_at": self.refill_started, "placed_at": time.time()}
 
     def _launch(self, placed: dict) -> Attempt:
         table = placed.pop("table")
@@ -288,11 +280,14 @@ class Supervisor:
         time.sleep(self._backoff())
         if attempt.world_size < self.world_sizes[0]:
             return self._place(since, patient=True)
+        self.group.release_unhealthy()  # the same group, its unhealthy actors replaced in their bundles
+        torn_down = time.time()
         try:
-            return self._refill(since)
+            table = self.group.refill()
         except PlacementError as e:  # it waited placement_timeout_s already: shrink now if it must
             self.on_event(str(e))
-            return self._place(since, patient=False, torn_down_at=self.refill_started)
+            return self._place(since, patient=False, torn_down_at=torn_down)
+        return {"table": table, "since": since, "torn_down_at": torn_down, "placed_at": time.time()}
 
     def _check_budget(self, attempt: Attempt) -> None:
         failed = [a for a in self.attempts if a.outcome == "failed"]

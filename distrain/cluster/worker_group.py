@@ -62,9 +62,10 @@ class WorkerGroup:
                 f"cluster.placement_timeout_s={s.placement_timeout_s:g}; the cluster has "
                 f"{ray.available_resources()} free"
             ) from e
-        actors = [self._actor(i // s.node_group) for i in range(s.num_workers)]
+        bundles = [i // s.node_group for i in range(s.num_workers)]
+        actors = [self._actor(b) for b in bundles]
         self.workers = actors  # shutdown finds them, even if the next line fails
-        return self._rank(actors, self._started(actors, [i // s.node_group for i in range(s.num_workers)]))
+        return self._rank(actors, self._started(actors, bundles))
 
     def _started(self, actors: list, bundles: list[int]) -> list[dict]:
         """Where each new actor runs, once it has started (slow: a process, perhaps a runtime env)."""
@@ -218,8 +219,10 @@ class WorkerGroup:
         ready, _ = ray.wait(list(pings.values()), num_returns=len(pings), timeout=timeout_s)
         for rank, ref in pings.items():
             try:
-                ray.get(ref) if ref in ready else self.returned.discard(rank)
+                alive = ref in ready and ray.get(ref) is not None
             except RayError:
+                alive = False
+            if not alive:
                 self.returned.discard(rank)
         for entry in self.table:
             if entry["rank"] not in self.returned:
