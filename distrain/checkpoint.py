@@ -50,9 +50,7 @@ def save(root: str | Path, step: int, state: dict[str, Any], meta: dict, rank_st
     rank = dist.get_rank()
     path = step_dir(root, step)
     if rank == 0:
-        if path.exists():  # left by a save that died before committing: never loadable, safe to replace
-            shutil.rmtree(path)
-        path.mkdir(parents=True)
+        prepare(root, step)
     dist.barrier()
     dcp.save(state, checkpoint_id=str(path))
     buf = io.BytesIO()
@@ -64,17 +62,34 @@ def save(root: str | Path, step: int, state: dict[str, Any], meta: dict, rank_st
     views: list[dict[str, int]] = [{}] * dist.get_world_size()
     dist.all_gather_object(views, _listing(path))
     if rank == 0:
-        files = views[0]
-        for r, view in enumerate(views[1:], start=1):
-            for name, size in view.items():
-                if files.get(name) != size:
-                    raise CheckpointNotSharedError(
-                        f"rank {r} wrote {path / name} ({size} bytes) but rank 0 sees "
-                        f"{'no such file' if name not in files else f'{files[name]} bytes'}: run.storage must "
-                        f"be storage every node shares; the checkpoint is left uncommitted"
-                    )
-        write_json(path / COMMIT_MARKER, {"step": step, "files": files})
-        prune(root, keep)
+        commit(root, step, {f"rank {r}": view for r, view in enumerate(views)}, keep, reader="rank 0")
+    return path
+
+
+def commit(root: str | Path, step: int, views: dict[str, dict[str, int]], keep: int, reader: str) -> None:
+    """Mark a checkpoint loadable once `reader` (the committer) sees every file each writer wrote
+    (`views`: writer → file → size), at its size; then prune older ones."""
+    path = step_dir(root, step)
+    files = _listing(path)
+    for writer, view in views.items():
+        for name, size in view.items():
+            if files.get(name) != size:
+                raise CheckpointNotSharedError(
+                    f"{writer} wrote {path / name} ({size} bytes) but {reader} sees "
+                    f"{'no such file' if name not in files else f'{files[name]} bytes'}: run.storage must "
+                    f"be storage every node shares; the checkpoint is left uncommitted"
+                )
+    write_json(path / COMMIT_MARKER, {"step": step, "files": files})
+    prune(root, keep)
+
+
+def prepare(root: str | Path, step: int) -> Path:
+    """An empty directory for the checkpoint of `step`: one left by a save that died before
+    committing is never loadable, so it is safe to replace."""
+    path = step_dir(root, step)
+    if path.exists():
+        shutil.rmtree(path)
+    path.mkdir(parents=True)
     return path
 
 

@@ -58,6 +58,13 @@ class StrategyConfig:
     activation_checkpoint: bool = False  # recompute each block's activations in the backward pass
     compile: bool = False  # torch.compile each block
     bucket_cap_mb: float = 25.0  # DDP gradient buckets
+    # Parameter server (strategy=ps, distrain/ps/): a mode makes the run a parameter-server run.
+    mode: str | None = None  # sync | async | hogwild | easgd; None: collective training (all of the above)
+    num_servers: int = 1  # server actors, each holding an equal slice of the parameters and their optimizer state
+    backup_workers: int = 0  # sync: each step applies the first num_workers − backup_workers gradients
+    max_staleness: int | None = None  # async: no gradient is applied more than this many versions late
+    tau: int = 4  # easgd: local steps between elastic exchanges
+    alpha: float | None = None  # easgd: the elastic coefficient; None: 0.9 / num_workers (β/p in the paper)
 
 
 @dataclass
@@ -111,6 +118,10 @@ class TrainerConfig:
     eval_interval: int = 100  # 0 disables periodic validation (a final one still runs)
     eval_batches: int = 4
     precision: str = "auto"  # auto: bf16 autocast on GPU, fp32 on CPU | fp32 | bf16
+    # A simulated straggler (benchmarks): this rank sleeps after each step until the step has taken
+    # straggler_slowdown times its compute time. None: no straggler.
+    straggler: int | None = None
+    straggler_slowdown: float = 3.0
 
 
 @dataclass

@@ -27,6 +27,7 @@ from distrain.config import ClusterConfig, ConfigError, TrainConfig, to_plain
 from distrain.fsutil import exclusive_lock
 from distrain.plan import describe
 from distrain.progress import ProgressLine
+from distrain.ps.driver import ParameterServerRun
 from distrain.tracking import SUMMARY_FILE, read_metrics, wandb_mode, write_summary
 from distrain.train.loop import run_rank
 from distrain.validation import smaller_layouts, validate
@@ -110,21 +111,26 @@ def _train_locked(layouts: dict[int, TrainConfig], run_dir: Path, started: float
         "history": history,
     }
     progress = ProgressLine(cfg.logger.progress_interval_s)
-    supervisor = Supervisor(
-        spec, policy(cfg.cluster), run_rank, make_attempt, list(layouts), run_dir, progress.update, progress.message
-    )
+    if cfg.strategy.mode is not None:  # a parameter server: workers replaced one by one, no process group
+        engine = ParameterServerRun(
+            cfg, spec, policy(cfg.cluster), run_dir, wandb_run_id, started, progress.update, progress.message
+        )
+    else:
+        engine = Supervisor(
+            spec, policy(cfg.cluster), run_rank, make_attempt, list(layouts), run_dir, progress.update, progress.message
+        )
     try:
-        with stop_signals(supervisor.request_stop):
-            results = supervisor.run()
-        stopped = supervisor.attempts[-1].outcome != "completed"  # a stop request ended it first
+        with stop_signals(engine.request_stop):
+            results = engine.run()
+        stopped = engine.attempts[-1].outcome != "completed"  # a stop request ended it first
         summary.update((results or [None])[0] or _from_metrics(run_dir), status="stopped" if stopped else "completed")
     except BaseException as e:
         summary.update(_from_metrics(run_dir), error=f"{type(e).__name__}: {e}")
         raise
     finally:
         progress.close()
-        summary["attempts"] = [a.record() for a in supervisor.attempts]
-        summary["restarts"] = max(len(supervisor.attempts) - 1, 0)
+        summary["attempts"] = [a.record() for a in engine.attempts]
+        summary["restarts"] = engine.restarts
         summary["wall_s"] = time.time() - started
         write_summary(str(run_dir), summary)
     return summary

@@ -170,6 +170,8 @@ def memory_lines(cfg: TrainConfig, sizes: MeshSizes, precision: str) -> list[str
     for pp_rank in range(sizes.pp):
         ranks = [r for r in range(sizes.world_size) if sizes.coordinate(r)["pp"] == pp_rank]
         mem, n = rank_memory(cfg, pp_rank, precision), in_flight(cfg, pp_rank)
+        if cfg.strategy.mode not in (None, "easgd"):
+            mem = replace(mem, optimizer=0)  # the parameter servers hold it
         who = "every rank" if sizes.pp == 1 else f"pp rank {pp_rank} {_group(ranks)}"
         lines.append(
             f"  {who}: params {human(mem.params)}, grads {human(mem.grads)}, optimizer {human(mem.optimizer)}, "
@@ -182,6 +184,23 @@ def memory_lines(cfg: TrainConfig, sizes: MeshSizes, precision: str) -> list[str
                 "activations and the one gathered block being computed"
             )
     return lines
+
+
+def server_lines(cfg: TrainConfig) -> list[str]:
+    s, w = cfg.strategy, cfg.cluster.num_workers
+    per_server = -(-num_params(cfg.model) // s.num_servers) * FP32
+    how = {
+        "sync": f"each step applies the mean of the first {w - s.backup_workers} of {w} gradients",
+        "async": "each gradient applied as it arrives"
+        + (f", at most {s.max_staleness} versions stale" if s.max_staleness is not None else ""),
+        "hogwild": "each gradient applied as it arrives, concurrently and without a lock",
+        "easgd": f"workers train their own weights, elastic exchange every {s.tau} steps (alpha {s.alpha:g})",
+    }[s.mode]
+    return [
+        f"parameter servers: {s.num_servers}, mode {s.mode}: {how}; no process group (weights go out through the "
+        "object store, gradients come in by Ray calls)",
+        f"  each server: params {human(per_server)}, optimizer {human(per_server * optimizer_states(cfg))}",
+    ]
 
 
 def describe(cfg: TrainConfig, table: list[dict]) -> str:
@@ -197,8 +216,7 @@ def describe(cfg: TrainConfig, table: list[dict]) -> str:
         f"model {num_params(cfg.model):,} parameters",
         "mesh:",
         *mesh_lines(sizes, table),
-        "process groups:",
-        *group_lines(sizes),
+        *(["process groups:", *group_lines(sizes)] if s.mode is None else server_lines(cfg)),
         *(pipeline_lines(cfg) if s.pp > 1 else []),
         *memory_lines(cfg, sizes, precision),
     ]

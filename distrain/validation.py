@@ -13,6 +13,7 @@ from distrain.layout import SCHEDULES, MeshSizes, micro_batches, num_stages
 OPTIMIZERS = ("adamw", "sgd")
 WANDB_MODES = (None, "online", "offline", "disabled")
 PRECISIONS = ("auto", "fp32", "bf16")
+PS_MODES = ("sync", "async", "hogwild", "easgd")
 
 
 def _require(ok: bool, message: str) -> None:
@@ -179,6 +180,45 @@ def _validate_fault_tolerance(c: ClusterConfig) -> None:
     _require(c.restart_backoff_s >= 0, f"cluster.restart_backoff_s={c.restart_backoff_s}: must be ≥ 0")
 
 
+def _validate_parameter_server(cfg: TrainConfig) -> None:
+    """strategy.mode set: a parameter-server run. Fills alpha's default from the worker count."""
+    s, n = cfg.strategy, cfg.cluster.num_workers
+    if s.mode is None:
+        return
+    _require(
+        s.mode in PS_MODES,
+        f"strategy.mode={s.mode!r} is not a parameter-server mode; choose one of {', '.join(PS_MODES)}",
+    )
+    _require(s.num_servers >= 1, f"strategy.num_servers={s.num_servers}: need at least 1 parameter server")
+    _require(
+        s.tp == 1 and s.pp == 1 and s.zero == 0 and s.dp_shard == 1,
+        f"strategy.mode={s.mode} (parameter server) is data-parallel only, but strategy.tp={s.tp}, pp={s.pp}, "
+        f"zero={s.zero}, dp_shard={s.dp_shard}; use strategy=ps, or an all-reduce strategy without strategy.mode",
+    )
+    _require(
+        0 <= s.backup_workers < n,
+        f"strategy.backup_workers={s.backup_workers}: must be ≥ 0 and below cluster.num_workers={n} "
+        f"(each step needs at least one gradient)",
+    )
+    _require(
+        s.backup_workers == 0 or s.mode == "sync",
+        f"strategy.backup_workers={s.backup_workers} applies to strategy.mode=sync only (mode is {s.mode})",
+    )
+    _require(
+        s.max_staleness is None or (s.max_staleness >= 0 and s.mode == "async"),
+        f"strategy.max_staleness={s.max_staleness}: must be ≥ 0, with strategy.mode=async only (mode is {s.mode})",
+    )
+    _require(s.tau >= 1, f"strategy.tau={s.tau}: EASGD takes at least 1 local step between exchanges")
+    if s.alpha is None:
+        s.alpha = 0.9 / n
+    _require(0 < s.alpha < 1, f"strategy.alpha={s.alpha}: EASGD's elastic coefficient must be in (0, 1)")
+    _require(
+        cfg.cluster.min_workers is None,
+        "cluster.min_workers does not apply to a parameter-server run: its workers are replaced one by one "
+        "while the others go on; set cluster.min_workers=null",
+    )
+
+
 def smaller_layouts(cfg: TrainConfig) -> dict[int, TrainConfig]:
     """What a run may shrink to after losing nodes: for each worker count below cluster.num_workers,
     down to cluster.min_workers, whose layout validates with the same global batch (fewer workers
@@ -229,10 +269,16 @@ def validate(cfg: TrainConfig) -> None:
         f"data-parallel size = {t.micro_batch_size} × {dp} = {per_step}; use a multiple of {per_step}",
     )
     _validate_parallelisms(cfg)
+    _validate_parameter_server(cfg)
     _require(t.max_steps >= 1, f"trainer.max_steps={t.max_steps}: must be ≥ 1")
     _require(t.seq_len >= 2, f"trainer.seq_len={t.seq_len}: must be ≥ 2")
     _require(t.log_interval >= 1, f"trainer.log_interval={t.log_interval}: must be ≥ 1")
     _require(t.eval_batches >= 1, f"trainer.eval_batches={t.eval_batches}: must be ≥ 1")
+    _require(
+        t.straggler is None or 0 <= t.straggler < c.num_workers,
+        f"trainer.straggler={t.straggler}: must be a rank below cluster.num_workers={c.num_workers} (or null)",
+    )
+    _require(t.straggler_slowdown >= 1, f"trainer.straggler_slowdown={t.straggler_slowdown}: must be ≥ 1")
     _require(t.precision in PRECISIONS, f"trainer.precision={t.precision!r}: choose one of {', '.join(PRECISIONS)}")
 
     _require(o.name in OPTIMIZERS, f"optim.name={o.name!r}: choose one of {', '.join(OPTIMIZERS)}")

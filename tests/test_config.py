@@ -79,6 +79,18 @@ from distrain.validation import smaller_layouts, validate
         (["cluster.stop_grace_s=-1"], "cluster.stop_grace_s"),
         (["cluster.setup_timeout_s=0"], "cluster.setup_timeout_s"),
         (["cluster.restart_backoff_s=-1"], "cluster.restart_backoff_s"),
+        (["strategy=ps", "strategy.mode=gossip"], "strategy.mode"),
+        (["strategy=ps", "strategy.num_servers=0"], "strategy.num_servers"),
+        (["strategy=ps", "strategy.mode=easgd", "strategy.tau=0"], "strategy.tau"),
+        (["strategy=ps", "strategy.mode=easgd", "strategy.alpha=1.0"], "strategy.alpha"),
+        (["strategy=ps", "strategy.mode=easgd", "strategy.alpha=0"], "strategy.alpha"),
+        (["strategy=ps", "strategy.backup_workers=2", "cluster.num_workers=2"], "strategy.backup_workers"),
+        (["strategy=ps", "strategy.mode=async", "strategy.backup_workers=1"], "strategy.backup_workers"),
+        (["strategy=ps", "strategy.max_staleness=2"], "strategy.max_staleness"),
+        (["strategy=ps", "strategy.mode=async", "strategy.max_staleness=-1"], "strategy.max_staleness"),
+        (["strategy=ps", "strategy.tp=2", "cluster.num_workers=2"], "data-parallel only"),
+        (["strategy=ps", "cluster.min_workers=1"], "cluster.min_workers"),
+        (["trainer.straggler=2"], "trainer.straggler"),
     ],
 )
 def test_validate_names_the_key(tmp_path: Path, overrides: list[str], key: str):

@@ -97,6 +97,16 @@ def test_offload_says_where_the_state_lives(tmp_path: Path):
     assert "sit in CPU memory" in describe(cfg, fake_table(4, 4, gpus=True))
 
 
+def test_a_parameter_server_plan_shows_the_servers_not_process_groups(tmp_path: Path):
+    cfg = planned(tmp_path, "strategy=ps", "strategy.num_servers=2", "strategy.mode=async", "cluster.num_workers=4")
+    text = describe(cfg, fake_table(4, 4, gpus=False))
+    assert "process groups" not in text
+    assert "parameter servers: 2, mode async" in text
+    per_server = num_params(cfg.model) * 4 / 2 / 1024  # KiB of fp32 weights each
+    assert f"each server: params {per_server:.1f} KiB, optimizer {2 * per_server:.1f} KiB" in text
+    assert "optimizer 0 B" in text  # the workers hold none
+
+
 def test_pipeline_stages_list_their_layers(tmp_path: Path):
     cfg = planned(
         tmp_path, "cluster.num_workers=2", "strategy=pp", "strategy.schedule=interleaved_1f1b", "model.n_layers=6"

@@ -87,6 +87,10 @@ class Supervisor:
         self.step_times: list[float] = []
         self.group: WorkerGroup | None = None
 
+    @property
+    def restarts(self) -> int:
+        return max(len(self.attempts) - 1, 0)
+
     def request_stop(self) -> None:
         """Ask for a clean stop (SIGTERM): the ranks checkpoint if time allows, then return."""
         self.stop_requested_at = self.stop_requested_at or time.time()

@@ -117,21 +117,30 @@ class WorkerGroup:
             envs.append({k: str(v) for k, v in env.items()})
         return envs
 
-    def launch(self, fn: Callable[..., Any], *args: Any) -> None:
-        """Start fn(*args, channel) on every rank, on a fresh rendezvous port; `poll` collects the results."""
-        ray.get([w.reset.remote() for w in self.workers])
-        self.calls = {
-            w.run.remote(fn, env, *args): rank
-            for rank, (w, env) in enumerate(zip(self.workers, self.environments(), strict=True))
-        }
-        self.returned, self._asked, self._progress = set(), {}, {}
+    def launch(self, fn: Callable[..., Any], *args: Any, ranks: list[int] | None = None) -> None:
+        """Start fn(*args, channel) on every rank (or on `ranks` only, beside calls still running),
+        on a fresh rendezvous port; `poll` collects the results."""
+        if ranks is None:
+            ranks, self.calls = list(range(len(self.workers))), {}
+        ray.get([self.workers[r].reset.remote() for r in ranks])
+        envs = self.environments()
+        for r in ranks:
+            self.calls[self.workers[r].run.remote(fn, envs[r], *args)] = r
+            self.returned.discard(r)
+            self._asked.pop(r, None)
+            self._progress.pop(r, None)
 
     def run(
-        self, fn: Callable[..., Any], *args: Any, on_progress: Callable[[list[dict]], None] | None = None
+        self,
+        fn: Callable[..., Any],
+        *args: Any,
+        on_progress: Callable[[list[dict]], None] | None = None,
+        ranks: list[int] | None = None,
     ) -> list[Any]:
-        """Run fn(*args, channel) on every rank once, with no recovery (the supervisor's job): the
-        first rank that raises or dies raises WorkerFailure. The results in rank order."""
-        self.launch(fn, *args)
+        """Run fn(*args, channel) on every rank (or on `ranks`) once, with no recovery (the
+        supervisor's job): the first rank that raises or dies raises WorkerFailure. The results in
+        rank order (None for ranks not run)."""
+        self.launch(fn, *args, ranks=ranks)
         results: list[Any] = [None] * len(self.workers)
         while self.calls:
             for rank, value, error in self.poll(timeout_s=1.0):
@@ -246,6 +255,16 @@ class WorkerGroup:
         new = [self._actor(e["bundle"]) for e in lost]
         self.workers += new
         return self._rank(self.workers, [*kept, *self._started(new, [e["bundle"] for e in lost])])
+
+    def replace(self, rank: int) -> dict:
+        """Kill the actor of `rank` and start a new one in its bundle, under the same rank: for
+        work that goes on without it meanwhile (a parameter server's other workers)."""
+        entry = self.table[rank]
+        ray.kill(self.workers[rank], no_restart=True)
+        self.calls = {ref: r for ref, r in self.calls.items() if r != rank}
+        self.workers[rank] = self._actor(entry["bundle"])
+        self.table[rank] = {**entry, **self._started([self.workers[rank]], [entry["bundle"]])[0]}
+        return self.table[rank]
 
     def shutdown(self) -> None:
         for w in self.workers:

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from distrain import checkpoint
-from distrain.config import TrainConfig, from_plain, resolve_precision
+from distrain.config import TrainConfig, TrainerConfig, from_plain, resolve_precision
 from distrain.data.corpus import load_tokens
 from distrain.data.loader import TRAIN, VAL, Batches, split
 from distrain.layout import micro_batches
@@ -37,6 +37,12 @@ STATE_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def straggle(cfg: TrainerConfig, rank: int, compute_s: float) -> None:
+    """The simulated straggler (trainer.straggler) stretches its step to straggler_slowdown × its compute time."""
+    if cfg.straggler == rank:
+        time.sleep((cfg.straggler_slowdown - 1) * compute_s)
 
 
 class Channel(Protocol):
@@ -111,6 +117,7 @@ class Trainer:
     def train_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward and backward over this rank's micro-batches, then one optimizer step; returns
         the summed micro-batch losses (local, unreduced) and the gradient norm before clipping."""
+        start = time.perf_counter()
         lr = lr_at(step, self.cfg.optim, self.cfg.trainer.max_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -119,6 +126,7 @@ class Trainer:
         grad_norm = self.parallel.clip_grad_norm(self.cfg.optim.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        straggle(self.cfg.trainer, self.rank, time.perf_counter() - start)
         return loss_sum, grad_norm
 
     def global_mean(self, local_sum: torch.Tensor) -> float:

@@ -18,9 +18,20 @@ def build_optimizer(
     """Weight decay on matrices only: norms' gains are not decayed (as in GPT-2 and Llama).
     With `zero_group` (ZeRO-1), each rank of the group holds the state of its share of the parameters."""
     params = [p for p in model.parameters() if p.requires_grad]
+    return make_optimizer([p for p in params if p.ndim >= 2], [p for p in params if p.ndim < 2], cfg, zero_group)
+
+
+def make_optimizer(
+    decayed: list[torch.Tensor],
+    undecayed: list[torch.Tensor],
+    cfg: OptimConfig,
+    zero_group: dist.ProcessGroup | None = None,
+) -> torch.optim.Optimizer:
+    """The configured optimizer over two groups, weight decay on the first only (a parameter
+    server's shard passes its pieces of matrices and of gains apart)."""
     groups = [
-        {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
-        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+        {"params": decayed, "weight_decay": cfg.weight_decay},
+        {"params": undecayed, "weight_decay": 0.0},
     ]
     if cfg.name == "adamw":
         cls, options = torch.optim.AdamW, {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps}

@@ -1,0 +1,303 @@
+"""One parameter-server shard: its weights, their optimizer state and a version, behind Ray calls.
+
+A threaded actor: workers' calls run on threads of their own, so a call may wait (for a
+synchronous round to fill, or for a bounded-staleness turn) while others go on. One condition
+variable guards the state in every mode but Hogwild, whose pushes run concurrently, unlocked,
+each through an optimizer of its own over the same storage and the same state tensors.
+
+Pushes are idempotent per (worker, step): a replacement worker, or one resuming from a
+checkpoint some shards had already applied a step to, may push a step twice, and only the first
+counts. Weights go out once per version: `pull` hands every worker the same object-store ref.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+from pathlib import Path
+
+import numpy as np
+import ray
+import torch
+from torch import nn
+
+from distrain.config import OptimConfig, from_plain
+from distrain.model.llama import Transformer
+from distrain.ps.shard import Piece, ShardView, as_tensor, model_shards
+from distrain.train.optim import lr_at, make_optimizer
+
+SERVER_FILE = "server_{:03d}.pt"
+RECENT_ROUNDS = 8  # sync: rounds whose norm a late (dropped) push may still ask for
+
+
+def elastic_exchange(worker: torch.Tensor, centre: torch.Tensor, alpha: float) -> torch.Tensor:
+    """EASGD's exchange (Zhang et al. 2015): with d = α(x_i − x̃), the centre moves to x̃ + d
+    (in place) and the worker is to move to x_i − d; returns d."""
+    diff = (worker - centre).mul_(alpha)
+    centre.add_(diff)
+    return diff
+
+
+def feasible(in_flight: list[int], version: int, bound: int) -> bool:
+    """Whether gradients pulled at `in_flight` versions can all still be applied, from `version`
+    on, with staleness ≤ bound each: applied oldest first, the i-th lands at version + i."""
+    return all(version + i - v <= bound for i, v in enumerate(sorted(in_flight)))
+
+
+def load_weights(directory: str | Path, model: nn.Module) -> None:
+    """A parameter-server checkpoint's weights into a whole model (to evaluate or export it)."""
+    for path in sorted(Path(directory).glob(SERVER_FILE.replace("{:03d}", "*"))):
+        state = torch.load(path, weights_only=False)
+        ShardView(model, state["pieces"]).scatter(state["flat"])
+
+
+class Slot:
+    """An optimizer over aliases of the shard's pieces. Hogwild gives each worker one, so that
+    concurrent pushes never share `.grad`; all slots share the same weights and state tensors."""
+
+    def __init__(self, flat: torch.Tensor, pieces: list[Piece], cfg: OptimConfig) -> None:
+        self.params, offset = [], 0
+        for p in pieces:
+            self.params.append(nn.Parameter(flat[offset : offset + p.size]))  # a view: the same storage
+            offset += p.size
+        decayed = [q for q, p in zip(self.params, pieces, strict=True) if p.decay]
+        undecayed = [q for q, p in zip(self.params, pieces, strict=True) if not p.decay]
+        self.optimizer = make_optimizer(decayed, undecayed, cfg)
+
+    def step(self, grad: torch.Tensor, lr: float, clip: tuple[float, torch.Tensor] | None = None) -> None:
+        """Apply one flat gradient; `clip` = (max_norm, the whole gradient's norm) scales it first."""
+        offset = 0
+        for q in self.params:
+            q.grad = grad[offset : offset + q.numel()]
+            offset += q.numel()
+        if clip is not None:
+            torch.nn.utils.clip_grads_with_norm_(self.params, *clip)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        for q in self.params:
+            q.grad = None
+
+    def share_state_of(self, lead: Slot) -> None:
+        for q, q0 in zip(self.params, lead.params, strict=True):
+            self.optimizer.state[q] = lead.optimizer.state[q0]  # one dict: its tensors are shared
+
+
+class ParameterServer:
+    def __init__(self, job: dict, index: int):
+        cfg = from_plain(job["config"])
+        self.cfg, self.index = cfg, index
+        s, t = cfg.strategy, cfg.trainer
+        torch.set_num_threads(cfg.cluster.threads_per_worker)
+        self.mode, self.workers = s.mode, cfg.cluster.num_workers
+        self.needed = self.workers - s.backup_workers  # gradients that close a synchronous round
+        self.bound = s.max_staleness
+        torch.manual_seed(t.seed)  # the same initial weights as the workers and every other strategy
+        model = Transformer(cfg.model, t.seq_len)
+        self.pieces = model_shards(model, s.num_servers)[index]
+        self.flat = ShardView(model, self.pieces).gather(grad=False).clone()
+        self.slots = [
+            Slot(self.flat, self.pieces, cfg.optim) for _ in range(self.workers if s.mode == "hogwild" else 1)
+        ]
+        self.version = 0
+        self.applied: dict[int, int] = {}  # worker → the last step of it applied (or exchanged)
+        self.cond = threading.Condition()
+        self.in_flight: dict[int, int] = {}  # bounded async: worker → the version it pulled
+        self.round: dict[int, torch.Tensor] = {}  # sync: worker → its gradient for step version + 1
+        self.closed: dict[int, torch.Tensor] = {}  # sync: step → its averaged gradient, until applied
+        self.norm_sq: dict[int, float] = {}  # sync: step → its averaged gradient's norm², for recent steps
+        self.records: list[dict] = []  # what workers report with their pushes (shard 0), until drained
+        self.records_lock = threading.Lock()  # not the condition: Hogwild's pushes take no lock
+        self.stopped = False
+        self.state_ready = False  # Hogwild: whether the first update has created the optimizer state
+        self._published: tuple[int, ray.ObjectRef] | None = None
+        if job.get("resume_from"):
+            self.load(f"{job['resume_from']}/{SERVER_FILE.format(index)}")
+        self._count = itertools.count(self.version + 1)
+        self._share_state()
+
+    def _share_state(self) -> None:
+        for slot in self.slots[1:]:
+            slot.share_state_of(self.slots[0])
+
+    # -- weights out ----------------------------------------------------------------------------
+
+    def pull(self, worker: int, min_version: int = 0, apply: tuple[int, float] | None = None) -> tuple:
+        """(version, [ref to the shard's weights]) once the version is at least min_version.
+        `apply` = (step, norm): a sync worker's word that round `step` closed and the whole averaged
+        gradient's norm (which only the workers, summing every shard's, know); the first applies it.
+        async/Hogwild: notes the version the worker computes on (its gradient's staleness is counted
+        from it); with max_staleness, first waits for a turn that keeps every bound."""
+        with self.cond:
+            if apply is not None and apply[0] in self.closed and apply[0] == self.version + 1:
+                self._apply_round(*apply)
+            if self.mode in ("async", "hogwild"):
+                self.in_flight.pop(worker, None)
+                if self.bound is not None:
+                    self._wait(lambda: feasible([*self.in_flight.values(), self.version], self.version, self.bound))
+                self.in_flight[worker] = self.version
+            self._wait(lambda: self.version >= min_version)
+            return self.version, [self._publish()], self.stopped
+
+    def _publish(self) -> ray.ObjectRef:
+        """The current weights in the object store, put once per version."""
+        version = self.version
+        if self._published is None or self._published[0] != version:
+            self._published = (version, ray.put(self.flat.numpy()))  # copied into the store now
+        return self._published[1]
+
+    # -- gradients in ---------------------------------------------------------------------------
+
+    def push(self, worker: int, step: int, grad: np.ndarray, records: list[dict] = ()) -> dict:
+        """A worker's gradient of `step`. sync: waits for the round to close, then returns the
+        averaged shard gradient's norm² (`applied` False when it came after the round closed:
+        a dropped straggler). async/hogwild: applied at once, with its staleness."""
+        grad = as_tensor(grad)
+        self.log(records)
+        if self.mode == "hogwild":
+            return self._push_unlocked(worker, step, grad)
+        with self.cond:
+            if self.mode == "sync":
+                return self._push_sync(worker, step, grad)
+            return self._push_async(worker, step, grad)
+
+    def _push_sync(self, worker: int, step: int, grad: torch.Tensor) -> dict:
+        applied = step == self.version + 1 and step not in self.closed and worker not in self.round
+        if applied:
+            self.round[worker] = grad
+            if len(self.round) == self.needed:
+                total = torch.stack([self.round[w] for w in sorted(self.round)]).sum(0)  # in worker order
+                self.closed[step] = total.div_(self.needed)
+                self.norm_sq[step] = float(self.closed[step].double().pow(2).sum())
+                self.norm_sq.pop(step - RECENT_ROUNDS, None)
+                self.round = {}
+                self.cond.notify_all()
+        self._wait(lambda: step in self.norm_sq or self.version >= step)
+        return {"norm_sq": self.norm_sq.get(step), "applied": applied, "stopped": self.stopped}
+
+    def _apply_round(self, step: int, norm: float) -> None:
+        clip = self.cfg.optim.grad_clip
+        self.slots[0].step(self.closed.pop(step), self._lr(step), (clip, torch.tensor(norm)) if clip > 0 else None)
+        self._advance({})
+
+    def _push_async(self, worker: int, step: int, grad: torch.Tensor) -> dict:
+        if step <= self.applied.get(worker, 0):
+            return {"applied": False, "stopped": self.stopped}
+        if self.bound is not None:
+            self._wait(
+                lambda: feasible([v for w, v in self.in_flight.items() if w != worker], self.version + 1, self.bound)
+            )
+        staleness = self.version - self.in_flight.pop(worker, self.version)
+        self.slots[0].step(grad, self._lr(step))
+        self._advance({worker: step})
+        return {"applied": True, "staleness": staleness, "version": self.version, "stopped": self.stopped}
+
+    def _push_unlocked(self, worker: int, step: int, grad: torch.Tensor) -> dict:
+        """Hogwild: in place, concurrently with other pushes; the version read is the staleness
+        as this push saw it."""
+        if step <= self.applied.get(worker, 0):
+            return {"applied": False, "stopped": self.stopped}
+        pulled = self.in_flight.pop(worker, self.version)
+        slot = self.slots[worker % len(self.slots)]
+        if self.state_ready:
+            slot.step(grad, self._lr(step))
+        else:
+            with self.cond:  # the first update creates the optimizer state the slots share: not twice at once
+                slot.step(grad, self._lr(step))
+                self.state_ready = True
+        staleness = self.version - pulled
+        self.version = next(self._count)  # next() on a counter is atomic under the GIL
+        self.applied[worker] = step
+        return {"applied": True, "staleness": staleness, "version": self.version, "stopped": self.stopped}
+
+    def exchange(self, worker: int, step: int, weights: np.ndarray, records: list[dict] = ()) -> dict:
+        """EASGD: the elastic exchange with a worker's shard weights after its local step `step`;
+        returns the difference d the worker subtracts from its own weights."""
+        self.log(records)
+        with self.cond:
+            if step <= self.applied.get(worker, 0):
+                return {"diff": None, "applied": False, "stopped": self.stopped}
+            diff = elastic_exchange(as_tensor(weights), self.flat, self.cfg.strategy.alpha)
+            self._advance({worker: step})
+            return {"diff": diff.numpy(), "applied": True, "version": self.version, "stopped": self.stopped}
+
+    def _advance(self, steps: dict[int, int]) -> None:
+        self.version += 1
+        self.applied.update(steps)
+        self.cond.notify_all()
+
+    def _lr(self, step: int) -> float:
+        return lr_at(step, self.cfg.optim, self.cfg.trainer.max_steps)
+
+    def _wait(self, ready) -> None:
+        """Wait (holding the condition) until `ready()` or a stop request."""
+        while not (ready() or self.stopped):
+            self.cond.wait(timeout=1.0)
+
+    # -- the driver's calls -----------------------------------------------------------------------
+
+    def next_step(self, worker: int) -> int:
+        """Where a (new) worker starts: sync, the open round; otherwise after its last applied step."""
+        with self.cond:
+            return self.version + 1 if self.mode == "sync" else self.applied.get(worker, 0) + 1
+
+    def forget(self, worker: int) -> None:
+        """A worker died: it no longer holds back a bounded-staleness turn."""
+        with self.cond:
+            self.in_flight.pop(worker, None)
+            self.cond.notify_all()
+
+    def log(self, records: list[dict]) -> None:
+        """Records sent on their own (EASGD's, and each worker's last)."""
+        with self.records_lock:
+            self.records.extend(records)
+
+    def drain(self) -> dict:
+        """The workers' records since the last drain, and the version: the driver's metrics."""
+        with self.records_lock:
+            records, self.records = self.records, []
+        return {"records": records, "version": self.version}
+
+    def stop(self) -> None:
+        """Release every waiting call: workers see `stopped` and return."""
+        with self.cond:
+            self.stopped = True
+            self.cond.notify_all()
+
+    def save(self, directory: str) -> tuple[str, int, int]:
+        """Write this shard's state into a checkpoint directory; (file name, size) for the commit,
+        and the last step of every worker that the saved weights hold."""
+        with self.cond:
+            state = {
+                "pieces": self.pieces,
+                "flat": self.flat.clone(),
+                "optim": self.slots[0].optimizer.state_dict(),
+                "version": self.version,
+                "applied": dict(self.applied),
+            }
+            held = self.version if self.mode == "sync" else min(self.applied.get(w, 0) for w in range(self.workers))
+        name = SERVER_FILE.format(self.index)
+        path = f"{directory}/{name}"
+        tmp = f"{path}.tmp"
+        torch.save(state, tmp)
+        os.replace(tmp, path)
+        return name, os.path.getsize(path), held
+
+    def load(self, path: str) -> None:
+        state = torch.load(path, weights_only=False)
+        if state["pieces"] != self.pieces:
+            raise ValueError(
+                f"{path} holds a different slice of the model than shard {self.index} of "
+                f"strategy.num_servers={self.cfg.strategy.num_servers}: resume with the num_servers it was saved with"
+            )
+        self.flat.copy_(state["flat"])
+        self.slots[0].optimizer.load_state_dict(state["optim"])
+        self.version, self.applied = state["version"], state["applied"]
+
+    def node_info(self) -> dict:
+        return {
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "node_ip": ray.util.get_node_ip_address(),
+            "pid": os.getpid(),
+        }

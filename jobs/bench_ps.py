@@ -1,0 +1,363 @@
+"""Parameter server beside all-reduce, with and without a straggler:  python jobs/bench_ps.py
+
+Trains one job (model, corpus, workers, steps) under DDP and under every parameter-server mode (sync, sync with
+a backup worker, async, Hogwild, EASGD) through `distrain.launch.train` on one embedded Ray cluster on loopback,
+then all of them again with the last rank --slowdown times slower (`trainer.straggler`). Writes docs/ps.md from
+each run's metrics.jsonl and summary.json, and docs/ps.svg: loss against step and against wall clock.
+"""
+
+from __future__ import annotations
+
+import _thread
+import argparse
+import ipaddress
+import json
+import math
+import os
+import shlex
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+from bench_mfu import compose  # jobs/bench_mfu.py: the config `python jobs/train.py <overrides>` trains
+from machine import describe, machine  # jobs/machine.py, beside this script
+
+from distrain.config import OptimConfig
+from distrain.tracking import read_metrics
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = {  # key → (label, overrides, colour)
+    "ddp": ("DDP (all-reduce)", "strategy=ddp", "#222222"),
+    "sync": ("PS sync", "strategy=ps strategy.mode=sync", "#1f77b4"),
+    "backup": ("PS sync + 1 backup", "strategy=ps strategy.mode=sync strategy.backup_workers=1", "#17becf"),
+    "async": ("PS async", "strategy=ps strategy.mode=async", "#d62728"),
+    "hogwild": ("PS Hogwild", "strategy=ps strategy.mode=hogwild", "#ff7f0e"),
+    "easgd": ("PS EASGD", "strategy=ps strategy.mode=easgd", "#2ca02c"),
+}
+SCENARIOS = {"none": "no straggler", "straggler": "one straggler"}
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=120, help="training steps per run (default 120)")
+    p.add_argument("--workers", type=int, default=4, help="workers of every run (default 4)")
+    p.add_argument("--eval-interval", type=int, default=20, help="validation every this many steps (default 20)")
+    p.add_argument("--slowdown", type=float, default=3.0, help="the straggler's step time × (default 3)")
+    p.add_argument("--target", type=float, default=2.5, help="the smoothed train loss to time (default 2.5)")
+    p.add_argument("--smooth", type=int, default=5, help="steps of the moving mean of the loss (default 5)")
+    p.add_argument("--timeout", type=float, default=900, help="seconds a run may take before it is stopped")
+    p.add_argument("--storage", default="", help="where the runs go (default: a temporary directory, removed)")
+    p.add_argument("--out", default="docs/ps.md", help="the page, '' for none (its plot: .svg beside it)")
+    args = p.parse_args()
+    if args.workers < 2 or args.steps < 2:
+        p.error("need --workers ≥ 2 and --steps ≥ 2")
+    exe = os.path.relpath(sys.executable, ROOT) if sys.executable.startswith(str(ROOT)) else sys.executable
+    args.command = shlex.join([exe, "jobs/bench_ps.py", *sys.argv[1:]])
+    return args
+
+
+def overrides(args: argparse.Namespace, config: str, scenario: str, storage: Path) -> list[str]:
+    """The Hydra overrides of one run: `python jobs/train.py <these>` trains the same job."""
+    slow = f"trainer.straggler={args.workers - 1} trainer.straggler_slowdown={args.slowdown:g}"
+    common = (
+        f"model=nano cluster.num_workers={args.workers} cluster.use_gpu=false trainer.precision=fp32 "
+        f"trainer.max_steps={args.steps} trainer.eval_interval={args.eval_interval} checkpoint.interval=0 "
+        f"logger.wandb.mode=disabled logger.progress_interval_s=60 run.storage={storage} run.name={scenario}-{config}"
+    )
+    # async and Hogwild apply every worker's gradient as its own update: the learning rate per update is
+    # scaled down by the workers, as the README advises, for the step size per global batch of the others.
+    lr = [f"optim.lr={OptimConfig().lr / args.workers:g}"] if config in ("async", "hogwild") else []
+    return [*CONFIGS[config][1].split(), *common.split(), *lr, *(slow.split() if scenario == "straggler" else [])]
+
+
+def agg(fn: Callable[[list], float], values: list) -> float | None:
+    """fn(values), None when there are none (a figure the strategy does not log)."""
+    return fn(values) if values else None
+
+
+def read_json(path: Path, default: object) -> object:
+    return json.loads(path.read_text()) if path.exists() else default
+
+
+def measure(args: argparse.Namespace, config: str, scenario: str, storage: Path) -> dict:
+    """Train one configuration (stopped past --timeout s); what its metrics.jsonl and summary.json say."""
+    from distrain.launch import train
+
+    cfg = compose(overrides(args, config, scenario, storage))
+    run = {"config": config, "scenario": scenario, "load": os.getloadavg()[0], "error": None}
+    fired = threading.Event()
+
+    def stop() -> None:  # the first asks distrain for a clean stop, the second interrupts it
+        fired.set()
+        _thread.interrupt_main()
+
+    stopper = [threading.Timer(t, stop) for t in (args.timeout, args.timeout + 120)]
+    for timer in stopper:
+        timer.start()
+    try:
+        train(cfg)
+    except BaseException as e:  # on the page, the traceback on the console; the other runs go on
+        if isinstance(e, KeyboardInterrupt) and not fired.is_set():
+            raise  # the user's Ctrl-C
+        traceback.print_exc()
+        run["error"] = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
+    finally:
+        for timer in stopper:
+            timer.cancel()
+    run_dir = Path(cfg.run_dir)
+    summary, placement = read_json(run_dir / "summary.json", {}), read_json(run_dir / "placement.json", [])
+    if summary.get("status") not in (None, "completed") and not run["error"]:
+        run["error"] = f"status {summary['status']}"
+    if not all(ipaddress.ip_address(p["node_ip"]).is_loopback for p in placement if "node_ip" in p):
+        run["error"] = f"ran off loopback: {sorted({p.get('node_ip') for p in placement})}"
+    if len(lines := read_metrics(str(run_dir))) < 2:
+        return run | {"error": run["error"] or "fewer than 2 metrics lines"}
+    loss = [m["loss"] for m in lines]
+    for i, m in enumerate(lines):
+        m["smooth"] = statistics.fmean(loss[max(0, i + 1 - args.smooth) : i + 1])
+    t0, span = lines[0]["time"], lines[-1]["time"] - lines[0]["time"]
+    by_worker: dict[str, list[float]] = {}
+    for m in lines:
+        for w, rate in m.get("worker_steps_per_s", {}).items():
+            by_worker.setdefault(w, []).append(rate)
+    rates = sorted(statistics.median(r) for r in by_worker.values())
+    column = lambda key: [m[key] for m in lines if key in m]  # noqa: E731
+    return run | {
+        "final_loss": summary.get("final_loss", loss[-1]), "final_val_loss": summary.get("final_val_loss"),
+        "train_s": span, "wall_s": summary.get("wall_s"), "restarts": summary.get("restarts", 0),
+        "steps_per_s": (lines[-1]["step"] - lines[0]["step"]) / span if span > 0 else None,
+        "to_target_s": next((m["time"] - t0 for m in lines if m["smooth"] < args.target), None),
+        "staleness_mean": agg(statistics.fmean, column("staleness_mean")),
+        "staleness_max": agg(max, column("staleness_max")),
+        "updates_per_s": agg(statistics.median, column("updates_per_s")), "dropped": agg(sum, column("dropped")),
+        "mb_per_step": agg(statistics.fmean, [(m["bytes_pushed"] + m["bytes_pulled"]) / 1e6 for m in lines
+                                              if "bytes_pushed" in m]),
+        "worker_rates": (rates[0], rates[-1]) if rates else None,
+        "curve": [(m["step"], m["time"] - t0, m["smooth"]) for m in lines],
+    }  # fmt: skip
+
+
+# -- the page ----------------------------------------------------------------------------------------
+
+
+def name(run: dict) -> str:
+    return CONFIGS[run["config"]][0]
+
+
+def num(value: float | None, fmt: str = ".2f", unit: str = "") -> str:
+    return "—" if value is None else format(value, fmt) + unit
+
+
+def table(runs: list[dict], target: float) -> list[str]:
+    head = [
+        "configuration", "final train loss", "final val loss", "train s (first → last line)", "wall s (total)",
+        "steps/s", "steps/s ÷ DDP", f"s to loss < {target:g}", "speed to target vs DDP", "staleness mean / max",
+        "updates/s", "dropped grads", "MB pushed+pulled / step", "worker steps/s (slowest–fastest)", "load",
+    ]  # fmt: skip
+    rows = ["| " + " | ".join(head) + " |", "| --- |" + " ---: |" * (len(head) - 1)]
+    ddp = next((r for r in runs if r["config"] == "ddp" and "train_s" in r), {})
+    for r in runs:
+        if "train_s" not in r:
+            rows.append(f"| {name(r)} | failed: {r['error']} |" + " |" * (len(head) - 2))
+            continue
+        ratio = r["steps_per_s"] / ddp["steps_per_s"] if ddp.get("steps_per_s") and r["steps_per_s"] else None
+        speed = ddp["to_target_s"] / r["to_target_s"] if ddp.get("to_target_s") and r["to_target_s"] else None
+        stale = f"{r['staleness_mean']:.2f} / {r['staleness_max']}" if r["staleness_mean"] is not None else "—"
+        notes = [r["error"]] * bool(r["error"]) + [f"{r['restarts']} restart(s)"] * bool(r["restarts"])
+        cells = [
+            name(r) + "".join(f" ({n})" for n in notes), num(r["final_loss"], ".4f"), num(r["final_val_loss"], ".4f"),
+            num(r["train_s"], ".1f"), num(r["wall_s"], ".1f"), num(r["steps_per_s"]), num(ratio, ".2f", "×"),
+            num(r["to_target_s"], ".1f"), num(speed, ".2f", "×"), stale, num(r["updates_per_s"], ".1f"),
+            num(r["dropped"], "d"), num(r["mb_per_step"]),
+            "{:.2f}–{:.2f}".format(*r["worker_rates"]) if r["worker_rates"] else "—", f"{r['load']:.2f}",
+        ]  # fmt: skip
+        rows.append("| " + " | ".join(cells) + " |")
+    return rows
+
+
+def reading(runs: list[dict], target: float, steps: int, workers: int) -> str:
+    """What the numbers say, from the numbers."""
+    out, by = [], {(r["scenario"], r["config"]): r for r in runs if "train_s" in r}
+    for scenario, title in SCENARIOS.items():
+        done = [r for (s, _), r in by.items() if s == scenario]
+        reached = sorted((r for r in done if r["to_target_s"] is not None), key=lambda r: r["to_target_s"])
+        vals = sorted((r for r in done if r["final_val_loss"] is not None), key=lambda r: r["final_val_loss"])
+        text = f"- **{title.capitalize()}.** "
+        if reached:
+            order = ", ".join(f"{name(r)} {r['to_target_s']:.1f} s" for r in reached)
+            text += f"Smoothed train loss below {target:g}, soonest first: {order}. "
+        if missed := [name(r) for r in done if r["to_target_s"] is None]:
+            text += f"Never below {target:g}: {', '.join(missed)}. "
+        if vals:
+            text += f"Final val loss from {name(vals[0])} {vals[0]['final_val_loss']:.4f} to "
+            text += f"{name(vals[-1])} {vals[-1]['final_val_loss']:.4f}. "
+        if (d := by.get((scenario, "ddp"))) and (p := by.get((scenario, "sync"))):
+            gap = abs(p["final_loss"] - d["final_loss"])
+            text += f"PS sync ends {'at exactly' if gap == 0 else f'{gap:.2g} from'} DDP's final train loss (the "
+            text += f"same averaged gradient each step) in {p['train_s'] / d['train_s']:.2f}× DDP's train time. "
+        out.append(text.rstrip())
+    cost = [(r, by.get(("none", c))) for (s, c), r in by.items() if s == "straggler"]
+    if cost := [f"{name(r)} {r['train_s'] / base['train_s']:.2f}×" for r, base in cost if base]:
+        out.append(
+            "- **What the straggler costs** (train time with it ÷ without): " + ", ".join(cost) + ". A PS metrics "
+            "line for step k is written once every worker has reported step k, and every worker but a dropped one "
+            "computes every step of its slice, so in every mode the logged steps keep the slowest worker's pace; "
+            "how far the others ran ahead shows in their own steps/s and in the server's updates/s."
+        )
+    pairs = [(r, by.get((s, "sync"))) for (s, c), r in by.items() if c in ("async", "hogwild")]
+    if worse := [f"{name(r)} {SCENARIOS[r['scenario']]} {r['final_loss']:.3f} (sync {p['final_loss']:.3f})"
+                 for r, p in pairs if p and r["final_loss"] > p["final_loss"]]:  # fmt: skip
+        out.append(
+            "- Final train loss above sync's: " + ", ".join(worse) + ". The server applies each worker's gradient "
+            "(1/workers of the batch) on its own, at the learning rate ÷ workers: workers × as many updates as "
+            "sync, each noisier and computed on older weights."
+        )
+    if drops := [f"{b['dropped']} of {steps * workers} ({SCENARIOS[s]})" for (s, c), b in by.items()
+                 if c == "backup" and b["dropped"] is not None]:  # fmt: skip
+        out.append(f"- Sync with one backup worker dropped {' and '.join(drops)} gradients.")
+    if stale := [f"{name(r)} {SCENARIOS[s]} {r['staleness_mean']:.2f}" for (s, _), r in by.items()
+                 if r["staleness_mean"] is not None]:  # fmt: skip
+        out.append(f"- Mean staleness (server versions between a worker's pull and its push): {', '.join(stale)}.")
+    return "".join(line + "\n" for line in out)
+
+
+def ticks(lo: float, hi: float) -> list[float]:
+    """Round values in [lo, hi], about 5: multiples of 1, 2 or 5 × a power of ten."""
+    step = 10 ** math.floor(math.log10((hi - lo) / 5 or 1))
+    step *= next(m for m in (1, 2, 5, 10) if (hi - lo) / (step * m) <= 6)
+    return [i * step for i in range(math.ceil(lo / step - 1e-9), math.floor(hi / step + 1e-9) + 1)]
+
+
+def svg(runs: list[dict], target: float, smooth: int) -> str:
+    """A 2×2 grid: smoothed loss against step and against wall clock, a row per scenario."""
+    w, h, left, top, pw, ph, gap = 960, 700, 60, 40, 390, 250, 90
+    curves = [r for r in runs if "curve" in r]
+    losses = [p[2] for r in curves for p in r["curve"]] or [0.0, 1.0]
+    lo, hi = math.floor(min(losses) * 2) / 2, math.ceil(max(losses) * 2) / 2
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="11">',
+        f'<rect width="{w}" height="{h}" fill="white"/>',
+        f'<text x="{left}" y="18" font-size="14">Train loss ({smooth}-step moving mean) per configuration</text>',
+    ]
+    for row, (scenario, title) in enumerate(SCENARIOS.items()):
+        for col, (axis, unit) in enumerate(((0, "step"), (1, "wall-clock s since the first step"))):
+            x0, y0 = left + col * (pw + gap), top + row * (ph + gap)
+            mine = [r for r in curves if r["scenario"] == scenario]
+            xmax = max([p[axis] for r in mine for p in r["curve"]] or [1]) or 1
+            x = lambda v, x0=x0, sx=pw / xmax: x0 + v * sx  # noqa: E731
+            y = lambda loss, y0=y0: y0 + ph - (loss - lo) * ph / ((hi - lo) or 1)  # noqa: E731
+            out.append(f'<rect x="{x0}" y="{y0}" width="{pw}" height="{ph}" fill="none" stroke="#999"/>')
+            out.append(f'<text x="{x0}" y="{y0 - 6}" font-size="12">{title}: loss against {unit.split()[0]}</text>')
+            out.append(f'<text x="{x0 + pw / 2}" y="{y0 + ph + 30}" text-anchor="middle">{unit}</text>')
+            for v in ticks(0, xmax):
+                out.append(f'<text x="{x(v):.1f}" y="{y0 + ph + 14}" text-anchor="middle">{v:g}</text>')
+            for v in ticks(lo, hi):
+                grid = f'x1="{x0}" y1="{y(v):.1f}" x2="{x0 + pw}" y2="{y(v):.1f}" stroke="#eee"'
+                out.append(f'<line {grid}/><text x="{x0 - 4}" y="{y(v) + 4:.1f}" text-anchor="end">{v:g}</text>')
+            if lo < target < hi:
+                line = f'x1="{x0}" y1="{y(target):.1f}" x2="{x0 + pw}" y2="{y(target):.1f}"'
+                out.append(f'<line {line} stroke="#888" stroke-dasharray="4 3"/>')
+            for r in mine:
+                points = " ".join(f"{x(p[axis]):.1f},{y(p[2]):.1f}" for p in r["curve"])
+                style = f'fill="none" stroke="{CONFIGS[r["config"]][2]}" stroke-width="1.5"'
+                out.append(f'<polyline points="{points}" {style}/>')
+    at = left
+    for label, _, colour in CONFIGS.values():
+        out.append(f'<rect x="{at}" y="{h - 22}" width="14" height="4" fill="{colour}"/>')
+        out.append(f'<text x="{at + 18}" y="{h - 16}">{label}</text>')
+        at += 40 + 6 * len(label)
+    out.append(f'<text x="{at}" y="{h - 16}" fill="#777">- - target {target:g}</text>')
+    return "\n".join([*out, "</svg>"]) + "\n"
+
+
+def markdown(args: argparse.Namespace, info: dict, runs: list[dict], plot: str) -> str:
+    from distrain.model.size import num_params
+
+    cfg = compose(overrides(args, "easgd", "none", Path(tempfile.gettempdir())))
+    t, o, c, nl, sections = cfg.trainer, cfg.optim, cfg.cluster, "\n", ""
+    summary = reading(runs, args.target, args.steps, args.workers)
+    for scenario, title in SCENARIOS.items():
+        extra = f" (rank {args.workers - 1} at {args.slowdown:g}× its compute time per step)" * (scenario != "none")
+        rows = table([r for r in runs if r["scenario"] == scenario], args.target)
+        sections += f"## {title.capitalize()}{extra}\n\n{nl.join(rows)}\n\n"
+    return f"""# Parameter server beside all-reduce
+
+`jobs/bench_ps.py` trains one job under DDP (all-reduce) and under each parameter-server mode (`strategy=ps`,
+`distrain/ps/`), one run after the other through `distrain.launch.train` on one embedded Ray cluster (loopback
+only), first with every worker at full speed, then with one simulated straggler (`trainer.straggler`).
+
+```bash
+{args.command}
+```
+
+- Date: {time.strftime("%Y-%m-%d %H:%M %Z")}.
+- Machine: {describe(info)}; 1-minute load average at the start {info["load"]:.2f}, before each run in the
+  tables' last column (the machine is shared: other work on its cores slows the runs down).
+- Job: `model=nano` ({num_params(cfg.model) / 1e6:.2f} M parameters), the default corpus (`data={cfg.data.name}`),
+  {args.workers} CPU workers ({c.cpus_per_worker:g} CPU, {c.threads_per_worker} torch thread each), global batch
+  {t.global_batch_size} × {t.seq_len} tokens, micro-batch {t.micro_batch_size}, fp32, {o.name} lr {o.lr:g}
+  (async and Hogwild: {o.lr / args.workers:g}: one update per worker's gradient, so the lr per update is
+  ÷ workers; {o.warmup_steps} warm-up steps, grad clip {o.grad_clip:g}), {t.max_steps} steps, validation every
+  {t.eval_interval} steps ({t.eval_batches} batches) and after the last; `checkpoint.interval=0
+  logger.wandb.mode=disabled`. PS: one server (`strategy.num_servers=1`), the preset's defaults otherwise
+  (EASGD τ = {cfg.strategy.tau}, α = 0.9 / workers = {cfg.strategy.alpha:g}).
+- Columns: train s from the first to the last metrics line's `time`; wall s is `summary.json`'s `wall_s` (call
+  → return: start-up, final validation and checkpoint included); steps/s over the train s; s to loss <
+  {args.target:g}: the first line whose {args.smooth}-step trailing mean of the train loss is below it, from the
+  first line; speed to target vs DDP: DDP's time ÷ this one's (> 1: sooner). PS figures from the metrics lines:
+  mean `staleness_mean` / max `staleness_max`, median `updates_per_s` of the server, gradients `dropped` by the
+  backup rounds, `bytes_pushed` + `bytes_pulled` per line, each worker's median `worker_steps_per_s`.
+- A PS metrics line's `time` is when its step ended (the latest of the workers' records of that step); DDP's
+  rank 0 writes each line as its step ends.
+
+{sections}![smoothed loss against step and wall clock, per scenario]({plot})
+
+## Reading
+
+{summary}- This is CPU/gloo on loopback on a {info["cores"]}-core shared machine: {args.workers}
+  single-threaded workers, the server and the driver share the cores, so it measures orchestration and staleness
+  effects (who waits for whom, what stale gradients do to the loss), not GPU performance: a sleeping straggler
+  frees its core for the others, and every push and pull is a copy through Ray's object store.
+"""
+
+
+def main() -> None:
+    args = parse_args()
+    # Loopback only: Ray reads this when it is first imported (see /work/shared/DESIGN.md, Pitfalls).
+    os.environ.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0")
+    os.environ.pop("RAY_ADDRESS", None)
+    info = machine()
+    import ray
+
+    from distrain.cluster.runtime import connect
+
+    storage, runs = Path(args.storage or tempfile.mkdtemp(prefix="bench_ps_")).resolve(), []
+    try:
+        connect(None)  # one embedded cluster for every run: ray.init(address="local") on 127.0.0.1
+        for scenario, title in SCENARIOS.items():
+            for config, (label, _, _) in CONFIGS.items():
+                print(f"bench_ps: {title}: {label} ...", flush=True)
+                runs.append(r := measure(args, config, scenario, storage))
+                print("\n".join(table([r], args.target)[2:]), flush=True)
+    finally:
+        ray.shutdown()
+        if not args.storage:
+            shutil.rmtree(storage, ignore_errors=True)
+    for scenario in SCENARIOS:
+        print("\n" + "\n".join(table([r for r in runs if r["scenario"] == scenario], args.target)))
+    if args.out:
+        out = ROOT / args.out
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.with_suffix(".svg").write_text(svg(runs, args.target, args.smooth))
+        out.write_text(markdown(args, info, runs, out.with_suffix(".svg").name))
+        print(f"wrote {out} and {out.with_suffix('.svg')}")
+
+
+if __name__ == "__main__":
+    main()
