@@ -249,12 +249,13 @@ def test_a_dead_server_is_restored_from_the_last_checkpoint(ray_cluster, tmp_pat
     assert [m["step"] for m in read_metrics(cfg.run_dir)] == list(range(1, steps + 1))
 
 
-def test_sigterm_saves_the_servers_and_a_rerun_resumes(ray_cluster, tmp_path: Path):
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_sigterm_saves_the_servers_and_a_rerun_resumes(ray_cluster, tmp_path: Path, mode: str):
     steps = 40
     overrides = (
         "run.name=stop",
         "strategy=ps",
-        "strategy.mode=async",
+        f"strategy.mode={mode}",
         f"trainer.max_steps={steps}",
         "trainer.straggler=1",
         "trainer.straggler_slowdown=20",

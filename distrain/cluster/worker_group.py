@@ -26,6 +26,7 @@ class WorkerGroup:
         self.returned: set[int] = set()  # ranks whose call ended without their process dying
         self._asked: dict = {}  # rank → (its unanswered progress question, when asked)
         self._progress: dict[int, dict] = {}
+        self.port = 0  # the rendezvous port of the last launch on every rank
 
     def __enter__(self) -> WorkerGroup:
         return self
@@ -90,10 +91,9 @@ class WorkerGroup:
         self.workers = [actors[entry["worker_index"]] for entry in self.table]
         return self.table
 
-    def environments(self) -> list[dict[str, str]]:
+    def environments(self, port: int) -> list[dict[str, str]]:
         """What torchrun would set for each rank, plus threads and the node's visible GPUs."""
         master = self.table[0]
-        port = ray.get(self.workers[0].free_port.remote())
         envs = []
         for entry in self.table:
             env = {
@@ -120,10 +120,11 @@ class WorkerGroup:
     def launch(self, fn: Callable[..., Any], *args: Any, ranks: list[int] | None = None) -> None:
         """Start fn(*args, channel) on every rank (or on `ranks` only, beside calls still running),
         on a fresh rendezvous port; `poll` collects the results."""
-        if ranks is None:
+        if ranks is None:  # a new rendezvous; ranks started beside running ones keep the last one's port
             ranks, self.calls = list(range(len(self.workers))), {}
+            self.port = ray.get(self.workers[0].free_port.remote())
         ray.get([self.workers[r].reset.remote() for r in ranks])
-        envs = self.environments()
+        envs = self.environments(self.port)
         for r in ranks:
             self.calls[self.workers[r].run.remote(fn, envs[r], *args)] = r
             self.returned.discard(r)
@@ -245,13 +246,7 @@ class WorkerGroup:
         lost = [entry for entry in self.table if entry["rank"] not in self.returned]
         self.workers = [self.workers[e["rank"]] for e in kept]
         self.calls = {}
-        try:
-            ray.get(self.pg.ready(), timeout=self.spec.placement_timeout_s)
-        except GetTimeoutError as e:
-            raise PlacementError(
-                f"could not restart {len(lost)} workers: their placement group lost a node and was not whole again "
-                f"within cluster.placement_timeout_s={self.spec.placement_timeout_s:g}"
-            ) from e
+        self._wait_whole(f"could not restart {len(lost)} workers")
         new = [self._actor(e["bundle"]) for e in lost]
         self.workers += new
         return self._rank(self.workers, [*kept, *self._started(new, [e["bundle"] for e in lost])])
@@ -262,9 +257,20 @@ class WorkerGroup:
         entry = self.table[rank]
         ray.kill(self.workers[rank], no_restart=True)
         self.calls = {ref: r for ref, r in self.calls.items() if r != rank}
+        self._wait_whole(f"could not restart rank {rank}")
         self.workers[rank] = self._actor(entry["bundle"])
         self.table[rank] = {**entry, **self._started([self.workers[rank]], [entry["bundle"]])[0]}
         return self.table[rank]
+
+    def _wait_whole(self, what: str) -> None:
+        """Until the placement group is whole again (a lost node's bundles rescheduled), or PlacementError."""
+        try:
+            ray.get(self.pg.ready(), timeout=self.spec.placement_timeout_s)
+        except GetTimeoutError as e:
+            raise PlacementError(
+                f"{what}: their placement group lost a node and was not whole again within "
+                f"cluster.placement_timeout_s={self.spec.placement_timeout_s:g}"
+            ) from e
 
     def shutdown(self) -> None:
         for w in self.workers:

@@ -17,13 +17,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayError
+from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
 
 from distrain import checkpoint
 from distrain.cluster.attempt import Attempt, Heartbeats, mask
-from distrain.cluster.placement import GroupSpec, WorkerFailure
+from distrain.cluster.placement import GroupSpec, PlacementError, WorkerFailure
 from distrain.cluster.runtime import check_capacity
-from distrain.cluster.supervisor import Policy
+from distrain.cluster.supervisor import HANG_STEPS, Policy
 from distrain.cluster.worker_group import WorkerGroup, first_line
 from distrain.config import TrainConfig, to_plain
 from distrain.fsutil import write_json
@@ -65,6 +65,12 @@ class ParameterServerRun:
         self.servers: list = []
         self.group: WorkerGroup | None = None
         self.tracker: Tracker | None = None
+        # Per attempt (set by _start):
+        self.steps: StepLog | None = None  # the workers' records, turned into lines
+        self.last_line: tuple[int, dict] = (0, {})  # the newest step logged, and its line
+        self.checkpointed = 0  # the step of the newest committed checkpoint
+        self.worker_job: dict = {}
+        self.drains: dict[int, tuple] = {}  # server → (its unanswered drain, when asked)
 
     @property
     def restarts(self) -> int:
@@ -86,7 +92,7 @@ class ParameterServerRun:
                 except ServerLost as e:
                     since = time.time()
                     attempt.outcome, attempt.cause, attempt.step_reached = "failed", str(e), self.last_line[0]
-                    self._write_lines(self.log.lines(upto=self.checkpointed), checkpoints=False)
+                    self._write_lines(self.steps.lines(upto=self.checkpointed), checkpoints=False)
                     self._spend(str(e), None)
                     self.on_event(f"{e}; restoring the servers from the last checkpoint")
                     self._teardown()
@@ -110,6 +116,11 @@ class ParameterServerRun:
             servers = ray.get([srv.node_info.remote() for srv in self.servers], timeout=self.policy.setup_timeout_s)
         except RayActorError as e:  # its constructor raised: a checkpoint it cannot load, a bad config
             raise WorkerFailure(f"a parameter server could not start: {first_line(e)}") from e
+        except GetTimeoutError as e:
+            raise PlacementError(
+                f"{s} parameter servers ({self.spec.cpus_per_worker:g} CPU each) did not start within "
+                f"cluster.setup_timeout_s={self.policy.setup_timeout_s:g}; free: {ray.available_resources()}"
+            ) from e
         self.group = WorkerGroup(self.spec)
         table = self.group.start()
         attempt = Attempt(len(self.attempts) + 1, w, {"resumed_from_step": resume_step}, {"since": since})
@@ -120,10 +131,9 @@ class ParameterServerRun:
         write_json(self.run_dir / "attempts" / f"{attempt.number:03d}-placement.json", placement)
         write_json(self.run_dir / "placement.json", placement)
         self.tracker = Tracker(str(self.run_dir), self.plain, resume_step, self.wandb_run_id)
-        self.log = StepLog(self.cfg, resume_step)
-        self.last_line: tuple[int, dict] = (resume_step, {})  # the newest step logged, and its line
-        self.checkpointed = resume_step  # the step of the newest committed checkpoint
-        self.worker_job = {"config": self.plain, "servers": self.servers}
+        self.steps = StepLog(self.cfg, resume_step)
+        self.last_line, self.checkpointed = (resume_step, {}), resume_step
+        self.worker_job, self.drains = {"config": self.plain, "servers": self.servers}, {}
         self.group.launch(run_worker, self.worker_job)
         return attempt
 
@@ -145,7 +155,6 @@ class ParameterServerRun:
         beats = Heartbeats(len(group.workers), [])
         done: dict[int, dict] = {}
         stopping = False
-        self.drains: dict[int, tuple] = {}  # server → (its unanswered drain, when asked)
         while len(done) < len(group.workers):
             for rank, value, error in group.poll(self.policy.poll_s):
                 if error is None:
@@ -153,7 +162,7 @@ class ParameterServerRun:
                 else:
                     self._worker_failed(rank, error)
             self._drain()
-            self._write_lines(self.log.lines())
+            self._write_lines(self.steps.lines())
             progress = group.progress()
             beats.update(progress)
             for rank, p in enumerate(progress):
@@ -187,7 +196,7 @@ class ParameterServerRun:
             except RayError as e:
                 raise ServerLost(f"parameter server {k} failed: {first_line(e)}") from e
             if k == 0:
-                self.log.add(answer["records"], answer["version"], time.time())
+                self.steps.add(answer["records"], answer["version"], time.time())
 
     def _write_lines(self, lines: list[tuple[int, dict]], checkpoints: bool = True) -> None:
         """Log the finished steps, then checkpoint the servers if a step crossed an interval."""
@@ -204,13 +213,15 @@ class ParameterServerRun:
 
     def _hang_limit(self, progress: dict) -> float:
         """Waiting on a server is not a hang (a lost server is caught by its drains); a step is
-        given hang_timeout_s (default: at least min_hang_timeout_s), anything else setup_timeout_s."""
+        given hang_timeout_s (default: HANG_STEPS recent step times, at least min_hang_timeout_s), anything
+        else setup_timeout_s."""
         phase = progress.get("phase")
         if phase == "wait":
             return float("inf")
-        if phase == "train":
-            return self.policy.hang_timeout_s or self.policy.min_hang_timeout_s
-        return self.policy.setup_timeout_s
+        if phase != "train":
+            return self.policy.setup_timeout_s
+        step_s = self.steps.step_time_s() or 0.0
+        return self.policy.hang_timeout_s or max(self.policy.min_hang_timeout_s, HANG_STEPS * step_s)
 
     # -- failures -------------------------------------------------------------------------------
 
@@ -227,11 +238,13 @@ class ParameterServerRun:
         self._replace(rank, f"{cause}; stacks in {folder}", None, None)
 
     def _on_servers(self, method: str, *args: object, timeout_s: float | None = None) -> list:
-        """Call every server and wait; a dead one is ServerLost."""
+        """Call every server and wait; a dead one is ServerLost, an error it raised (a full disk) ends the run."""
         try:
             return ray.get([getattr(srv, method).remote(*args) for srv in self.servers], timeout=timeout_s)
         except RayActorError as e:
             raise ServerLost(f"a parameter server failed: {first_line(e)}") from e
+        except RayTaskError as e:
+            raise WorkerFailure(f"a parameter server's {method} failed: {first_line(e)}") from e
 
     def _check_servers(self) -> None:
         """A worker's failure may be a server's: then restoring is the only way on."""
@@ -248,7 +261,7 @@ class ParameterServerRun:
         self.group.replace(rank)
         self.group.launch(run_worker, self.worker_job, ranks=[rank])
         self.replacements.append(
-            {"worker": rank, "cause": cause, "at_step": self.log.reached[rank], "time": time.time()}
+            {"worker": rank, "cause": cause, "at_step": self.steps.reached[rank], "time": time.time()}
         )
 
     def _spend(self, cause: str, signature: str | None, error: str | None = None) -> None:
@@ -271,14 +284,17 @@ class ParameterServerRun:
         for _ in range(2):  # what was asked before the workers ended, then everything they sent
             self._drain(wait_s=self.policy.setup_timeout_s)
         stopped = any(r.get("stopped") for r in done.values()) and bool(self.stop_requested_at)
-        lines = self.log.lines(finished=True)
-        val_loss = None
-        if not stopped:
-            val_loss = self.group.run(evaluate_final, self.worker_job, ranks=[0])[0]["val_loss"]
-            if lines and lines[-1][0] == t.max_steps:
-                lines[-1][1]["val_loss"] = val_loss
+        lines = self.steps.lines(finished=True)
+        last = lines.pop() if lines and lines[-1][0] == t.max_steps and not stopped else None  # gets val_loss
         self._write_lines(lines, checkpoints=False)
-        self._checkpoint()
+        self._checkpoint()  # before the evaluation: a failure there loses nothing
+        val_loss = None
+        try:
+            if not stopped:
+                val_loss = self.group.run(evaluate_final, self.worker_job, ranks=[0])[0]["val_loss"]
+        finally:
+            if last is not None:
+                self._write_lines([(last[0], {**last[1], **({"val_loss": val_loss} if val_loss is not None else {})})])
         step, line = self.last_line
         attempt.outcome = "stopped" if stopped else "completed"
         attempt.step_reached = step
@@ -286,7 +302,7 @@ class ParameterServerRun:
             "final_step": step,
             "final_loss": line.get("loss"),
             "final_val_loss": val_loss,
-            "first_step_s": (self.log.first_record_time - self.started) if self.log.first_record_time else None,
+            "first_step_s": (self.steps.first_record_time - self.started) if self.steps.first_record_time else None,
             "train_s": time.time() - attempt.timings["placed_at"],
             "world_size": self.cfg.cluster.num_workers,
             "num_params": num_params(self.cfg.model),

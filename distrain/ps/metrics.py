@@ -32,6 +32,9 @@ class StepLog:
 
     def add(self, records: list[dict], version: int, now: float) -> None:
         for r in records:
+            if "start" in r:  # a worker (re)starting at step `start` reports nothing before it
+                self.reached[r["worker"]] = max(self.reached[r["worker"]], min(r["start"] - 1, self.max_steps))
+                continue
             w, k = r["worker"], r["step"]
             if k <= self.written or w in self.records.get(k, {}):
                 continue  # a step logged already, or pushed twice (by a replacement)
@@ -54,6 +57,11 @@ class StepLog:
             if got:
                 out.append((k, self.line(k, list(got.values()))))
         return out
+
+    def step_time_s(self) -> float | None:
+        """The recent mean time per step, for the hang limit."""
+        times = self.line_times
+        return (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
 
     def line(self, step: int, records: list[dict]) -> dict:
         ended = max([r["time"] for r in records] + list(self.line_times)[-1:])  # monotonic

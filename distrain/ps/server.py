@@ -12,7 +12,7 @@ counts. Weights go out once per version: `pull` hands every worker the same obje
 
 from __future__ import annotations
 
-import itertools
+import copy
 import os
 import threading
 from pathlib import Path
@@ -111,10 +111,10 @@ class ParameterServer:
         self.records_lock = threading.Lock()  # not the condition: Hogwild's pushes take no lock
         self.stopped = False
         self.state_ready = False  # Hogwild: whether the first update has created the optimizer state
+        self.version_lock = threading.Lock()  # Hogwild: versions counted without losing one
         self._published: tuple[int, ray.ObjectRef] | None = None
         if job.get("resume_from"):
             self.load(f"{job['resume_from']}/{SERVER_FILE.format(index)}")
-        self._count = itertools.count(self.version + 1)
         self._share_state()
 
     def _share_state(self) -> None:
@@ -124,7 +124,8 @@ class ParameterServer:
     # -- weights out ----------------------------------------------------------------------------
 
     def pull(self, worker: int, min_version: int = 0, apply: tuple[int, float] | None = None) -> tuple:
-        """(version, [ref to the shard's weights]) once the version is at least min_version.
+        """(version, [ref to the shard's weights], stopped) once the version is at least min_version;
+        the ref travels in a list so that Ray hands it over as a ref, not as the weights it names.
         `apply` = (step, norm): a sync worker's word that round `step` closed and the whole averaged
         gradient's norm (which only the workers, summing every shard's, know); the first applies it.
         async/Hogwild: notes the version the worker computes on (its gradient's staleness is counted
@@ -181,13 +182,22 @@ class ParameterServer:
         self.slots[0].step(self.closed.pop(step), self._lr(step), (clip, torch.tensor(norm)) if clip > 0 else None)
         self._advance({})
 
+    def _seen(self, worker: int, step: int) -> bool:
+        """Whether this (worker, step) was applied already: it counts once. A rejected push no longer
+        holds a bounded-staleness turn either."""
+        if step > self.applied.get(worker, 0):
+            return False
+        self.in_flight.pop(worker, None)
+        self.cond.notify_all()
+        return True
+
     def _push_async(self, worker: int, step: int, grad: torch.Tensor) -> dict:
-        if step <= self.applied.get(worker, 0):
-            return {"applied": False, "stopped": self.stopped}
-        if self.bound is not None:
+        if not self._seen(worker, step) and self.bound is not None:
             self._wait(
                 lambda: feasible([v for w, v in self.in_flight.items() if w != worker], self.version + 1, self.bound)
             )
+        if self._seen(worker, step):  # also after the wait: a replaced worker's call may wait beside its successor's
+            return {"applied": False, "stopped": self.stopped}
         staleness = self.version - self.in_flight.pop(worker, self.version)
         self.slots[0].step(grad, self._lr(step))
         self._advance({worker: step})
@@ -196,7 +206,7 @@ class ParameterServer:
     def _push_unlocked(self, worker: int, step: int, grad: torch.Tensor) -> dict:
         """Hogwild: in place, concurrently with other pushes; the version read is the staleness
         as this push saw it."""
-        if step <= self.applied.get(worker, 0):
+        if self._seen(worker, step):
             return {"applied": False, "stopped": self.stopped}
         pulled = self.in_flight.pop(worker, self.version)
         slot = self.slots[worker % len(self.slots)]
@@ -206,9 +216,10 @@ class ParameterServer:
             with self.cond:  # the first update creates the optimizer state the slots share: not twice at once
                 slot.step(grad, self._lr(step))
                 self.state_ready = True
-        staleness = self.version - pulled
-        self.version = next(self._count)  # next() on a counter is atomic under the GIL
-        self.applied[worker] = step
+        with self.version_lock:  # a count only: the update itself took no lock
+            staleness = self.version - pulled
+            self.version += 1
+            self.applied[worker] = step
         return {"applied": True, "staleness": staleness, "version": self.version, "stopped": self.stopped}
 
     def exchange(self, worker: int, step: int, weights: np.ndarray, records: list[dict] = ()) -> dict:
@@ -216,7 +227,7 @@ class ParameterServer:
         returns the difference d the worker subtracts from its own weights."""
         self.log(records)
         with self.cond:
-            if step <= self.applied.get(worker, 0):
+            if self._seen(worker, step):
                 return {"diff": None, "applied": False, "stopped": self.stopped}
             diff = elastic_exchange(as_tensor(weights), self.flat, self.cfg.strategy.alpha)
             self._advance({worker: step})
@@ -269,13 +280,16 @@ class ParameterServer:
         """Write this shard's state into a checkpoint directory; (file name, size) for the commit,
         and the last step of every worker that the saved weights hold."""
         with self.cond:
-            state = {
-                "pieces": self.pieces,
-                "flat": self.flat.clone(),
-                "optim": self.slots[0].optimizer.state_dict(),
-                "version": self.version,
-                "applied": dict(self.applied),
-            }
+            state = copy.deepcopy(  # under the lock: weights, moments and version of one moment
+                {
+                    "pieces": self.pieces,
+                    "flat": self.flat,
+                    "optim": self.slots[0].optimizer.state_dict(),
+                    "version": self.version,
+                    "applied": self.applied,
+                    "norm_sq": self.norm_sq,  # a resumed sync worker may ask for a round this shard applied
+                }
+            )
             held = self.version if self.mode == "sync" else min(self.applied.get(w, 0) for w in range(self.workers))
         name = SERVER_FILE.format(self.index)
         path = f"{directory}/{name}"
@@ -293,7 +307,7 @@ class ParameterServer:
             )
         self.flat.copy_(state["flat"])
         self.slots[0].optimizer.load_state_dict(state["optim"])
-        self.version, self.applied = state["version"], state["applied"]
+        self.version, self.applied, self.norm_sq = state["version"], state["applied"], state["norm_sq"]
 
     def node_info(self) -> dict:
         return {

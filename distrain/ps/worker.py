@@ -27,8 +27,6 @@ from distrain.train.loop import Channel, cross_entropy, straggle
 from distrain.train.metrics import peak_memory_bytes
 from distrain.train.optim import build_optimizer, lr_at
 
-BYTES = 4  # float32 on the wire
-
 
 def run_worker(job: dict, channel: Channel) -> dict:
     """Train this worker's part of a parameter-server run until max_steps or a stop."""
@@ -103,6 +101,7 @@ class PSWorker:
                 x, y = (t.to(self.device) for t in self.val_batches.get(i))
                 total += cross_entropy(self.model(x), y).item()
         self.model.train()
+        self.channel.report({"phase": "train"})
         return total / self.cfg.trainer.eval_batches
 
     # -- talking to the servers -----------------------------------------------------------------
@@ -137,6 +136,7 @@ class PSWorker:
 
     def fit(self) -> dict:
         start = min(ray.get([s.next_step.remote(self.rank) for s in self.servers]))
+        self.servers[0].log.remote([{"worker": self.rank, "start": start}])  # lines need not wait for steps it skips
         step = self.easgd(start) if self.cfg.strategy.mode == "easgd" else self.gradients(start)
         return {"final_step": step, "stopped": self.stopped}
 
