@@ -20,8 +20,9 @@ from pathlib import Path
 
 from distrain import checkpoint
 from distrain.cluster.placement import GroupSpec
+from distrain.cluster.policy import Policy
 from distrain.cluster.runtime import attach_address, check_capacity, connect, has_gpus
-from distrain.cluster.supervisor import Policy, Supervisor
+from distrain.cluster.supervisor import Supervisor
 from distrain.cluster.worker_group import WorkerGroup
 from distrain.config import ClusterConfig, ConfigError, TrainConfig, to_plain
 from distrain.fsutil import exclusive_lock

@@ -10,7 +10,7 @@ import pytest
 import ray
 import ray.cloudpickle
 
-from distrain.cluster.placement import GroupSpec, WorkerFailure, rank_table
+from distrain.cluster.placement import GroupSpec, WorkerFailure, number_nodes, rank_table
 from distrain.cluster.runtime import CapacityError, check_capacity
 from distrain.cluster.worker_group import WorkerGroup
 
@@ -39,6 +39,19 @@ def test_rank_table_sorts_by_node_then_gpu():
     assert [e["local_rank"] for e in table] == [0, 1, 0, 1]
     assert [e["node_rank"] for e in table] == [0, 0, 1, 1]
     assert all(e["local_world_size"] == 2 for e in table)
+
+
+def test_a_replaced_rank_gets_the_local_rank_of_where_it_came_back():
+    ips = {"a": "10.0.0.1", "b": "10.0.0.2"}
+    infos = [{"node_id": n, "node_ip": ips[n], "gpu_ids": [g]} for n, g in (("a", 0), ("a", 1), ("b", 0), ("b", 1))]
+    table = rank_table(infos)
+    # Rank 0 died and its replacement started on node b's GPU 2; ranks keep their numbers.
+    table[0] = {**table[0], "node_id": "b", "node_ip": ips["b"], "gpu_ids": [2]}
+    number_nodes(table)
+    assert [e["rank"] for e in table] == [0, 1, 2, 3]
+    assert [e["node_rank"] for e in table] == [0, 1, 0, 0]
+    assert [e["local_rank"] for e in table] == [2, 0, 0, 1]  # GPU 2 is the third of node b's GPUs 0, 1, 2
+    assert [e["local_world_size"] for e in table] == [3, 1, 3, 3]
 
 
 def environment(channel):
@@ -106,3 +119,6 @@ def test_capacity_check_refuses_what_can_never_be_placed():
     with pytest.raises(CapacityError, match="cluster.num_workers=3"):
         check_capacity(3, cpus / 2, 0)
     check_capacity(4, cpus / 4, 0)
+    # Parameter servers take a worker's CPUs each, and the message names them.
+    with pytest.raises(CapacityError, match=r"cluster.num_workers=3 with strategy.num_servers=2 needs"):
+        check_capacity(3, cpus / 4, 0, num_servers=2)

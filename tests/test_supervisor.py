@@ -15,7 +15,8 @@ import ray.cloudpickle
 
 from distrain.cluster.attempt import Attempt
 from distrain.cluster.placement import GroupSpec, WorkerFailure
-from distrain.cluster.supervisor import Policy, Supervisor
+from distrain.cluster.policy import Policy
+from distrain.cluster.supervisor import Supervisor
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests/
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from ray.exceptions import RayActorError, RayError
 
@@ -75,3 +76,12 @@ def blame(error: RayError) -> int:
 def mask(text: str) -> str:
     """An error's message without the numbers that differ between attempts (PIDs, addresses)."""
     return re.sub(r"0x[0-9a-f]+|\d+", "#", text)
+
+
+def write_stacks(run_dir: Path, attempt: int, stacks: dict[int, str]) -> Path:
+    """Each rank's Python stacks, as the supervisor took them before ending a hung attempt; the folder."""
+    folder = run_dir / "attempts" / f"{attempt:03d}-stacks"
+    folder.mkdir(parents=True, exist_ok=True)
+    for rank, text in stacks.items():
+        (folder / f"rank_{rank:05d}.txt").write_text(text)
+    return folder

@@ -59,17 +59,22 @@ def rank_table(infos: list[dict], node_group: int = 1) -> list[dict]:
         info = infos[i]
         return (ipaddress.ip_address(info["node_ip"]), info["node_id"], info["gpu_ids"], i)
 
-    table, nodes = [], {}
-    for rank, i in enumerate(sorted(range(len(infos)), key=key)):
-        node = nodes.setdefault(infos[i]["node_id"], {"node_rank": len(nodes), "members": 0})
-        table.append(
-            {**infos[i], "rank": rank, "worker_index": i, "node_rank": node["node_rank"], "local_rank": node["members"]}
-        )
-        node["members"] += 1
-    for entry in table:
-        entry["local_world_size"] = nodes[entry["node_id"]]["members"]
+    table = [{**infos[i], "rank": rank, "worker_index": i} for rank, i in enumerate(sorted(range(len(infos)), key=key))]
+    number_nodes(table)
     check_blocks(table, node_group)
     return table
+
+
+def number_nodes(table: list[dict]) -> None:
+    """Set node_rank (nodes in order of their first rank), local_rank (the worker's place among its
+    node's workers in GPU-id order, which CUDA_VISIBLE_DEVICES follows) and local_world_size on
+    every entry, in place: also after one rank was replaced on another node or GPU."""
+    nodes: dict[str, list[dict]] = {}
+    for entry in table:
+        nodes.setdefault(entry["node_id"], []).append(entry)
+    for node_rank, members in enumerate(nodes.values()):
+        for local_rank, entry in enumerate(sorted(members, key=lambda e: (e["gpu_ids"], e["rank"]))):
+            entry.update(node_rank=node_rank, local_rank=local_rank, local_world_size=len(members))
 
 
 def check_blocks(table: list[dict], node_group: int) -> None:

@@ -34,15 +34,19 @@ def has_gpus() -> bool:
     return ray.cluster_resources().get("GPU", 0) > 0
 
 
-def check_capacity(num_workers: int, cpus_per_worker: float, gpus_per_worker: int) -> None:
-    """Fail before any actor starts when the whole cluster could never place the group."""
+def check_capacity(num_workers: int, cpus_per_worker: float, gpus_per_worker: int, num_servers: int = 0) -> None:
+    """Fail before any actor starts when the whole cluster could never place the group (and its
+    parameter servers, which take a worker's CPUs each and no GPU)."""
     total = ray.cluster_resources()
-    for resource, each in (("CPU", cpus_per_worker), ("GPU", gpus_per_worker)):
-        need, have = num_workers * each, total.get(resource, 0)
+    who = f"cluster.num_workers={num_workers}" + (f" with strategy.num_servers={num_servers}" if num_servers else "")
+    for resource, each, actors in (
+        ("CPU", cpus_per_worker, num_workers + num_servers),
+        ("GPU", gpus_per_worker, num_workers),
+    ):
+        need, have = actors * each, total.get(resource, 0)
         if each and need > have:
             key = "cluster.cpus_per_worker" if resource == "CPU" else "GPUs per worker"
             raise CapacityError(
-                f"cluster.num_workers={num_workers} needs {need:g} {resource} ({key}={each:g} each) but the "
-                f"cluster has {have:g}; lower cluster.num_workers"
-                + (" or cluster.cpus_per_worker" if resource == "CPU" else " or add GPU nodes")
+                f"{who} needs {need:g} {resource} ({key}={each:g} each) but the cluster has {have:g}; "
+                f"lower cluster.num_workers or {'cluster.cpus_per_worker' if resource == 'CPU' else 'add GPU nodes'}"
             )

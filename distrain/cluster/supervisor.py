@@ -19,13 +19,13 @@ import enum
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from ray.exceptions import RayActorError, RayError
 
-from distrain.cluster.attempt import Attempt, Heartbeats, blame, mask
+from distrain.cluster.attempt import Attempt, Heartbeats, blame, mask, write_stacks
 from distrain.cluster.placement import (
     GroupSpec,
     PlacementError,
@@ -34,10 +34,10 @@ from distrain.cluster.placement import (
     fitting_sizes,
     room_for,
 )
+from distrain.cluster.policy import Policy
 from distrain.cluster.worker_group import WorkerGroup, first_line
 from distrain.fsutil import write_json
 
-HANG_STEPS = 10  # the automatic hang timeout, in median step times
 MAX_BACKOFF_S = 60.0
 NODE_CHECK_S = 5.0  # how often the supervisor looks for draining nodes, and a shrunk run for room to grow
 
@@ -50,18 +50,6 @@ class State(enum.Enum):
     STOPPING = "stopping"
     FINISHED = "finished"
     FAILED = "failed"
-
-
-@dataclass(frozen=True)
-class Policy:
-    max_failures: int = 3  # failures survived; -1: no limit
-    hang_timeout_s: float | None = None  # None: HANG_STEPS median step times, at least min_hang_timeout_s
-    min_hang_timeout_s: float = 60.0
-    setup_timeout_s: float = 600.0  # the limit outside training steps: start-up, checkpoints, evaluation
-    restart_backoff_s: float = 1.0  # the wait before a retry that follows a failure without progress; doubles
-    stop_grace_s: float = 30.0  # after a stop request, how long the ranks get to checkpoint and return
-    survivor_grace_s: float = 3.0  # after a failure, how long the other ranks get to return (and be reused)
-    poll_s: float = 1.0  # progress and hang checks; a death or an error is seen at once regardless
 
 
 class Supervisor:
@@ -231,10 +219,8 @@ class Supervisor:
     def _hang_limit(self, progress: dict) -> float:
         if progress.get("phase") != "train":
             return self.policy.setup_timeout_s
-        if self.policy.hang_timeout_s is not None:
-            return self.policy.hang_timeout_s
         recent = self.step_times[-50:]
-        return max(self.policy.min_hang_timeout_s, HANG_STEPS * statistics.median(recent) if recent else 0.0)
+        return self.policy.step_limit(statistics.median(recent) if recent else None)
 
     def _failed(self, attempt: Attempt, errors: list[tuple[int, RayError]]) -> None:
         attempt.timings["ended_at"] = time.time()
@@ -255,10 +241,7 @@ class Supervisor:
         attempt.timings["ended_at"] = time.time()
         silent = max(beats.silent_s(r) for r in hung)
         steps = sorted({str(progress[r].get("step")) for r in hung})
-        folder = self.run_dir / "attempts" / f"{attempt.number:03d}-stacks"
-        folder.mkdir(parents=True, exist_ok=True)
-        for rank, text in enumerate(self.group.stacks()):
-            (folder / f"rank_{rank:05d}.txt").write_text(text)
+        folder = write_stacks(self.run_dir, attempt.number, dict(enumerate(self.group.stacks())))
         mute = self.group.silent(longer_than_s=min(self._hang_limit(progress[r]) for r in hung))
         attempt.outcome = "hung"
         attempt.cause = (
@@ -300,12 +283,7 @@ class Supervisor:
                 f"the same error at the same step in two attempts, so retrying cannot help: {attempt.cause}\n"
                 f"{attempt.error}"
             )
-        if 0 <= self.policy.max_failures < self.failures:
-            raise WorkerFailure(
-                f"{attempt.cause}; that is failure {self.failures}, "
-                f"over cluster.max_failures={self.policy.max_failures}"
-                + (f"\n{attempt.error}" if attempt.error else "")
-            )
+        self.policy.check_budget(self.failures, attempt.cause, attempt.error)
 
     def _backoff(self) -> float:
         """No wait before the first retry after forward progress (a new highest step), then doubling

@@ -12,7 +12,14 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from distrain.cluster.placement import GroupSpec, PlacementError, WorkerFailure, blocks_that_fit, rank_table
+from distrain.cluster.placement import (
+    GroupSpec,
+    PlacementError,
+    WorkerFailure,
+    blocks_that_fit,
+    number_nodes,
+    rank_table,
+)
 from distrain.cluster.worker import RemoteWorker
 
 
@@ -260,6 +267,7 @@ class WorkerGroup:
         self._wait_whole(f"could not restart rank {rank}")
         self.workers[rank] = self._actor(entry["bundle"])
         self.table[rank] = {**entry, **self._started([self.workers[rank]], [entry["bundle"]])[0]}
+        number_nodes(self.table)  # it may have come back on another node or GPU
         return self.table[rank]
 
     def _wait_whole(self, what: str) -> None:

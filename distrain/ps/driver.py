@@ -10,35 +10,25 @@ W&B, checkpoints, the progress line) is the driver's here: no worker is special.
 
 from __future__ import annotations
 
-import shutil
 import time
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
+from ray.exceptions import RayActorError, RayError
 
 from distrain import checkpoint
-from distrain.cluster.attempt import Attempt, Heartbeats, mask
-from distrain.cluster.placement import GroupSpec, PlacementError, WorkerFailure
+from distrain.cluster.attempt import Attempt, Heartbeats, mask, write_stacks
+from distrain.cluster.placement import GroupSpec, WorkerFailure
+from distrain.cluster.policy import Policy
 from distrain.cluster.runtime import check_capacity
-from distrain.cluster.supervisor import HANG_STEPS, Policy
 from distrain.cluster.worker_group import WorkerGroup, first_line
 from distrain.config import TrainConfig, to_plain
 from distrain.fsutil import write_json
 from distrain.model.size import flops_per_token, num_params
 from distrain.ps.metrics import StepLog
-from distrain.ps.server import ParameterServer
+from distrain.ps.server_group import ServerGroup, ServerLost
 from distrain.ps.worker import evaluate_final, run_worker
 from distrain.tracking import Tracker
-
-RemoteServer = ray.remote(ParameterServer)
-SERVER_CALLS = 4  # a server's threads beyond one per worker: the driver's drains, saves, stops
-
-
-class ServerLost(RuntimeError):
-    """A server died or stopped answering: only a restore from the last checkpoint helps."""
 
 
 class ParameterServerRun:
@@ -62,7 +52,7 @@ class ParameterServerRun:
         self.failures = 0
         self.last_signature: str | None = None
         self.stop_requested_at: float | None = None
-        self.servers: list = []
+        self.servers: ServerGroup | None = None
         self.group: WorkerGroup | None = None
         self.tracker: Tracker | None = None
         # Per attempt (set by _start):
@@ -70,7 +60,6 @@ class ParameterServerRun:
         self.last_line: tuple[int, dict] = (0, {})  # the newest step logged, and its line
         self.checkpointed = 0  # the step of the newest committed checkpoint
         self.worker_job: dict = {}
-        self.drains: dict[int, tuple] = {}  # server → (its unanswered drain, when asked)
 
     @property
     def restarts(self) -> int:
@@ -82,7 +71,7 @@ class ParameterServerRun:
     def run(self) -> list[dict]:
         """[the run's results], as rank 0 returns them under the other strategies."""
         c = self.cfg.cluster
-        check_capacity(c.num_workers + self.cfg.strategy.num_servers, c.cpus_per_worker, 0)
+        check_capacity(c.num_workers, c.cpus_per_worker, 0, num_servers=self.cfg.strategy.num_servers)
         since = time.time()
         try:
             while True:
@@ -106,21 +95,8 @@ class ParameterServerRun:
         resume_step = checkpoint.read_meta(latest)["step"] if latest else 0
         job = {"config": self.plain, "resume_from": str(latest) if latest else None}
         w, s = self.cfg.cluster.num_workers, self.cfg.strategy.num_servers
-        self.servers = [
-            RemoteServer.options(
-                num_cpus=self.spec.cpus_per_worker, max_concurrency=w + SERVER_CALLS, scheduling_strategy="SPREAD"
-            ).remote(job, k)
-            for k in range(s)
-        ]
-        try:
-            servers = ray.get([srv.node_info.remote() for srv in self.servers], timeout=self.policy.setup_timeout_s)
-        except RayActorError as e:  # its constructor raised: a checkpoint it cannot load, a bad config
-            raise WorkerFailure(f"a parameter server could not start: {first_line(e)}") from e
-        except GetTimeoutError as e:
-            raise PlacementError(
-                f"{s} parameter servers ({self.spec.cpus_per_worker:g} CPU each) did not start within "
-                f"cluster.setup_timeout_s={self.policy.setup_timeout_s:g}; free: {ray.available_resources()}"
-            ) from e
+        self.servers = ServerGroup(job, s, w, self.spec.cpus_per_worker, self.policy.setup_timeout_s)
+        servers = self.servers.start()
         self.group = WorkerGroup(self.spec)
         table = self.group.start()
         attempt = Attempt(len(self.attempts) + 1, w, {"resumed_from_step": resume_step}, {"since": since})
@@ -133,7 +109,7 @@ class ParameterServerRun:
         self.tracker = Tracker(str(self.run_dir), self.plain, resume_step, self.wandb_run_id)
         self.steps = StepLog(self.cfg, resume_step)
         self.last_line, self.checkpointed = (resume_step, {}), resume_step
-        self.worker_job, self.drains = {"config": self.plain, "servers": self.servers}, {}
+        self.worker_job = {"config": self.plain, "servers": self.servers.actors}
         self.group.launch(run_worker, self.worker_job)
         return attempt
 
@@ -141,9 +117,9 @@ class ParameterServerRun:
         if self.group is not None:
             self.group.shutdown()
             self.group = None
-        for srv in self.servers:
-            ray.kill(srv, no_restart=True)
-        self.servers = []
+        if self.servers is not None:
+            self.servers.shutdown()
+            self.servers = None
         if self.tracker is not None:
             self.tracker.close({})
             self.tracker = None
@@ -174,29 +150,13 @@ class ParameterServerRun:
                 self.on_event(
                     "stop requested: the workers stop at their next server call; checkpointing, then stopping"
                 )
-                self._on_servers("stop")
+                self.servers.call("stop")
         return self._finish(attempt, done)
 
     def _drain(self, wait_s: float = 0.0) -> None:
-        """Collect the workers' records from shard 0 and every shard's version, never blocking on a
-        server that does not answer; one silent for setup_timeout_s, or dead, is lost."""
-        drains = self.drains
-        for k, srv in enumerate(self.servers):
-            if k not in drains:
-                drains[k] = (srv.drain.remote(), time.monotonic())
-        ready, _ = ray.wait([ref for ref, _ in drains.values()], num_returns=len(drains), timeout=wait_s)
-        for k, (ref, asked) in list(drains.items()):
-            if ref not in ready:
-                if time.monotonic() - asked > self.policy.setup_timeout_s:
-                    raise ServerLost(f"parameter server {k} has not answered for {self.policy.setup_timeout_s:g} s")
-                continue
-            del drains[k]
-            try:
-                answer = ray.get(ref)
-            except RayError as e:
-                raise ServerLost(f"parameter server {k} failed: {first_line(e)}") from e
-            if k == 0:
-                self.steps.add(answer["records"], answer["version"], time.time())
+        answer = self.servers.drain(wait_s)
+        if answer is not None:
+            self.steps.add(answer["records"], answer["version"], time.time())
 
     def _write_lines(self, lines: list[tuple[int, dict]], checkpoints: bool = True) -> None:
         """Log the finished steps, then checkpoint the servers if a step crossed an interval."""
@@ -220,44 +180,24 @@ class ParameterServerRun:
             return float("inf")
         if phase != "train":
             return self.policy.setup_timeout_s
-        step_s = self.steps.step_time_s() or 0.0
-        return self.policy.hang_timeout_s or max(self.policy.min_hang_timeout_s, HANG_STEPS * step_s)
+        return self.policy.step_limit(self.steps.step_time_s())
 
     # -- failures -------------------------------------------------------------------------------
 
     def _worker_failed(self, rank: int, error: RayError) -> None:
-        self._check_servers()
+        self.servers.check(timeout_s=self.policy.survivor_grace_s)  # a worker's failure may be a server's
         signature = None if isinstance(error, RayActorError) else mask(first_line(error))
         self._replace(rank, f"{self.group.who(rank)} failed: {first_line(error)}", signature, str(error))
 
     def _worker_hung(self, rank: int, silent_s: float, progress: dict) -> None:
-        folder = self.run_dir / "attempts" / f"{self.attempts[-1].number:03d}-stacks"
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / f"rank_{rank:05d}.txt").write_text(self.group.stacks()[rank])
+        folder = write_stacks(self.run_dir, self.attempts[-1].number, {rank: self.group.stacks()[rank]})
         cause = f"{self.group.who(rank)} made no progress for {silent_s:.1f} s (at step {progress.get('step')})"
         self._replace(rank, f"{cause}; stacks in {folder}", None, None)
-
-    def _on_servers(self, method: str, *args: object, timeout_s: float | None = None) -> list:
-        """Call every server and wait; a dead one is ServerLost, an error it raised (a full disk) ends the run."""
-        try:
-            return ray.get([getattr(srv, method).remote(*args) for srv in self.servers], timeout=timeout_s)
-        except RayActorError as e:
-            raise ServerLost(f"a parameter server failed: {first_line(e)}") from e
-        except RayTaskError as e:
-            raise WorkerFailure(f"a parameter server's {method} failed: {first_line(e)}") from e
-
-    def _check_servers(self) -> None:
-        """A worker's failure may be a server's: then restoring is the only way on."""
-        try:
-            self._on_servers("node_info", timeout_s=self.policy.survivor_grace_s)
-        except GetTimeoutError:
-            pass  # busy is not dead; the drains judge silence
 
     def _replace(self, rank: int, cause: str, signature: str | None, error: str | None) -> None:
         self._spend(cause, signature, error)
         self.on_event(f"{cause}; replacing it while the others go on (failure {self.failures})")
-        for srv in self.servers:
-            srv.forget.remote(rank)
+        self.servers.forget(rank)
         self.group.replace(rank)
         self.group.launch(run_worker, self.worker_job, ranks=[rank])
         self.replacements.append(
@@ -270,11 +210,7 @@ class ParameterServerRun:
         if signature is not None and signature == self.last_signature:
             raise WorkerFailure(f"the same error twice, so retrying cannot help: {cause}\n{error}")
         self.last_signature = signature
-        if 0 <= self.policy.max_failures < self.failures:
-            raise WorkerFailure(
-                f"{cause}; that is failure {self.failures}, over cluster.max_failures={self.policy.max_failures}"
-                + (f"\n{error}" if error else "")
-            )
+        self.policy.check_budget(self.failures, cause, error)
 
     # -- finishing ------------------------------------------------------------------------------
 
@@ -320,27 +256,11 @@ class ParameterServerRun:
         return results
 
     def _checkpoint(self) -> None:
-        """Every shard saves; the checkpoint's step is the last step every worker has in the
-        weights (async workers are at different steps), known only once the shards have saved."""
+        meta = {
+            "loss": self.last_line[1].get("loss"),
+            "world_size": self.cfg.cluster.num_workers,
+            "config": self.plain,
+            "wandb_run_id": self.tracker.wandb_run_id,
+        }
         root = self.run_dir / "checkpoints"
-        staging = root / f".saving-{uuid.uuid4().hex[:8]}"  # not a step directory: never loaded
-        staging.mkdir(parents=True)
-        try:
-            written = self._on_servers("save", str(staging))
-            step = min(progress for _, _, progress in written)
-            if step == self.checkpointed:  # nothing new since the last one (the end after a final interval)
-                return
-            meta = {
-                "step": step,
-                "loss": self.last_line[1].get("loss"),
-                "world_size": self.cfg.cluster.num_workers,
-                "config": self.plain,
-                "wandb_run_id": self.tracker.wandb_run_id,
-            }
-            write_json(staging / checkpoint.META_FILE, meta)
-            staging.rename(checkpoint.prepare(root, step))
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-        views = {f"parameter server {k}": {name: size} for k, (name, size, _) in enumerate(written)}
-        checkpoint.commit(root, step, views, self.cfg.checkpoint.keep, reader="the driver")
-        self.checkpointed = step
+        self.checkpointed = self.servers.save(root, self.checkpointed, meta, self.cfg.checkpoint.keep)

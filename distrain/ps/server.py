@@ -22,10 +22,10 @@ import ray
 import torch
 from torch import nn
 
-from distrain.config import OptimConfig, from_plain
+from distrain.config import from_plain
 from distrain.model.llama import Transformer
-from distrain.ps.shard import Piece, ShardView, as_tensor, model_shards
-from distrain.train.optim import lr_at, make_optimizer
+from distrain.ps.shard import ShardView, Slot, as_tensor, model_shards
+from distrain.train.optim import lr_at
 
 SERVER_FILE = "server_{:03d}.pt"
 RECENT_ROUNDS = 8  # sync: rounds whose norm a late (dropped) push may still ask for
@@ -50,38 +50,6 @@ def load_weights(directory: str | Path, model: nn.Module) -> None:
     for path in sorted(Path(directory).glob(SERVER_FILE.replace("{:03d}", "*"))):
         state = torch.load(path, weights_only=False)
         ShardView(model, state["pieces"]).scatter(state["flat"])
-
-
-class Slot:
-    """An optimizer over aliases of the shard's pieces. Hogwild gives each worker one, so that
-    concurrent pushes never share `.grad`; all slots share the same weights and state tensors."""
-
-    def __init__(self, flat: torch.Tensor, pieces: list[Piece], cfg: OptimConfig) -> None:
-        self.params, offset = [], 0
-        for p in pieces:
-            self.params.append(nn.Parameter(flat[offset : offset + p.size]))  # a view: the same storage
-            offset += p.size
-        decayed = [q for q, p in zip(self.params, pieces, strict=True) if p.decay]
-        undecayed = [q for q, p in zip(self.params, pieces, strict=True) if not p.decay]
-        self.optimizer = make_optimizer(decayed, undecayed, cfg)
-
-    def step(self, grad: torch.Tensor, lr: float, clip: tuple[float, torch.Tensor] | None = None) -> None:
-        """Apply one flat gradient; `clip` = (max_norm, the whole gradient's norm) scales it first."""
-        offset = 0
-        for q in self.params:
-            q.grad = grad[offset : offset + q.numel()]
-            offset += q.numel()
-        if clip is not None:
-            torch.nn.utils.clip_grads_with_norm_(self.params, *clip)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.step()
-        for q in self.params:
-            q.grad = None
-
-    def share_state_of(self, lead: Slot) -> None:
-        for q, q0 in zip(self.params, lead.params, strict=True):
-            self.optimizer.state[q] = lead.optimizer.state[q0]  # one dict: its tensors are shared
 
 
 class ParameterServer:

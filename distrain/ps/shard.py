@@ -1,4 +1,5 @@
-"""How the model's parameters are cut into server shards, and how a worker moves between them.
+"""How the model's parameters are cut into server shards, how a worker moves between them, and
+how a server optimizes its shard.
 
 The parameters, flattened in model order, form one long vector; server k owns the k-th of
 `num_servers` equal ranges of it. So the shards are balanced to one element, small tensors stay
@@ -13,6 +14,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from torch import nn
+
+from distrain.config import OptimConfig
+from distrain.train.optim import make_optimizer
 
 
 @dataclass(frozen=True)
@@ -74,3 +78,35 @@ class ShardView:
         for p, a, b in self.pieces:
             p.view(-1)[a:b].copy_(flat[offset : offset + b - a])
             offset += b - a
+
+
+class Slot:
+    """An optimizer over aliases of the shard's pieces. Hogwild gives each worker one, so that
+    concurrent pushes never share `.grad`; all slots share the same weights and state tensors."""
+
+    def __init__(self, flat: torch.Tensor, pieces: list[Piece], cfg: OptimConfig) -> None:
+        self.params, offset = [], 0
+        for p in pieces:
+            self.params.append(nn.Parameter(flat[offset : offset + p.size]))  # a view: the same storage
+            offset += p.size
+        decayed = [q for q, p in zip(self.params, pieces, strict=True) if p.decay]
+        undecayed = [q for q, p in zip(self.params, pieces, strict=True) if not p.decay]
+        self.optimizer = make_optimizer(decayed, undecayed, cfg)
+
+    def step(self, grad: torch.Tensor, lr: float, clip: tuple[float, torch.Tensor] | None = None) -> None:
+        """Apply one flat gradient; `clip` = (max_norm, the whole gradient's norm) scales it first."""
+        offset = 0
+        for q in self.params:
+            q.grad = grad[offset : offset + q.numel()]
+            offset += q.numel()
+        if clip is not None:
+            torch.nn.utils.clip_grads_with_norm_(self.params, *clip)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        for q in self.params:
+            q.grad = None
+
+    def share_state_of(self, lead: Slot) -> None:
+        for q, q0 in zip(self.params, lead.params, strict=True):
+            self.optimizer.state[q] = lead.optimizer.state[q0]  # one dict: its tensors are shared
