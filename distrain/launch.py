@@ -185,10 +185,11 @@ def _from_metrics(run_dir: Path) -> dict:
 
 
 def placeable_spec(cfg: TrainConfig) -> GroupSpec:
-    """Connect to the cluster and fail at once if it could never hold the workers."""
+    """Connect to the cluster and fail at once if it could never hold the workers (and parameter servers)."""
     connect(cfg.cluster.address)
     spec = group_spec(cfg)
-    check_capacity(spec.num_workers, spec.cpus_per_worker, spec.gpus_per_worker)
+    servers = cfg.strategy.num_servers if cfg.strategy.mode is not None else 0
+    check_capacity(spec.num_workers, spec.cpus_per_worker, spec.gpus_per_worker, num_servers=servers)
     return spec
 
 

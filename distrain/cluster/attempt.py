@@ -9,6 +9,8 @@ from pathlib import Path
 
 from ray.exceptions import RayActorError, RayError
 
+from distrain.fsutil import write_json
+
 
 @dataclass
 class Attempt:
@@ -76,6 +78,13 @@ def blame(error: RayError) -> int:
 def mask(text: str) -> str:
     """An error's message without the numbers that differ between attempts (PIDs, addresses)."""
     return re.sub(r"0x[0-9a-f]+|\d+", "#", text)
+
+
+def write_placement(run_dir: Path, attempt: int, placement: list[dict]) -> None:
+    """Where an attempt's actors run: kept per attempt, and the current one as placement.json."""
+    (run_dir / "attempts").mkdir(parents=True, exist_ok=True)
+    write_json(run_dir / "attempts" / f"{attempt:03d}-placement.json", placement)
+    write_json(run_dir / "placement.json", placement)
 
 
 def write_stacks(run_dir: Path, attempt: int, stacks: dict[int, str]) -> Path:

@@ -25,7 +25,7 @@ from typing import Any
 
 from ray.exceptions import RayActorError, RayError
 
-from distrain.cluster.attempt import Attempt, Heartbeats, blame, mask, write_stacks
+from distrain.cluster.attempt import Attempt, Heartbeats, blame, mask, write_placement, write_stacks
 from distrain.cluster.placement import (
     GroupSpec,
     PlacementError,
@@ -36,7 +36,6 @@ from distrain.cluster.placement import (
 )
 from distrain.cluster.policy import Policy
 from distrain.cluster.worker_group import WorkerGroup, first_line
-from distrain.fsutil import write_json
 
 MAX_BACKOFF_S = 60.0
 NODE_CHECK_S = 5.0  # how often the supervisor looks for draining nodes, and a shrunk run for room to grow
@@ -141,9 +140,7 @@ class Supervisor:
         args, info = self.make_attempt(len(table))
         attempt = Attempt(len(self.attempts) + 1, len(table), info, placed)
         self.attempts.append(attempt)
-        (self.run_dir / "attempts").mkdir(parents=True, exist_ok=True)
-        write_json(self.run_dir / "attempts" / f"{attempt.number:03d}-placement.json", table)
-        write_json(self.run_dir / "placement.json", table)  # the current attempt's
+        write_placement(self.run_dir, attempt.number, table)
         self.group.launch(self.fn, *args)
         self.state = State.RUNNING
         return attempt

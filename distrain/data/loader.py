@@ -9,9 +9,15 @@ the step number, and a resumed run sees exactly the batches it would have seen.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+from distrain.data.corpus import load_tokens
+
+if TYPE_CHECKING:
+    from distrain.config import TrainConfig
 
 TRAIN, VAL = 0, 1
 
@@ -53,3 +59,13 @@ class Batches:
         idx = torch.from_numpy(starts)[:, None] + torch.arange(self.seq_len + 1)
         windows = self.tokens[idx].long()
         return windows[:, :-1], windows[:, 1:]
+
+
+def run_batches(cfg: TrainConfig) -> tuple[Batches, Batches]:
+    """A run's training and validation batches: its corpus, split, global batch and seed."""
+    t = cfg.trainer
+    data = split(load_tokens(cfg.data.path), cfg.data.val_fraction, t.seq_len)
+    return (
+        Batches(data.train, t.seq_len, t.global_batch_size, t.seed, TRAIN),
+        Batches(data.val, t.seq_len, t.global_batch_size, t.seed, VAL),
+    )

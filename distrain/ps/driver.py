@@ -17,13 +17,11 @@ from pathlib import Path
 from ray.exceptions import RayActorError, RayError
 
 from distrain import checkpoint
-from distrain.cluster.attempt import Attempt, Heartbeats, mask, write_stacks
+from distrain.cluster.attempt import Attempt, Heartbeats, mask, write_placement, write_stacks
 from distrain.cluster.placement import GroupSpec, WorkerFailure
 from distrain.cluster.policy import Policy
-from distrain.cluster.runtime import check_capacity
 from distrain.cluster.worker_group import WorkerGroup, first_line
 from distrain.config import TrainConfig, to_plain
-from distrain.fsutil import write_json
 from distrain.model.size import flops_per_token, num_params
 from distrain.ps.metrics import StepLog
 from distrain.ps.server_group import ServerGroup, ServerLost
@@ -70,8 +68,6 @@ class ParameterServerRun:
 
     def run(self) -> list[dict]:
         """[the run's results], as rank 0 returns them under the other strategies."""
-        c = self.cfg.cluster
-        check_capacity(c.num_workers, c.cpus_per_worker, 0, num_servers=self.cfg.strategy.num_servers)
         since = time.time()
         try:
             while True:
@@ -102,10 +98,7 @@ class ParameterServerRun:
         attempt = Attempt(len(self.attempts) + 1, w, {"resumed_from_step": resume_step}, {"since": since})
         attempt.timings["placed_at"] = time.time()
         self.attempts.append(attempt)
-        placement = table + [{"server": k, **info} for k, info in enumerate(servers)]
-        (self.run_dir / "attempts").mkdir(parents=True, exist_ok=True)
-        write_json(self.run_dir / "attempts" / f"{attempt.number:03d}-placement.json", placement)
-        write_json(self.run_dir / "placement.json", placement)
+        write_placement(self.run_dir, attempt.number, table + [{"server": k, **i} for k, i in enumerate(servers)])
         self.tracker = Tracker(str(self.run_dir), self.plain, resume_step, self.wandb_run_id)
         self.steps = StepLog(self.cfg, resume_step)
         self.last_line, self.checkpointed = (resume_step, {}), resume_step

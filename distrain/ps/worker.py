@@ -18,8 +18,7 @@ import torch
 from torch import nn
 
 from distrain.config import TrainConfig, from_plain, resolve_precision
-from distrain.data.corpus import load_tokens
-from distrain.data.loader import TRAIN, VAL, Batches, split
+from distrain.data.loader import run_batches
 from distrain.layout import micro_batches
 from distrain.model.llama import Transformer
 from distrain.ps.shard import ShardView, as_tensor, model_shards
@@ -57,9 +56,7 @@ class PSWorker:
         self.views = [ShardView(self.model, pieces) for pieces in model_shards(self.model, s.num_servers)]
         self.versions = [-1] * len(self.servers)  # the version of each shard the model holds
         self.accum_steps = micro_batches(t.global_batch_size, t.micro_batch_size, self.world)
-        data = split(load_tokens(cfg.data.path), cfg.data.val_fraction, t.seq_len)
-        self.train_batches = Batches(data.train, t.seq_len, t.global_batch_size, t.seed, TRAIN)
-        self.val_batches = Batches(data.val, t.seq_len, t.global_batch_size, t.seed, VAL)
+        self.train_batches, self.val_batches = run_batches(cfg)
         self.pulled_bytes = 0
         self.stopped = False
 

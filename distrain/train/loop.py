@@ -20,8 +20,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from distrain import checkpoint
 from distrain.config import TrainConfig, TrainerConfig, from_plain, resolve_precision
-from distrain.data.corpus import load_tokens
-from distrain.data.loader import TRAIN, VAL, Batches, split
+from distrain.data.loader import Batches, run_batches
 from distrain.layout import micro_batches
 from distrain.model.llama import Transformer
 from distrain.model.size import flops_per_token, num_params
@@ -90,9 +89,7 @@ class Trainer:
         )
         self.optimizer = build_optimizer(self.parallel.module, cfg.optim, self.parallel.zero1_group)
 
-        data = split(load_tokens(cfg.data.path), cfg.data.val_fraction, t.seq_len)
-        self.train_batches = Batches(data.train, t.seq_len, t.global_batch_size, t.seed, TRAIN)
-        self.val_batches = Batches(data.val, t.seq_len, t.global_batch_size, t.seed, VAL)
+        self.train_batches, self.val_batches = run_batches(cfg)
         self.dp_rank, self.dp_size = self.parallel.data_shard()
 
         self.step, self.loss, self.save_s = 0, math.nan, 0.0
