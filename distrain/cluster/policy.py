@@ -19,7 +19,9 @@ class Policy:
     restart_backoff_s: float = 1.0  # the wait before a retry that follows a failure without progress; doubles
     stop_grace_s: float = 30.0  # after a stop request, how long the ranks get to checkpoint and return
     survivor_grace_s: float = 3.0  # after a failure, how long the other ranks get to return (and be reused)
-    poll_s: float = 1.0  # progress and hang checks; a death or an error is seen at once regardless
+    # Progress, hang and stop-request checks; a death or an error is seen at once regardless. A stop
+    # request waits for the next check, and under `ray job stop` the driver has 3 s in all.
+    poll_s: float = 0.5
 
     def step_limit(self, step_s: float | None) -> float:
         """How long a training step may go without progress: hang_timeout_s, else HANG_STEPS typical
