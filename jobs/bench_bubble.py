@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from svgplot import Axes, Canvas  # jobs/svgplot.py, beside this script
 
 from distrain.config import ModelConfig, StrategyConfig
 from distrain.layout import SCHEDULES, MeshSizes, stage_layers
@@ -208,57 +209,33 @@ def table(results: dict[str, dict[int, dict[str, Any]]], setup: BubbleSetup) -> 
 
 
 def svg(results: dict[str, dict[int, dict[str, Any]]], setup: BubbleSetup) -> str:
-    """A line plot by hand (no plotting library): idle fraction against m on a log₂ axis, one
-    coloured line per schedule, the theory for v = 1 and v = 2 in black, dashed and dotted."""
-    width, height, left, right, top, bottom = 760, 440, 70, 240, 40, 60
+    """Idle fraction against m on a log₂ axis, one coloured line per schedule, the theory for
+    v = 1 and v = 2 in black, dashed and dotted."""
     lo, hi = setup.micro_batches[0], max(setup.micro_batches[-1], 2 * setup.micro_batches[0])
     highest = max([p["idle"] for by_m in results.values() for p in by_m.values()] + [theory("gpipe", setup.pp, lo)])
     y_top = math.ceil(highest * 10 + 0.2) / 10
-
-    def x(m: float) -> float:
-        return left + (width - left - right) * math.log2(m / lo) / math.log2(hi / lo)
-
-    def y(v: float) -> float:
-        return top + (height - top - bottom) * (1 - v / y_top)
-
-    def line(points: list[tuple[float, float]], colour: str, dash: str = "none") -> str:
-        d = " ".join(f"{x(m):.1f},{y(v):.1f}" for m, v in points)
-        return f'<polyline points="{d}" fill="none" stroke="{colour}" stroke-width="2" stroke-dasharray="{dash}"/>'
-
-    def text(at_x: float, at_y: float, label: str, anchor: str = "middle", extra: str = "") -> str:
-        return f'<text x="{at_x:.1f}" y="{at_y:.1f}" text-anchor="{anchor}" {extra}>{label}</text>'
-
-    middle = (x(lo) + x(hi)) / 2
-    out = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" '
-        'font-size="13"><rect width="100%" height="100%" fill="white"/>',
-        text(middle, 22, f"Pipeline bubble: pp = {setup.pp}, measured vs theory", extra='font-size="15"'),
-        text(middle, height - 16, "micro-batches per step, m (log scale)"),
-        text(0, 0, "idle fraction of a rank", extra=f'transform="translate(20,{(y(0) + y(y_top)) / 2}) rotate(-90)"'),
-    ]
-    for i in range(round(y_top * 10) + 1):
-        out.append(f'<line x1="{x(lo) - 4}" y1="{y(i / 10)}" x2="{x(hi)}" y2="{y(i / 10)}" stroke="#ddd"/>')
-        out.append(text(x(lo) - 8, y(i / 10) + 4, f"{i / 10:.1f}", "end"))
-    out += [text(x(m), y(0) + 18, str(m)) for m in setup.micro_batches]
-    out.append(line([(lo, y_top), (lo, 0), (hi, 0)], "black").replace('stroke-width="2"', 'stroke-width="1"'))
+    canvas = Canvas(760, 440, font_size=13)
+    ax = Axes(canvas, (70, 40, 450, 340), (lo, hi), (0, y_top), log_x=True)
+    ax.labels(
+        f"Pipeline bubble: pp = {setup.pp}, measured vs theory",
+        "micro-batches per step, m (log scale)",
+        "idle fraction of a rank",
+    )
+    ax.y_ticks([i / 10 for i in range(round(y_top * 10) + 1)], "{:.1f}")
+    ax.x_ticks(setup.micro_batches)
+    ax.curve([(lo, y_top), (lo, 0), (hi, 0)], "black", width=1)
     curve = [lo * (hi / lo) ** (k / 40) for k in range(41)]
     legend = []
     for v, dash in ((1, "7,4"), (2, "2,3")):
-        out.append(line([(m, (setup.pp - 1) / (v * m + setup.pp - 1)) for m in curve], "black", dash))
+        ax.curve([(m, (setup.pp - 1) / (v * m + setup.pp - 1)) for m in curve], "black", dash=dash)
         legend.append((f"theory (p−1)/({'' if v == 1 else v}m+p−1)", "black", dash))
     for schedule, by_m in results.items():
         colour, points = COLOURS[schedule], sorted((m, p["idle"]) for m, p in by_m.items())
-        out.append(line(points, colour))
-        out += [f'<circle cx="{x(m):.1f}" cy="{y(v):.1f}" r="3.5" fill="{colour}"/>' for m, v in points]
-        legend.append((f"{schedule} (v = {SCHEDULES[schedule].default_stages_per_rank})", colour, "none"))
-    for i, (name, colour, dash) in enumerate(legend):
-        at = top + 10 + 22 * i
-        out.append(
-            f'<line x1="{x(hi) + 15}" y1="{at}" x2="{x(hi) + 43}" y2="{at}" stroke="{colour}" stroke-width="2" '
-            f'stroke-dasharray="{dash}"/>'
-        )
-        out.append(text(x(hi) + 49, at + 4, name, "start"))
-    return "\n".join([*out, "</svg>", ""])
+        ax.curve(points, colour)
+        ax.dots(points, colour)
+        legend.append((f"{schedule} (v = {SCHEDULES[schedule].default_stages_per_rank})", colour, None))
+    canvas.legend(legend, ax.left + ax.width + 15, ax.top + 14, across=False)
+    return canvas.render()
 
 
 def section(results: dict[str, dict[int, dict[str, Any]]], setup: BubbleSetup, plot: str) -> list[str]:

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from bench_mfu import compose  # jobs/bench_mfu.py: the config `python jobs/train.py <overrides>` trains
 from machine import describe, machine  # jobs/machine.py, beside this script
+from svgplot import Axes, Canvas, ticks  # jobs/svgplot.py, beside this script
 
 from distrain.config import OptimConfig
 from distrain.tracking import read_metrics
@@ -227,53 +228,29 @@ def reading(runs: list[dict], target: float, steps: int, workers: int) -> str:
     return "".join(line + "\n" for line in out)
 
 
-def ticks(lo: float, hi: float) -> list[float]:
-    """Round values in [lo, hi], about 5: multiples of 1, 2 or 5 × a power of ten."""
-    step = 10 ** math.floor(math.log10((hi - lo) / 5 or 1))
-    step *= next(m for m in (1, 2, 5, 10) if (hi - lo) / (step * m) <= 6)
-    return [i * step for i in range(math.ceil(lo / step - 1e-9), math.floor(hi / step + 1e-9) + 1)]
-
-
 def svg(runs: list[dict], target: float, smooth: int) -> str:
     """A 2×2 grid: smoothed loss against step and against wall clock, a row per scenario."""
-    w, h, left, top, pw, ph, gap = 960, 700, 60, 40, 390, 250, 90
     curves = [r for r in runs if "curve" in r]
     losses = [p[2] for r in curves for p in r["curve"]] or [0.0, 1.0]
     lo, hi = math.floor(min(losses) * 2) / 2, math.ceil(max(losses) * 2) / 2
-    out = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="11">',
-        f'<rect width="{w}" height="{h}" fill="white"/>',
-        f'<text x="{left}" y="18" font-size="14">Train loss ({smooth}-step moving mean) per configuration</text>',
-    ]
+    canvas = Canvas(960, 710, font_size=11)
+    canvas.text(60, 20, f"Train loss ({smooth}-step moving mean) per configuration", font_size=15)
     for row, (scenario, title) in enumerate(SCENARIOS.items()):
         for col, (axis, unit) in enumerate(((0, "step"), (1, "wall-clock s since the first step"))):
-            x0, y0 = left + col * (pw + gap), top + row * (ph + gap)
             mine = [r for r in curves if r["scenario"] == scenario]
             xmax = max([p[axis] for r in mine for p in r["curve"]] or [1]) or 1
-            x = lambda v, x0=x0, sx=pw / xmax: x0 + v * sx  # noqa: E731
-            y = lambda loss, y0=y0: y0 + ph - (loss - lo) * ph / ((hi - lo) or 1)  # noqa: E731
-            out.append(f'<rect x="{x0}" y="{y0}" width="{pw}" height="{ph}" fill="none" stroke="#999"/>')
-            out.append(f'<text x="{x0}" y="{y0 - 6}" font-size="12">{title}: loss against {unit.split()[0]}</text>')
-            out.append(f'<text x="{x0 + pw / 2}" y="{y0 + ph + 30}" text-anchor="middle">{unit}</text>')
-            for v in ticks(0, xmax):
-                out.append(f'<text x="{x(v):.1f}" y="{y0 + ph + 14}" text-anchor="middle">{v:g}</text>')
-            for v in ticks(lo, hi):
-                grid = f'x1="{x0}" y1="{y(v):.1f}" x2="{x0 + pw}" y2="{y(v):.1f}" stroke="#eee"'
-                out.append(f'<line {grid}/><text x="{x0 - 4}" y="{y(v) + 4:.1f}" text-anchor="end">{v:g}</text>')
+            ax = Axes(canvas, (60 + col * 480, 60 + row * 320, 390, 250), (0, xmax), (lo, hi))
+            ax.labels(f"{title}: loss against {unit.split()[0]}", unit)
+            ax.x_ticks(ticks(0, xmax))
+            ax.y_ticks(ticks(lo, hi))
+            ax.frame()
             if lo < target < hi:
-                line = f'x1="{x0}" y1="{y(target):.1f}" x2="{x0 + pw}" y2="{y(target):.1f}"'
-                out.append(f'<line {line} stroke="#888" stroke-dasharray="4 3"/>')
+                ax.level(target)
             for r in mine:
-                points = " ".join(f"{x(p[axis]):.1f},{y(p[2]):.1f}" for p in r["curve"])
-                style = f'fill="none" stroke="{CONFIGS[r["config"]][2]}" stroke-width="1.5"'
-                out.append(f'<polyline points="{points}" {style}/>')
-    at = left
-    for label, _, colour in CONFIGS.values():
-        out.append(f'<rect x="{at}" y="{h - 22}" width="14" height="4" fill="{colour}"/>')
-        out.append(f'<text x="{at + 18}" y="{h - 16}">{label}</text>')
-        at += 40 + 6 * len(label)
-    out.append(f'<text x="{at}" y="{h - 16}" fill="#777">- - target {target:g}</text>')
-    return "\n".join([*out, "</svg>"]) + "\n"
+                ax.curve([(p[axis], p[2]) for p in r["curve"]], CONFIGS[r["config"]][2], width=1.5)
+    legend = [(label, colour, None) for label, _, colour in CONFIGS.values()]
+    canvas.legend([*legend, (f"target {target:g}", "#888", "4 3")], 60, 694, across=True)
+    return canvas.render()
 
 
 def markdown(args: argparse.Namespace, info: dict, runs: list[dict], plot: str) -> str:

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from bench_mfu import compose  # jobs/bench_mfu.py: the config `python jobs/train.py <overrides>` trains
 from machine import describe, machine  # jobs/machine.py, beside this script
+from svgplot import Canvas  # jobs/svgplot.py, beside this script
 
 from distrain.tracking import read_metrics
 
@@ -372,36 +373,27 @@ def kill_rows(runs: list[Run]) -> list[str]:
 
 
 def svg(runs: list[Run]) -> str:
-    """A bar per run, stacked from the median of each phase, the goal marked (plain SVG text)."""
+    """A bar per run, stacked from the median of each phase, the goal marked."""
     left, top = 160, 44
     longest = max([GOAL_S, *(sum(median(r, key) for key in STACK) for r in runs)])
     scale, axis = 560 / longest, top + len(runs) * 38
-    out = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="800" height="{axis + 60}" font-family="sans-serif" '
-        f'font-size="12"><rect width="800" height="{axis + 60}" fill="white"/>',
-        f'<text x="{left}" y="20" font-size="14">Recovery after a SIGKILL: median s per phase</text>',
-    ]
+    canvas = Canvas(800, axis + 60)
+    canvas.text(left, 20, "Recovery after a SIGKILL: median s per phase", font_size=14)
     for i, r in enumerate(runs):
         y, x = top + i * 38, float(left)
-        label = f"{SYSTEMS[r.system]}, {r.workers} workers"
-        out.append(f'<text x="{left - 8}" y="{y + 17}" text-anchor="end">{label}</text>')
+        canvas.text(left - 8, y + 17, f"{SYSTEMS[r.system]}, {r.workers} workers", "end")
         for key, (name, colour) in STACK.items():
             m = median(r, key)
-            bar = f'<rect x="{x:.1f}" y="{y}" width="{m * scale:.1f}" height="26" fill="{colour}">'
-            out.append(f"{bar}<title>{name}: {m:.2f} s</title></rect>")
+            canvas.add("rect", f"<title>{name}: {m:.2f} s</title>", x=x, y=y, width=m * scale, height=26, fill=colour)
             x += m * scale
-        out.append(f'<text x="{x + 6:.1f}" y="{y + 17}">{median(r, "total"):.1f} s</text>')
+        canvas.text(x + 6, y + 17, f"{median(r, 'total'):.1f} s")
     for t in range(0, int(longest) + 1, 5 if longest > 12 else 1):
-        out.append(f'<text x="{left + t * scale:.1f}" y="{axis + 12}" text-anchor="middle">{t}</text>')
+        canvas.text(left + t * scale, axis + 12, str(t), "middle")
     g = left + GOAL_S * scale
-    out.append(f'<line x1="{g:.1f}" y1="{top - 6}" x2="{g:.1f}" y2="{axis}" stroke="#555" stroke-dasharray="4 3"/>')
-    out.append(f'<text x="{g + 4:.1f}" y="{top - 8}" fill="#555">goal {GOAL_S:g} s</text>')
-    x = 20
-    for name, colour in STACK.values():
-        out.append(f'<rect x="{x}" y="{axis + 30}" width="12" height="12" fill="{colour}"/>')
-        out.append(f'<text x="{x + 16}" y="{axis + 40}">{name}</text>')
-        x += 34 + 7 * len(name)
-    return "\n".join([*out, "</svg>"]) + "\n"
+    canvas.line(g, top - 6, g, axis, "#555", dash="4 3")
+    canvas.text(g + 4, top - 8, f"goal {GOAL_S:g} s", fill="#555")
+    canvas.legend([(name, colour, None) for name, colour in STACK.values()], 20, axis + 40, across=True, box=True)
+    return canvas.render()
 
 
 def reading(runs: list[Run]) -> str:
