@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import _thread
 import argparse
-import ipaddress
 import json
 import math
 import os
@@ -26,7 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from bench_mfu import compose  # jobs/bench_mfu.py: the config `python jobs/train.py <overrides>` trains
-from machine import describe, machine  # jobs/machine.py, beside this script
+from machine import describe, machine, off_loopback  # jobs/machine.py, beside this script
 from svgplot import Axes, Canvas, ticks  # jobs/svgplot.py, beside this script
 
 from distrain.config import OptimConfig
@@ -115,8 +114,8 @@ def measure(args: argparse.Namespace, config: str, scenario: str, storage: Path)
     summary, placement = read_json(run_dir / "summary.json", {}), read_json(run_dir / "placement.json", [])
     if summary.get("status") not in (None, "completed") and not run["error"]:
         run["error"] = f"status {summary['status']}"
-    if not all(ipaddress.ip_address(p["node_ip"]).is_loopback for p in placement if "node_ip" in p):
-        run["error"] = f"ran off loopback: {sorted({p.get('node_ip') for p in placement})}"
+    if off := off_loopback(placement):
+        run["error"] = f"ran off loopback: {off}"
     if len(lines := read_metrics(str(run_dir))) < 2:
         return run | {"error": run["error"] or "fewer than 2 metrics lines"}
     loss = [m["loss"] for m in lines]

@@ -12,7 +12,6 @@ It prints each table and writes them, with the command, machine and date, to doc
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import json
 import os
 import shlex
@@ -28,7 +27,7 @@ from bench_bubble import section as bubble_section
 from bench_bubble import table as bubble_table
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
-from machine import describe, machine  # jobs/machine.py, beside this script
+from machine import describe, machine, off_loopback  # jobs/machine.py, beside this script
 from omegaconf import OmegaConf
 
 from distrain.config import ModelConfig, OptimConfig, StrategyConfig, TrainConfig
@@ -153,8 +152,8 @@ def run_strategy(name: str, workers: int, args: argparse.Namespace, run_dir: Pat
     cfg = compose(["model=nano", f"strategy={name}", f"cluster.num_workers={workers}", *run, *CPU_RUN])
     train(cfg)  # validates cfg in place: the layout's open sizes are filled in
     placement = json.loads(Path(cfg.run_dir, "placement.json").read_text())
-    if not all(ipaddress.ip_address(worker["node_ip"]).is_loopback for worker in placement):
-        raise SystemExit(f"bench_strategies: workers ran off loopback: {[w['node_ip'] for w in placement]}")
+    if off := off_loopback(placement):
+        raise SystemExit(f"bench_strategies: workers ran off loopback: {off}")
     t, s = cfg.trainer, cfg.strategy
     info = {
         "strategy": name,

@@ -1,7 +1,9 @@
-"""What a benchmark ran on, for the header of its page: CPU, cores, GPUs, versions, load."""
+"""What a benchmark ran on, for the header of its page: CPU, cores, GPUs, versions, load; and
+whether its runs stayed on loopback."""
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import platform
 from importlib.metadata import version
@@ -39,4 +41,11 @@ def describe(info: dict) -> str:
     return (
         f"{info['cpu']}, {info['cores']} cores, {info.get('gpu') or 'no GPU'}; "
         f"torch {info['torch']}, ray {info['ray']}, Python {info['python']}"
+    )
+
+
+def off_loopback(placement: list[dict]) -> list[str]:
+    """The addresses in a run's placement.json that are not loopback: benchmarks send nothing off the machine."""
+    return sorted(
+        {p["node_ip"] for p in placement if "node_ip" in p and not ipaddress.ip_address(p["node_ip"]).is_loopback}
     )
