@@ -105,6 +105,7 @@ class ClusterConfig:
     setup_timeout_s: float = 600.0  # the same outside steps: start-up, checkpoint load and save, evaluation
     restart_backoff_s: float = 1.0  # first wait between retries that make no progress; doubles up to 60 s
     stop_grace_s: float | None = None  # on SIGTERM, time to checkpoint and exit; None: see launch.stop_grace_s
+    node_check_s: float = 5.0  # how often to look for draining nodes, and (shrunk) for room to grow back
 
 
 @dataclass

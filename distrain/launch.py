@@ -144,6 +144,7 @@ def policy(c: ClusterConfig) -> Policy:
         setup_timeout_s=c.setup_timeout_s,
         restart_backoff_s=c.restart_backoff_s,
         stop_grace_s=c.stop_grace_s or stop_grace_s(),
+        node_check_s=c.node_check_s,
     )
 
 

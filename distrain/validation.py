@@ -176,7 +176,8 @@ def _validate_fault_tolerance(c: ClusterConfig) -> None:
     for key in ("hang_timeout_s", "stop_grace_s"):
         value = getattr(c, key)
         _require(value is None or value > 0, f"cluster.{key}={value}: must be positive (or null for the default)")
-    _require(c.setup_timeout_s > 0, f"cluster.setup_timeout_s={c.setup_timeout_s}: must be positive")
+    for key in ("setup_timeout_s", "node_check_s"):
+        _require(getattr(c, key) > 0, f"cluster.{key}={getattr(c, key)}: must be positive")
     _require(c.restart_backoff_s >= 0, f"cluster.restart_backoff_s={c.restart_backoff_s}: must be ≥ 0")
 
 

@@ -78,6 +78,7 @@ from distrain.validation import smaller_layouts, validate
         (["cluster.hang_timeout_s=0"], "cluster.hang_timeout_s"),
         (["cluster.stop_grace_s=-1"], "cluster.stop_grace_s"),
         (["cluster.setup_timeout_s=0"], "cluster.setup_timeout_s"),
+        (["cluster.node_check_s=0"], "cluster.node_check_s"),
         (["cluster.restart_backoff_s=-1"], "cluster.restart_backoff_s"),
         (["strategy=ps", "strategy.mode=gossip"], "strategy.mode"),
         (["strategy=ps", "strategy.num_servers=0"], "strategy.num_servers"),

@@ -40,6 +40,10 @@ COMMON = (
     "cluster.cpus_per_worker=1",  # one 2-CPU node holds 2 workers
     "cluster.placement_timeout_s=3",
     "cluster.restart_backoff_s=0",
+    # The shrunk and the grown attempts train for a second or two after a start-up of 3-10 s; the
+    # room to grow and the drain must be seen before they end (CI once saw the shrunk attempt finish
+    # between two looks 5 s apart).
+    "cluster.node_check_s=1",
     f"checkpoint.interval={CHECKPOINT_EVERY}",
     f"trainer.max_steps={STEPS}",
 )

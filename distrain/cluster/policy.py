@@ -22,6 +22,9 @@ class Policy:
     # Progress, hang and stop-request checks; a death or an error is seen at once regardless. A stop
     # request waits for the next check, and under `ray job stop` the driver has 3 s in all.
     poll_s: float = 0.5
+    # How often a run looks for draining nodes and, shrunk, for room to grow back: each look at room
+    # places a trial placement group (up to 0.5 s).
+    node_check_s: float = 5.0
 
     def step_limit(self, step_s: float | None) -> float:
         """How long a training step may go without progress: hang_timeout_s, else HANG_STEPS typical

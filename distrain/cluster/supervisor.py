@@ -38,7 +38,6 @@ from distrain.cluster.policy import Policy
 from distrain.cluster.worker_group import WorkerGroup, first_line
 
 MAX_BACKOFF_S = 60.0
-NODE_CHECK_S = 5.0  # how often the supervisor looks for draining nodes, and a shrunk run for room to grow
 
 
 class State(enum.Enum):
@@ -152,7 +151,7 @@ class Supervisor:
         group, n = self.group, attempt.world_size
         beats = Heartbeats(n, self.step_times)
         results: dict[int, Any] = {}
-        next_check = time.monotonic() + NODE_CHECK_S
+        next_check = time.monotonic() + self.policy.node_check_s
         while len(results) < n:
             ended = group.poll(self.policy.poll_s)
             results.update((rank, value) for rank, value, error in ended if error is None)
@@ -208,7 +207,7 @@ class Supervisor:
             deadline = time.time() + self.policy.setup_timeout_s
             self.on_event(f"room for all {full} workers again: growing back at a checkpoint")
         else:
-            return time.monotonic() + NODE_CHECK_S
+            return time.monotonic() + self.policy.node_check_s
         self.state, attempt.outcome = State.RESIZING, "resized"
         self.group.request_stop(deadline - 1.0)
         return next_check
