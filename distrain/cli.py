@@ -1,4 +1,9 @@
-"""`python jobs/train.py [overrides]`: Hydra config in, one line out on bad input, exit status."""
+"""The front door: Hydra's registration and composition, and `python jobs/train.py [overrides]`
+(one line out on bad input, the exit status a job scheduler reads).
+
+`compose(overrides)` is the one way to build a config outside the entrypoint: tests and benchmarks
+get exactly the config `jobs/train.py` would train.
+"""
 
 from __future__ import annotations
 
@@ -8,15 +13,35 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from distrain.config import TrainConfig
+
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+SCHEMA = "train_schema"  # the name conf/train.yaml's defaults list gives TrainConfig
 _GROUP_CHOICE = re.compile(r"^(\w+)=([\w.-]+)$")
 # A plan writes nothing: Hydra's record and log stay out of the run directory (and off the disk).
 PLAN_HYDRA_OVERRIDES = ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=stdout"]
 
 
-def fail(message: str, code: int = 2) -> None:
-    print(f"distrain: error: {message}", file=sys.stderr)
-    raise SystemExit(code)
+def register() -> None:
+    """Give Hydra the typed schema conf/ composes onto (idempotent)."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name=SCHEMA, node=TrainConfig)
+
+
+def compose(overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
+    """The config `python jobs/train.py *overrides` trains, as a TrainConfig."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    register()
+    check_group_choices(list(overrides))
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        return OmegaConf.to_object(hydra_compose("train", overrides=list(overrides)))
+
+
+class BadInput(ValueError):
+    """An override naming a config-group option that does not exist."""
 
 
 def check_group_choices(overrides: list[str], conf_dir: Path = CONF_DIR) -> None:
@@ -28,13 +53,31 @@ def check_group_choices(overrides: list[str], conf_dir: Path = CONF_DIR) -> None
         group, choice = match[1], match[2]
         if not (conf_dir / group / f"{choice}.yaml").exists():
             known = sorted(p.stem for p in (conf_dir / group).glob("*.yaml"))
-            fail(f"unknown {group} {choice!r} ({arg}); choose one of: {', '.join(known)}")
+            raise BadInput(f"unknown {group} {choice!r} ({arg}); choose one of: {', '.join(known)}")
 
 
 def plan_overrides(args: list[str]) -> list[str]:
     """`--plan` is the override `plan=true`; either one also keeps Hydra from writing its record."""
     args = ["plan=true" if a == "--plan" else a for a in args]
     return [*args, *PLAN_HYDRA_OVERRIDES] if "plan=true" in args else args
+
+
+def fail(message: str, code: int = 2) -> None:
+    print(f"distrain: error: {message}", file=sys.stderr)
+    raise SystemExit(code)
+
+
+def main() -> None:
+    """`python jobs/train.py [overrides]`: Hydra's command line, then `run`."""
+    import hydra
+
+    sys.argv[1:] = plan_overrides(sys.argv[1:])
+    try:
+        check_group_choices(sys.argv[1:])
+    except BadInput as e:
+        fail(str(e))
+    register()
+    hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")(run)()
 
 
 def run(cfg: DictConfig) -> None:

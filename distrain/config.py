@@ -1,8 +1,10 @@
-"""The typed configuration: one dataclass per Hydra group, validated once in the driver.
+"""The typed configuration: one dataclass per Hydra group, the only place a default is said.
 
-Hydra composes `conf/` on top of these schemas (so a misspelt key fails at composition),
-`validate` checks what types cannot, and `to_plain` turns the result into the plain dict
-that crosses into Ray actors, where `from_plain` rebuilds the dataclasses.
+Hydra composes `conf/` on top of these schemas (so a misspelt key fails at composition); the
+files in `conf/` hold presets, i.e. only what differs from these defaults. `validation.validate`
+checks what types cannot, and `to_plain` turns the result into the plain dict that crosses into
+Ray actors, where `from_plain` rebuilds the dataclasses. Nothing here touches Hydra's global
+state: `distrain.cli` registers the schema and composes.
 """
 
 from __future__ import annotations
@@ -11,8 +13,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from hydra.core.config_store import ConfigStore
-from omegaconf import OmegaConf
+from omegaconf import MISSING, OmegaConf
 
 
 class ConfigError(ValueError):
@@ -21,12 +22,14 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
-    name: str = "nano"
-    dim: int = 128
-    n_layers: int = 4
-    n_heads: int = 4
+    """The shape comes from a preset in conf/model/ (model=nano, gpt2_124m, llama_1b)."""
+
+    name: str = MISSING
+    dim: int = MISSING
+    n_layers: int = MISSING
+    n_heads: int = MISSING
+    ffn_dim: int = MISSING
     n_kv_heads: int | None = None  # None: as many as n_heads (no grouped-query attention)
-    ffn_dim: int = 384
     vocab_size: int = 256  # byte-level tokens
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
@@ -35,11 +38,10 @@ class ModelConfig:
 
 @dataclass
 class StrategyConfig:
-    """Where the workers sit on the mesh and how each parallelism is applied to the model.
-
-    `name` labels the preset (conf/strategy/); these fields decide the layout, so any preset can
-    be bent with overrides, e.g. `strategy=zero3 strategy.dp_replicate=2` is HSDP.
-    """
+    """Where the workers sit on the mesh and how each parallelism is applied to the model. The
+    defaults are DDP; `name` labels the preset (conf/strategy/), and these fields decide the
+    layout, so any preset can be bent with overrides, e.g. `strategy=zero3 strategy.dp_replicate=2`
+    is HSDP."""
 
     name: str = "ddp"
     # Parallel dimensions; their product is the world size. -1 (on one of the two data-parallel
@@ -58,13 +60,23 @@ class StrategyConfig:
     activation_checkpoint: bool = False  # recompute each block's activations in the backward pass
     compile: bool = False  # torch.compile each block
     bucket_cap_mb: float = 25.0  # DDP gradient buckets
-    # Parameter server (strategy=ps, distrain/ps/): a mode makes the run a parameter-server run.
-    mode: str | None = None  # sync | async | hogwild | easgd; None: collective training (all of the above)
+
+
+@dataclass
+class PSConfig:
+    """A parameter-server run (distrain/ps/) when `mode` is set: `strategy=ps` sets sync, `ps=async`
+    (hogwild, easgd) picks another mode. Workers pull weights from and push gradients to
+    `num_servers` server actors instead of all-reducing them."""
+
+    mode: str | None = None  # sync | async | hogwild | easgd; None: collective training
     num_servers: int = 1  # server actors, each holding an equal slice of the parameters and their optimizer state
     backup_workers: int = 0  # sync: each step applies the first num_workers − backup_workers gradients
     max_staleness: int | None = None  # async: no gradient is applied more than this many versions late
     tau: int = 4  # easgd: local steps between elastic exchanges
     alpha: float | None = None  # easgd: the elastic coefficient; None: 0.9 / num_workers (β/p in the paper)
+
+    def elastic_alpha(self, num_workers: int) -> float:
+        return self.alpha if self.alpha is not None else 0.9 / num_workers
 
 
 @dataclass
@@ -76,6 +88,8 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
+    """AdamW by default; conf/optim/sgd.yaml holds what SGD changes."""
+
     name: str = "adamw"  # adamw | sgd
     lr: float = 3e-3
     weight_decay: float = 0.1
@@ -92,13 +106,20 @@ class OptimConfig:
 @dataclass
 class ClusterConfig:
     address: str | None = None  # None: RAY_ADDRESS if set, else an embedded local cluster
+    # The embedded local cluster's size; None: this machine's CPUs and GPUs. Ignored when attaching.
+    local_cpus: int | None = None
+    local_gpus: int | None = None
     num_workers: int = 2
     use_gpu: bool | None = None  # None: one GPU per worker if the cluster has GPUs
     cpus_per_worker: float = 0.25  # a fraction lets several CPU workers share a core
     threads_per_worker: int = 1
     placement_strategy: str = "PACK"
     placement_timeout_s: float = 120.0  # to place the workers; after a node loss, to place all of them again
-    # Fault tolerance (distrain/cluster/supervisor.py).
+    # Fault tolerance (distrain/cluster/supervisor.py; "Surviving failures" in the README).
+    spares: int = 0  # hot spares: started with the group, imports warm, each ready to take a dead rank
+    # Keep a run's workers (placement group and warm processes) for this driver's next run of the same
+    # shape, e.g. a sweep in one process; they hold their resources until then or until room is needed.
+    reuse_workers: bool = False
     max_failures: int = 3  # worker failures (deaths, errors, hangs) survived by restarting; -1: no limit
     min_workers: int | None = None  # the fewest workers a run may shrink to after losing nodes; None: num_workers
     hang_timeout_s: float | None = None  # no step for this long is a hang; None: 10 median steps, at least 60 s
@@ -119,10 +140,6 @@ class TrainerConfig:
     eval_interval: int = 100  # 0 disables periodic validation (a final one still runs)
     eval_batches: int = 4
     precision: str = "auto"  # auto: bf16 autocast on GPU, fp32 on CPU | fp32 | bf16
-    # A simulated straggler (benchmarks): this rank sleeps after each step until the step has taken
-    # straggler_slowdown times its compute time. None: no straggler.
-    straggler: int | None = None
-    straggler_slowdown: float = 3.0
 
 
 @dataclass
@@ -151,9 +168,21 @@ class RunConfig:
 
 
 @dataclass
+class FaultConfig:
+    """Faults injected on purpose, for tests and benchmarks; none by default."""
+
+    straggler: int | None = (
+        None  # this rank sleeps after each step until the step took straggler_slowdown × its compute
+    )
+    straggler_slowdown: float = 3.0
+    hold_file: str | None = None  # while this file exists, every rank waits before each step (tests pin a run down)
+
+
+@dataclass
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    ps: PSConfig = field(default_factory=PSConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
@@ -161,14 +190,12 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
     plan: bool = False  # print the layout (mesh, process groups, memory per rank) and exit without training
 
     @property
     def run_dir(self) -> str:
         return os.path.join(self.run.storage, self.run.name)
-
-
-ConfigStore.instance().store(name="train_schema", node=TrainConfig)
 
 
 def resolve_precision(precision: str, gpu: bool) -> str:

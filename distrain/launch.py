@@ -1,13 +1,14 @@
-"""The driver: validated config → run directory → placed Ray workers → each runs the trainer.
+"""The driver: validated config → run directory → an engine under the supervisor → summary.
 
-This is where the two layers meet: `distrain.cluster` places and watches workers without knowing
-what they run, and `distrain.train` trains one rank without knowing it runs under Ray.
+This is where the two layers meet: `distrain.cluster` places, watches and recovers workers without
+knowing what they run, and `distrain.train` trains one rank without knowing it runs under Ray. An
+engine says what an attempt runs: collective training (`AllReduceEngine`, below) or the parameter
+server (`distrain.ps.engine`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 import os
 import signal
@@ -16,9 +17,12 @@ import time
 import uuid
 import warnings
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from distrain import checkpoint
+from distrain.cluster.attempt import Attempt
 from distrain.cluster.placement import GroupSpec
 from distrain.cluster.policy import Policy
 from distrain.cluster.runtime import attach_address, check_capacity, connect, has_gpus
@@ -26,19 +30,65 @@ from distrain.cluster.supervisor import Supervisor
 from distrain.cluster.worker_group import WorkerGroup
 from distrain.config import ClusterConfig, ConfigError, TrainConfig, to_plain
 from distrain.fsutil import exclusive_lock
+from distrain.layout import Layout
 from distrain.plan import describe
 from distrain.progress import ProgressLine
-from distrain.ps.driver import ParameterServerRun
 from distrain.tracking import SUMMARY_FILE, read_metrics, wandb_mode, write_summary
-from distrain.train.loop import run_rank
-from distrain.validation import smaller_layouts, validate
+from distrain.validation import validate
 
 LOCK_FILE = ".lock"  # held by the driver while the run trains: one writer per run directory
 DEFAULT_STOP_GRACE_S = 30.0
 RAY_JOB_STOP_WAIT_DEFAULT_S = 3.0  # Ray's own default (dashboard/modules/job/job_supervisor.py)
 
 
-def group_spec(cfg: TrainConfig) -> GroupSpec:
+class AllReduceEngine:
+    """Collective training: every rank runs `train.loop.run_rank` in one process group; a failure
+    restarts the group from the newest committed checkpoint, on the layout of its size."""
+
+    replaces_workers = False
+
+    def __init__(
+        self, cfg: TrainConfig, layouts: dict[int, Layout], run_dir: Path, wandb_run_id: str | None, started: float
+    ):
+        self.layouts, self.run_dir = layouts, run_dir
+        self.job = {
+            "config": to_plain(cfg),
+            "run_dir": str(run_dir),
+            "wandb_run_id": wandb_run_id,
+            "started_at": started,
+        }
+
+    def warm_up(self) -> tuple[Callable[..., Any], tuple]:
+        from distrain.train.loop import warm_up
+
+        return warm_up, (self.job,)
+
+    def begin(self, group: WorkerGroup, attempt: Attempt) -> list[dict]:
+        from distrain.train.loop import run_rank
+
+        latest = checkpoint.latest(self.run_dir / "checkpoints")
+        attempt.info["resumed_from_step"] = checkpoint.read_meta(latest)["step"] if latest else 0
+        layout = self.layouts[len(group.table)]
+        group.launch(run_rank, {**self.job, "layout": layout.as_dict(), "resume_from": latest and str(latest)})
+        return []
+
+    def tick(self, suspect: bool) -> None:
+        pass
+
+    def relaunch(self, rank: int) -> None:
+        raise AssertionError("a process group restarts together")
+
+    def request_stop(self, deadline: float) -> None:
+        pass
+
+    def finish(self, results: list[Any]) -> dict:
+        return results[0]  # rank 0's record of the run
+
+    def end(self) -> None:
+        pass
+
+
+def group_spec(cfg: TrainConfig, layout: Layout) -> GroupSpec:
     c = cfg.cluster
     use_gpu = has_gpus() if c.use_gpu is None else c.use_gpu
     return GroupSpec(
@@ -49,7 +99,8 @@ def group_spec(cfg: TrainConfig) -> GroupSpec:
         placement_strategy=c.placement_strategy,
         placement_timeout_s=c.placement_timeout_s,
         start_timeout_s=c.setup_timeout_s,
-        node_group=cfg.strategy.tp,  # a tensor-parallel group never spans two nodes
+        node_group=layout.tp,  # a tensor-parallel group never spans two nodes
+        spares=c.spares,
         # W&B settings and key live in the user's environment, which workers on a cluster do not share.
         env=tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("WANDB_"))),
     )
@@ -60,27 +111,27 @@ def train(cfg: TrainConfig) -> dict:
     under the supervisor (restarts, hangs, node loss, SIGTERM); return the summary also written to
     summary.json. With `cfg.plan`, write nothing and return the layout's description instead."""
     started = time.time()
-    composed = copy.deepcopy(cfg)  # before validate fills the layout: smaller layouts are filled anew
-    validate(cfg)
+    layout = validate(cfg)
     if not os.path.isabs(cfg.run.storage) and attach_address(cfg.cluster.address):
         raise ConfigError(
             f"run.storage={cfg.run.storage!r} is relative, and on a Ray cluster the job's working directory is "
             f"temporary: give an absolute path on storage every node shares"
         )
     if cfg.plan:
-        return {"status": "planned", "plan": plan(cfg)}
-    layouts = {cfg.cluster.num_workers: cfg, **smaller_layouts(composed)}
-    for layout in layouts.values():
-        layout.run.storage = os.path.abspath(cfg.run.storage)  # workers run elsewhere
-        layout.logger.wandb.mode = wandb_mode(cfg.logger.wandb.mode)
+        return {"status": "planned", "plan": plan(cfg, layout)}
+    # What the workers must see resolved: they run elsewhere, and their environment is not the user's.
+    cfg = replace(
+        cfg,
+        run=replace(cfg.run, storage=os.path.abspath(cfg.run.storage)),
+        logger=replace(cfg.logger, wandb=replace(cfg.logger.wandb, mode=wandb_mode(cfg.logger.wandb.mode))),
+    )
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     with exclusive_lock(run_dir / LOCK_FILE):
-        return _train_locked(layouts, run_dir, started)
+        return _train_locked(cfg, layout, run_dir, started)
 
 
-def _train_locked(layouts: dict[int, TrainConfig], run_dir: Path, started: float) -> dict:
-    cfg = next(iter(layouts.values()))
+def _train_locked(cfg: TrainConfig, layout: Layout, run_dir: Path, started: float) -> dict:
     resume_from = checkpoint.latest(run_dir / "checkpoints")
     meta = checkpoint.read_meta(resume_from) if resume_from else {}
     if resume_from:
@@ -92,18 +143,7 @@ def _train_locked(layouts: dict[int, TrainConfig], run_dir: Path, started: float
     if cfg.logger.wandb.mode != "disabled":
         wandb_run_id = wandb_run_id or uuid.uuid4().hex[:8]  # one W&B run across every attempt
 
-    def make_attempt(world_size: int) -> tuple[tuple, dict]:
-        latest = checkpoint.latest(run_dir / "checkpoints")
-        job = {
-            "config": to_plain(layouts[world_size]),
-            "run_dir": str(run_dir),
-            "resume_from": str(latest) if latest else None,
-            "wandb_run_id": wandb_run_id,
-            "started_at": started,
-        }
-        return (job,), {"resumed_from_step": checkpoint.read_meta(latest)["step"] if latest else 0}
-
-    spec = placeable_spec(cfg)
+    spec = placeable_spec(cfg, layout)
     summary = {
         "status": "failed",
         "restarts": 0,
@@ -112,26 +152,35 @@ def _train_locked(layouts: dict[int, TrainConfig], run_dir: Path, started: float
         "history": history,
     }
     progress = ProgressLine(cfg.logger.progress_interval_s)
-    if cfg.strategy.mode is not None:  # a parameter server: workers replaced one by one, no process group
-        engine = ParameterServerRun(
-            cfg, spec, policy(cfg.cluster), run_dir, wandb_run_id, started, progress.update, progress.message
-        )
+    if cfg.ps.mode is not None:  # a parameter server: workers replaced one by one, no process group
+        from distrain.ps.engine import ParameterServerEngine
+
+        engine = ParameterServerEngine(cfg, layout, spec, run_dir, wandb_run_id, started, progress.update)
+        on_rank_progress, sizes = lambda p: None, [layout.world_size]
     else:
-        engine = Supervisor(
-            spec, policy(cfg.cluster), run_rank, make_attempt, list(layouts), run_dir, progress.update, progress.message
+        layouts = {layout.world_size: layout, **layout.smaller(cfg)}
+        engine, on_rank_progress, sizes = (
+            AllReduceEngine(cfg, layouts, run_dir, wandb_run_id, started),
+            progress.update,
+            list(layouts),
         )
+    supervisor = Supervisor(
+        spec, policy(cfg.cluster), engine, sizes, run_dir, on_rank_progress, progress.message, cfg.cluster.reuse_workers
+    )
     try:
-        with stop_signals(engine.request_stop):
-            results = engine.run()
-        stopped = engine.attempts[-1].outcome != "completed"  # a stop request ended it first
-        summary.update((results or [None])[0] or _from_metrics(run_dir), status="stopped" if stopped else "completed")
+        with stop_signals(supervisor.request_stop):
+            finished = supervisor.run()
+        summary.update(
+            finished.results or _from_metrics(run_dir), status="stopped" if finished.stopped else "completed"
+        )
     except BaseException as e:
         summary.update(_from_metrics(run_dir), error=f"{type(e).__name__}: {e}")
         raise
     finally:
         progress.close()
-        summary["attempts"] = [a.record() for a in engine.attempts]
-        summary["restarts"] = engine.restarts
+        summary["attempts"] = [a.record() for a in supervisor.attempts]
+        summary["replacements"] = supervisor.replacements
+        summary["restarts"] = supervisor.restarts
         summary["wall_s"] = time.time() - started
         write_summary(str(run_dir), summary)
     return summary
@@ -185,20 +234,21 @@ def _from_metrics(run_dir: Path) -> dict:
     return {"final_step": logged[-1]["step"] if logged else 0, "final_loss": logged[-1]["loss"] if logged else None}
 
 
-def placeable_spec(cfg: TrainConfig) -> GroupSpec:
-    """Connect to the cluster and fail at once if it could never hold the workers (and parameter servers)."""
-    connect(cfg.cluster.address)
-    spec = group_spec(cfg)
-    servers = cfg.strategy.num_servers if cfg.strategy.mode is not None else 0
-    check_capacity(spec.num_workers, spec.cpus_per_worker, spec.gpus_per_worker, num_servers=servers)
+def placeable_spec(cfg: TrainConfig, layout: Layout) -> GroupSpec:
+    """Connect to the cluster and fail at once if it could never hold the workers, spares and servers."""
+    c = cfg.cluster
+    connect(c.address, c.local_cpus, c.local_gpus)
+    spec = group_spec(cfg, layout)
+    servers = cfg.ps.num_servers if cfg.ps.mode is not None else 0
+    check_capacity(spec.num_workers, spec.cpus_per_worker, spec.gpus_per_worker, spec.spares, servers)
     return spec
 
 
-def plan(cfg: TrainConfig) -> str:
-    """Place the workers as the run would (only placement tells which node and GPU hold each rank),
+def plan(cfg: TrainConfig, layout: Layout) -> str:
+    """Place the workers as the run would (only placement tells which node and GPU holds each rank),
     describe the layout, and let them go: no run directory, lock, checkpoint or metrics."""
-    with WorkerGroup(placeable_spec(cfg)) as group:
-        return describe(cfg, group.start())
+    with WorkerGroup(placeable_spec(cfg, layout)) as group:
+        return describe(cfg, layout, group.start())
 
 
 def check_resumable(saved: dict | None, current: dict) -> None:

@@ -9,9 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from distrain.config import ModelConfig, TrainConfig, resolve_precision
-from distrain.layout import MESH_DIMS, SCHEDULES, MeshSizes, micro_batches, num_stages, stage_indices, stage_layers
+from distrain.layout import MESH_DIMS, SCHEDULES, Layout, stage_layers
 from distrain.model.size import num_params
-from distrain.validation import mesh_sizes
 
 FP32 = 4  # bytes: master weights, gradients and optimizer state are fp32 whatever the precision
 
@@ -40,11 +39,6 @@ def human(n: float) -> str:
     return f"{n:.0f} B" if i == 0 else f"{n:.1f} {units[i]}"
 
 
-def rank_stages(cfg: TrainConfig, pp_rank: int) -> list[int]:
-    s = cfg.strategy
-    return stage_indices(pp_rank, s.pp, s.stages_per_rank) if s.pp > 1 else [0]
-
-
 def stage_params(m: ModelConfig, stage: int, stages: int, tp: int) -> int:
     """Parameters one tensor-parallel rank of a pipeline stage holds. Stage 0 has the embedding
     (vocab×dim), the last stage the final norm and the output head (vocab×dim); tensor parallelism
@@ -65,23 +59,17 @@ def optimizer_states(cfg: TrainConfig) -> int:
     return 2 if o.name == "adamw" else int(o.momentum != 0)
 
 
-def step_micro_batches(cfg: TrainConfig) -> int:
-    t = cfg.trainer
-    return micro_batches(t.global_batch_size, t.micro_batch_size, mesh_sizes(cfg).dp)
-
-
-def in_flight(cfg: TrainConfig, pp_rank: int) -> int:
+def in_flight(layout: Layout, pp_rank: int) -> int:
     """Micro-batches whose activations a rank holds at once: one without a pipeline (gradient
     accumulation runs them one after another); all of them for GPipe-like schedules; for the 1F1B
     family the pp − pp_rank of the warm-up (Narayanan et al. 2021), taken as is for the interleaved ones."""
-    s = cfg.strategy
-    if s.pp == 1:
+    if layout.pp == 1:
         return 1
-    n = step_micro_batches(cfg)
-    return n if SCHEDULES[s.schedule].all_at_once else min(n, s.pp - pp_rank)
+    n = layout.micro_batches
+    return n if SCHEDULES[layout.schedule].all_at_once else min(n, layout.pp - pp_rank)
 
 
-def layer_activations(cfg: TrainConfig, precision: str) -> tuple[int, int]:
+def layer_activations(cfg: TrainConfig, layout: Layout, precision: str) -> tuple[int, int]:
     """(bytes a block keeps for the backward pass, bytes it needs while its forward is recomputed).
 
     Korthikanti et al. 2022, eq. 1-2 and 4: a transformer block stores s·b·h·(34 + 5·a·s/h) bytes in
@@ -90,28 +78,32 @@ def layer_activations(cfg: TrainConfig, precision: str) -> tuple[int, int]:
     keeps only its 2·s·b·h input (÷ tp). An estimate: it
     assumes a 4h MLP, and counts the a·s² attention scores that a fused SDPA kernel does not store.
     """
-    m, t, s = cfg.model, cfg.trainer, cfg.strategy
-    sbh, scores, tp = t.seq_len * t.micro_batch_size * m.dim, 5 * m.n_heads * t.seq_len**2 * t.micro_batch_size, s.tp
+    m, t = cfg.model, cfg.trainer
+    sbh, scores, tp = (
+        t.seq_len * t.micro_batch_size * m.dim,
+        5 * m.n_heads * t.seq_len**2 * t.micro_batch_size,
+        layout.tp,
+    )
     full, kept = (34 * sbh + scores) // tp, 2 * sbh // tp
     scale = 2 if precision == "fp32" else 1
-    return scale * (kept if s.activation_checkpoint else full), scale * full
+    return scale * (kept if cfg.strategy.activation_checkpoint else full), scale * full
 
 
-def rank_memory(cfg: TrainConfig, pp_rank: int, precision: str) -> Memory:
+def rank_memory(cfg: TrainConfig, layout: Layout, pp_rank: int, precision: str) -> Memory:
     """Per-rank memory for the ranks at `pp_rank` (the other coordinates hold equal shares). With
     P the rank's parameters and N = dp_shard: ZeRO-0 keeps P params, P grads, K·P optimizer state;
     ZeRO-1 shards the optimizer state (K·P/N); ZeRO-2 the gradients too (P/N); ZeRO-3 the parameters
     too (P/N). Offload keeps the ZeRO-3 numbers in CPU memory."""
     s = cfg.strategy
-    stages, n_stages = rank_stages(cfg, pp_rank), num_stages(s.pp, s.stages_per_rank)
-    p = sum(stage_params(cfg.model, i, n_stages, s.tp) for i in stages)
+    stages, n_stages = layout.stages(pp_rank), layout.num_stages
+    p = sum(stage_params(cfg.model, i, n_stages, layout.tp) for i in stages)
 
     def shard(n: int, level: int) -> int:  # sharded over dp_shard from ZeRO `level` up (rounded up: padding)
-        return -(-n // s.dp_shard) if s.zero >= level else n
+        return -(-n // layout.dp_shard) if s.zero >= level else n
 
-    layers = sum(len(stage_layers(cfg.model.n_layers, n_stages)[i]) for i in stages)
-    kept, full = layer_activations(cfg, precision)
-    activations = layers * in_flight(cfg, pp_rank) * kept + (full - kept)
+    layers = sum(len(layout.stage_layers(cfg.model.n_layers)[i]) for i in stages)
+    kept, full = layer_activations(cfg, layout, precision)
+    activations = layers * in_flight(layout, pp_rank) * kept + (full - kept)
     return Memory(
         params=FP32 * shard(p, 3),
         grads=FP32 * shard(p, 2),
@@ -129,12 +121,12 @@ def _layers(r: range) -> str:
     return f"layer {r.start}" if len(r) == 1 else f"layers {r.start}-{r.stop - 1}"
 
 
-def mesh_lines(sizes: MeshSizes, table: list[dict]) -> list[str]:
+def mesh_lines(layout: Layout, table: list[dict]) -> list[str]:
     """One row per rank: the worker (index in the placement group, pid), its node, its GPU, its coordinate."""
     rows = [("rank", "worker", "pid", "node (ip #rank)", "device", *MESH_DIMS)]
     for e in table:
         device = "GPU " + ",".join(map(str, e["gpu_ids"])) if e["gpu_ids"] else "cpu"
-        coord = sizes.coordinate(e["rank"])
+        coord = layout.coordinate(e["rank"])
         rows.append(
             (e["rank"], e["worker_index"], e["pid"], f"{e['node_ip']} #{e['node_rank']}", device, *coord.values())
         )
@@ -142,18 +134,17 @@ def mesh_lines(sizes: MeshSizes, table: list[dict]) -> list[str]:
     return ["  " + "  ".join(str(v).ljust(w) for v, w in zip(row, widths, strict=True)).rstrip() for row in rows]
 
 
-def group_lines(sizes: MeshSizes) -> list[str]:
+def group_lines(layout: Layout) -> list[str]:
     """The ranks of each process group, for every mesh dim of size > 1."""
-    lines = [f"  {d}: " + " ".join(_group(g) for g in sizes.groups(d)) for d in MESH_DIMS if getattr(sizes, d) > 1]
+    lines = [f"  {d}: " + " ".join(_group(g) for g in layout.groups(d)) for d in MESH_DIMS if getattr(layout, d) > 1]
     return lines or ["  none: a single rank"]
 
 
-def pipeline_lines(cfg: TrainConfig) -> list[str]:
-    s = cfg.strategy
-    stages = num_stages(s.pp, s.stages_per_rank)
-    lines = [f"pipeline ({s.schedule}, {stages} stages, {step_micro_batches(cfg)} micro-batches per step):"]
-    for pp_rank in range(s.pp):
-        for i in rank_stages(cfg, pp_rank):
+def pipeline_lines(cfg: TrainConfig, layout: Layout) -> list[str]:
+    stages = layout.num_stages
+    lines = [f"pipeline ({layout.schedule}, {stages} stages, {layout.micro_batches} micro-batches per step):"]
+    for pp_rank in range(layout.pp):
+        for i in layout.stages(pp_rank):
             parts = ["embedding"] if i == 0 else []
             parts.append(_layers(stage_layers(cfg.model.n_layers, stages)[i]))
             parts += ["norm", "output"] if i == stages - 1 else []
@@ -161,18 +152,18 @@ def pipeline_lines(cfg: TrainConfig) -> list[str]:
     return lines
 
 
-def memory_lines(cfg: TrainConfig, sizes: MeshSizes, precision: str) -> list[str]:
+def memory_lines(cfg: TrainConfig, layout: Layout, precision: str) -> list[str]:
     o = cfg.optim
     lines = [
         f"memory per rank (estimate: fp32 parameters, gradients and {o.name} state ({optimizer_states(cfg)} per "
         f"parameter); {precision} activations of the blocks, Korthikanti et al. 2022):"
     ]
-    for pp_rank in range(sizes.pp):
-        ranks = [r for r in range(sizes.world_size) if sizes.coordinate(r)["pp"] == pp_rank]
-        mem, n = rank_memory(cfg, pp_rank, precision), in_flight(cfg, pp_rank)
-        if cfg.strategy.mode not in (None, "easgd"):
+    for pp_rank in range(layout.pp):
+        ranks = [r for r in range(layout.world_size) if layout.coordinate(r)["pp"] == pp_rank]
+        mem, n = rank_memory(cfg, layout, pp_rank, precision), in_flight(layout, pp_rank)
+        if cfg.ps.mode not in (None, "easgd"):
             mem = replace(mem, optimizer=0)  # the parameter servers hold it
-        who = "every rank" if sizes.pp == 1 else f"pp rank {pp_rank} {_group(ranks)}"
+        who = "every rank" if layout.pp == 1 else f"pp rank {pp_rank} {_group(ranks)}"
         lines.append(
             f"  {who}: params {human(mem.params)}, grads {human(mem.grads)}, optimizer {human(mem.optimizer)}, "
             f"activations {human(mem.activations)} ({n} micro-batch{'es' * (n > 1)} in flight); "
@@ -187,14 +178,15 @@ def memory_lines(cfg: TrainConfig, sizes: MeshSizes, precision: str) -> list[str
 
 
 def server_lines(cfg: TrainConfig) -> list[str]:
-    s, w = cfg.strategy, cfg.cluster.num_workers
+    s, w = cfg.ps, cfg.cluster.num_workers
     per_server = -(-num_params(cfg.model) // s.num_servers) * FP32
     how = {
         "sync": f"each step applies the mean of the first {w - s.backup_workers} of {w} gradients",
         "async": "each gradient applied as it arrives"
         + (f", at most {s.max_staleness} versions stale" if s.max_staleness is not None else ""),
         "hogwild": "each gradient applied as it arrives, concurrently and without a lock",
-        "easgd": f"workers train their own weights, elastic exchange every {s.tau} steps (alpha {s.alpha:g})",
+        "easgd": f"workers train their own weights, elastic exchange every {s.tau} steps "
+        f"(alpha {s.elastic_alpha(w):g})",
     }[s.mode]
     return [
         f"parameter servers: {s.num_servers}, mode {s.mode}: {how}; no process group (weights go out through the "
@@ -203,21 +195,21 @@ def server_lines(cfg: TrainConfig) -> list[str]:
     ]
 
 
-def describe(cfg: TrainConfig, table: list[dict]) -> str:
-    """The plan as text, for a validated config (concrete sizes) and the placed workers' rank table."""
-    s, sizes = cfg.strategy, mesh_sizes(cfg)
+def describe(cfg: TrainConfig, layout: Layout, table: list[dict]) -> str:
+    """The plan as text, for a config, its layout and the placed workers' rank table."""
+    s = cfg.strategy
     gpu = any(e["gpu_ids"] for e in table)
     precision = resolve_precision(cfg.trainer.precision, gpu)
     nodes = len({e["node_id"] for e in table})
     where = f"{len(table)} ranks on {nodes} node{'s' * (nodes > 1)}, {'GPU' if gpu else 'CPU'}, {precision}"
-    shape = " × ".join(f"{d}={getattr(sizes, d)}" for d in MESH_DIMS)
+    shape = " × ".join(f"{d}={v}" for d, v in layout.sizes().items())
     lines = [
         f"distrain plan: {where}; strategy {s.name} (zero {s.zero}{', offload' if s.offload else ''}); mesh {shape}; "
         f"model {num_params(cfg.model):,} parameters",
         "mesh:",
-        *mesh_lines(sizes, table),
-        *(["process groups:", *group_lines(sizes)] if s.mode is None else server_lines(cfg)),
-        *(pipeline_lines(cfg) if s.pp > 1 else []),
-        *memory_lines(cfg, sizes, precision),
+        *mesh_lines(layout, table),
+        *(["process groups:", *group_lines(layout)] if cfg.ps.mode is None else server_lines(cfg)),
+        *(pipeline_lines(cfg, layout) if layout.pp > 1 else []),
+        *memory_lines(cfg, layout, precision),
     ]
     return "\n".join(lines)

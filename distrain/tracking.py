@@ -7,7 +7,9 @@ import os
 import time
 from pathlib import Path
 
+from distrain.config import TrainConfig
 from distrain.fsutil import atomic_write, write_json
+from distrain.model.size import flops_per_token, num_params
 
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
@@ -76,6 +78,32 @@ def _set_aside_lines_after(path: Path, step: int) -> None:
         with open(path.with_name("metrics.superseded.jsonl"), "a") as f:
             f.writelines(superseded)
         atomic_write(path, "".join(kept))
+
+
+def run_results(
+    cfg: TrainConfig,
+    final_step: int,
+    final_loss: float | None,
+    final_val_loss: float | None,
+    first_step_s: float | None,
+    train_s: float,
+    world_size: int,
+    wandb_run_id: str | None,
+    stopped: bool,
+) -> dict:
+    """What a finished attempt reports, whichever engine trained it (summary.json takes it in)."""
+    return {
+        "final_step": final_step,
+        "final_loss": final_loss,
+        "final_val_loss": final_val_loss,
+        "first_step_s": first_step_s,
+        "train_s": train_s,
+        "world_size": world_size,
+        "num_params": num_params(cfg.model),
+        "flops_per_token": flops_per_token(cfg.model, cfg.trainer.seq_len),
+        "wandb_run_id": wandb_run_id,
+        "stopped": stopped,
+    }
 
 
 def write_summary(run_dir: str, summary: dict) -> None:

@@ -1,4 +1,5 @@
-"""One embedded Ray cluster per test session, on loopback; tiny models; configs composed by Hydra."""
+"""One embedded Ray cluster per test session, on loopback and of a stated size; tiny models; configs
+composed as `jobs/train.py` composes them."""
 
 from __future__ import annotations
 
@@ -8,15 +9,13 @@ import warnings
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # before Ray is imported: bind 127.0.0.1 only
 os.environ["RAY_USAGE_STATS_ENABLED"] = "0"  # and send nothing anywhere else
 os.environ.pop("RAY_ADDRESS", None)
 os.environ.pop("WANDB_API_KEY", None)
 
-from distrain.cli import CONF_DIR  # noqa: E402
+from distrain.cli import CONF_DIR, compose  # noqa: E402
 from distrain.config import TrainConfig  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -49,9 +48,12 @@ def free_port() -> int:
 
 def make_config(storage: Path, *overrides: str) -> TrainConfig:
     """The config `python jobs/train.py TINY... overrides...` would train."""
-    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-        cfg = compose("train", overrides=[*TINY, f"run.storage={storage}", *overrides])
-    return OmegaConf.to_object(cfg)
+    return compose([*TINY, f"run.storage={storage}", *overrides])
+
+
+# The session's cluster: 4 logical CPUs (8 workers of 0.25 CPU, or 4 and 4 parameter servers), no
+# GPU, whatever the machine has; the tests that need another shape start a cluster of their own.
+CLUSTER_CPUS = 4
 
 
 @pytest.fixture(scope="session")
@@ -60,7 +62,7 @@ def ray_cluster():
 
     from distrain.cluster.runtime import connect
 
-    connect(None)
+    connect(None, num_cpus=CLUSTER_CPUS, num_gpus=0)
     yield
     ray.shutdown()
 

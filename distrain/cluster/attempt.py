@@ -1,48 +1,105 @@
-"""One attempt of a supervised run: its record, its ranks' heartbeats, and how its errors are read."""
+"""One attempt of a supervised run: its record, what went wrong in it, its ranks' heartbeats, and
+how errors are read."""
 
 from __future__ import annotations
 
+import enum
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ray.exceptions import RayActorError, RayError
 
+from distrain.channel import Phase
 from distrain.fsutil import write_json
+
+
+class Outcome(enum.StrEnum):
+    RUNNING = "running"
+    COMPLETED = "completed"  # the ranks reached the end
+    STOPPED = "stopped"  # on request (SIGTERM), at a checkpoint
+    RESIZED = "resized"  # stopped at a checkpoint to move: a draining node, or room to grow back
+    FAILED = "failed"  # a rank died or raised, or the engine lost a part of it (a parameter server)
+    HUNG = "hung"  # a rank made no progress for too long
+
+
+class Mark(enum.StrEnum):
+    """Wall-clock marks of an attempt's start: the supervisor's own, then rank 0's reports."""
+
+    SINCE = "since"  # the failure (or start, or resize) it follows
+    TORN_DOWN = "torn_down_at"
+    PLACED = "placed_at"
+    JOINED = "joined_at"  # rank 0 joined the process group
+    LOADED = "loaded_at"  # model built, checkpoint loaded
+    FIRST_STEP = "first_step_at"
+    ENDED = "ended_at"
+
+
+RANK_MARKS = (Mark.JOINED, Mark.LOADED, Mark.FIRST_STEP)
+RECOVERY = {  # the recovery (or start-up) an attempt begins with, phase by phase: name → (from, to)
+    "teardown_s": (Mark.SINCE, Mark.TORN_DOWN),
+    "placement_s": (Mark.TORN_DOWN, Mark.PLACED),
+    "process_group_s": (Mark.PLACED, Mark.JOINED),
+    "checkpoint_load_s": (Mark.JOINED, Mark.LOADED),
+    "first_step_s": (Mark.LOADED, Mark.FIRST_STEP),
+    "total_s": (Mark.SINCE, Mark.FIRST_STEP),
+}
+
+
+class FailureKind(enum.StrEnum):
+    DIED = "died"  # the rank's process is gone (a kill, a lost node)
+    RAISED = "raised"  # the rank's code raised; its process lives
+    HUNG = "hung"
+    LOST = "lost"  # a part of the attempt outside the ranks (a parameter server)
+
+
+@dataclass(frozen=True)
+class Failure:
+    kind: FailureKind
+    cause: str  # one line: who, and what
+    rank: int | None = None  # None: not one rank's (a hang of several, a lost server)
+    error: str | None = None  # the whole error with its traceback
+    signature: tuple | None = None  # RAISED: (error type, message without numbers, step); a repeat is a bug
+    at: float = field(default_factory=time.time)
 
 
 @dataclass
 class Attempt:
-    """One run of the function on one group: what summary.json records of it."""
+    """One run of the ranks' function on one group: what summary.json records of it."""
 
     number: int
     world_size: int
     info: dict
-    timings: dict  # wall-clock times: since (the failure or start it follows), torn_down_at, placed_at, ...
-    outcome: str = "running"  # completed | stopped | resized | failed | hung
+    timings: dict[str, float]  # Mark → wall-clock time
+    outcome: Outcome = Outcome.RUNNING
     cause: str | None = None
     error: str | None = None  # the failing rank's error, with its traceback
     step_reached: int = 0
-    signature: tuple | None = None  # (error type, message without numbers, step): a repeat is a bug
+
+    def end(self, outcome: Outcome, failure: Failure | None = None) -> None:
+        self.outcome = outcome
+        if failure is not None:
+            self.cause, self.error = failure.cause, failure.error
+        self.timings.setdefault(Mark.ENDED, failure.at if failure is not None else time.time())
+
+    def note(self, progress: list[dict]) -> None:
+        """What the ranks' reports tell the record: the step reached, rank 0's start-up marks."""
+        self.step_reached = max([self.step_reached, *(p.get("step") or 0 for p in progress)])
+        for mark in RANK_MARKS:
+            if progress and progress[0].get(mark, 0) >= self.timings[Mark.PLACED]:  # not the previous attempt's
+                self.timings.setdefault(mark, progress[0][mark])
 
     def record(self) -> dict:
         t = self.timings
-        spans = {  # the recovery (or start-up) this attempt began with, phase by phase
-            "teardown_s": ("since", "torn_down_at"),
-            "placement_s": ("torn_down_at", "placed_at"),
-            "process_group_s": ("placed_at", "joined_at"),
-            "checkpoint_load_s": ("joined_at", "loaded_at"),
-            "first_step_s": ("loaded_at", "first_step_at"),
-            "total_s": ("since", "first_step_at"),
-        }
-        recovery = {k: round(t[b] - t[a], 3) for k, (a, b) in spans.items() if a in t and b in t}
-        out = {k: v for k, v in vars(self).items() if v is not None and k != "signature"}
-        return {**out, "recovery": recovery}
+        recovery = {k: round(t[b] - t[a], 3) for k, (a, b) in RECOVERY.items() if a in t and b in t}
+        out = {k: v for k, v in vars(self).items() if v is not None}
+        return {**out, "timings": {str(k): v for k, v in t.items()}, "recovery": recovery}
 
 
 class Heartbeats:
-    """When each rank's (step, phase) last changed, on the driver's clock, and rank 0's step times."""
+    """When each rank's (step, phase) last changed, on the driver's clock, and the recent step times
+    of every rank: a rank that goes silent for many of them is hung."""
 
     def __init__(self, n: int, step_times: list[float]):
         now = time.monotonic()
@@ -57,9 +114,13 @@ class Heartbeats:
             old = self.seen[rank]
             if key == old:
                 continue
-            if rank == 0 and old and old[1] == key[1] == "train" and key[0] > old[0]:
-                self.step_times.append((now - self.changed[0]) / (key[0] - old[0]))
+            if old and old[1] == key[1] == Phase.TRAIN and None not in (old[0], key[0]) and key[0] > old[0]:
+                self.step_times.append((now - self.changed[rank]) / (key[0] - old[0]))
             self.seen[rank], self.changed[rank] = key, now
+
+    def restart(self, rank: int) -> None:
+        """A rank's worker was replaced: its silence counts from now."""
+        self.seen[rank], self.changed[rank] = None, time.monotonic()
 
     def silent_s(self, rank: int) -> float:
         return time.monotonic() - self.changed[rank]

@@ -35,6 +35,7 @@ class GroupSpec:
     # Ranks that must share a node: the tensor-parallel size. Every block of node_group consecutive
     # ranks lands on one node, so a TP group's collectives never cross the network.
     node_group: int = 1
+    spares: int = 0  # hot spares: one worker's bundle each, started with the group, holding no rank
 
     def __post_init__(self) -> None:
         if self.node_group < 1 or self.num_workers % self.node_group:
@@ -43,8 +44,15 @@ class GroupSpec:
     def bundle(self) -> dict[str, float]:
         """One placement-group bundle holds one block of node_group workers: Ray never splits a
         bundle across nodes, and the placement strategy then applies to whole blocks."""
-        per_worker = {"CPU": self.cpus_per_worker, "GPU": self.gpus_per_worker}
-        return {k: v * self.node_group for k, v in per_worker.items() if v}
+        return {k: v * self.node_group for k, v in self.worker_resources().items()}
+
+    def worker_resources(self) -> dict[str, float]:
+        """What one worker holds; a hot spare's bundle."""
+        return {k: v for k, v in {"CPU": self.cpus_per_worker, "GPU": self.gpus_per_worker}.items() if v}
+
+    def bundles(self) -> list[dict[str, float]]:
+        """The placement group: a bundle per block of ranks, then one per spare."""
+        return [self.bundle()] * (self.num_workers // self.node_group) + [self.worker_resources()] * self.spares
 
 
 def rank_table(infos: list[dict], node_group: int = 1) -> list[dict]:

@@ -1,13 +1,29 @@
-"""How a supervised run treats trouble: its timeouts and its failure budget, shared by the
-supervisor and the parameter-server driver."""
+"""How a supervised run treats trouble: its timeouts, and one policy object whose methods return
+decisions (restart the group, replace one worker, shrink, give up) for every kind of training."""
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
-from distrain.cluster.placement import WorkerFailure
+from distrain.cluster.attempt import Failure, FailureKind
 
 HANG_STEPS = 10  # the automatic hang timeout, in typical step times
+MAX_BACKOFF_S = 60.0
+
+
+class Decision(enum.StrEnum):
+    RESTART = "restart"  # a new attempt from the last checkpoint; healthy actors are kept
+    REPLACE = "replace"  # a new worker (a hot spare if there is one) takes the failed rank; the others go on
+    SHRINK = "shrink"  # a new attempt on fewer workers: the full group cannot be placed
+    GIVE_UP = "give up"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    decision: Decision
+    reason: str = ""  # GIVE_UP: why, for the error the run ends with
+    size: int = 0  # SHRINK: the worker count to go on with
 
 
 @dataclass(frozen=True)
@@ -33,10 +49,35 @@ class Policy:
             return self.hang_timeout_s
         return max(self.min_hang_timeout_s, HANG_STEPS * (step_s or 0.0))
 
-    def check_budget(self, failures: int, cause: str, error: str | None) -> None:
-        """WorkerFailure once `failures` is over max_failures (-1: never)."""
-        if 0 <= self.max_failures < failures:
-            raise WorkerFailure(
-                f"{cause}; that is failure {failures}, over cluster.max_failures={self.max_failures}"
-                + (f"\n{error}" if error else "")
+    def decide(self, failure: Failure, earlier: list[Failure], replaces_workers: bool) -> Verdict:
+        """What to do about `failure`, given the run's earlier failures (oldest first) and whether its
+        engine can replace one worker while the others go on (a parameter server can, a process group
+        cannot: it restarts together). The same error at the same step twice in a row is a bug, not bad
+        luck: retrying cannot help. A death (a kill, a lost node) is never called that."""
+        count = len(earlier) + 1
+        if failure.signature is not None and earlier and earlier[-1].signature == failure.signature:
+            return Verdict(
+                Decision.GIVE_UP, f"the same error at the same step twice, so retrying cannot help: {failure.cause}"
             )
+        if 0 <= self.max_failures < count:
+            return Verdict(
+                Decision.GIVE_UP,
+                f"{failure.cause}; that is failure {count}, over cluster.max_failures={self.max_failures}",
+            )
+        one_worker = failure.rank is not None and failure.kind != FailureKind.LOST
+        return Verdict(Decision.REPLACE if replaces_workers and one_worker else Decision.RESTART)
+
+    def size(self, full: int, fitting: list[int]) -> Verdict:
+        """After the full group could not be placed in time: the largest allowed size the alive
+        nodes can hold (`fitting`, largest first), or give up."""
+        if fitting:
+            return Verdict(Decision.SHRINK, size=fitting[0])
+        return Verdict(Decision.GIVE_UP, f"could not place {full} workers, and no smaller allowed size fits")
+
+    def backoff(self, steps_reached: list[int]) -> float:
+        """No wait before the first retry after forward progress (a new highest step: `steps_reached`
+        of the attempts so far), then doubling waits while attempts keep failing without any."""
+        best, stalled = 0, 0
+        for reached in steps_reached:
+            best, stalled = (reached, 0) if reached > best else (best, stalled + 1)
+        return 0.0 if stalled == 0 else min(MAX_BACKOFF_S, self.restart_backoff_s * 2 ** (stalled - 1))

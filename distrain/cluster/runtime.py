@@ -18,30 +18,34 @@ def attach_address(address: str | None) -> str | None:
     return None if address in (None, "", "local") else address
 
 
-def connect(address: str | None) -> None:
+def connect(address: str | None, num_cpus: int | None = None, num_gpus: int | None = None) -> None:
     """Attach to the cluster `attach_address` names, or start a local one on loopback only (see the
-    package's __init__); `address="local"` keeps Ray from joining a stale `ray start` cluster."""
+    package's __init__) with `num_cpus` and `num_gpus` (None: the machine's); `address="local"`
+    keeps Ray from joining a stale `ray start` cluster."""
     if ray.is_initialized():
         return
     address = attach_address(address)
     if address:
         ray.init(address=address, logging_level="WARNING")
         return
-    ray.init(address="local", include_dashboard=False, logging_level="WARNING")
+    ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False, logging_level="WARNING")
 
 
 def has_gpus() -> bool:
     return ray.cluster_resources().get("GPU", 0) > 0
 
 
-def check_capacity(num_workers: int, cpus_per_worker: float, gpus_per_worker: int, num_servers: int = 0) -> None:
-    """Fail before any actor starts when the whole cluster could never place the group (and its
-    parameter servers, which take a worker's CPUs each and no GPU)."""
+def check_capacity(
+    num_workers: int, cpus_per_worker: float, gpus_per_worker: int, spares: int = 0, num_servers: int = 0
+) -> None:
+    """Fail before any actor starts when the whole cluster could never place the group, its hot
+    spares (a worker's resources each) and its parameter servers (a worker's CPUs each, no GPU)."""
     total = ray.cluster_resources()
-    who = f"cluster.num_workers={num_workers}" + (f" with strategy.num_servers={num_servers}" if num_servers else "")
+    extra = [f"cluster.spares={spares}"] * bool(spares) + [f"ps.num_servers={num_servers}"] * bool(num_servers)
+    who = f"cluster.num_workers={num_workers}" + (f" with {' and '.join(extra)}" if extra else "")
     for resource, each, actors in (
-        ("CPU", cpus_per_worker, num_workers + num_servers),
-        ("GPU", gpus_per_worker, num_workers),
+        ("CPU", cpus_per_worker, num_workers + spares + num_servers),
+        ("GPU", gpus_per_worker, num_workers + spares),
     ):
         need, have = actors * each, total.get(resource, 0)
         if each and need > have:

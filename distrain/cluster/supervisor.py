@@ -1,53 +1,56 @@
-"""The supervisor: runs a function on a placed group until it completes, surviving failures.
+"""The supervisor: runs one kind of training (an Engine: collective training, or the parameter server)
+on a placed worker group until it finishes, surviving failures.
 
-A state machine: starting → running → recovering | resizing | stopping → finished | failed. A rank
-that raises or dies is seen at once (the driver waits on the ranks' calls); a rank whose progress
-stops for longer than the hang timeout counts as failed, after every rank's stacks are saved. A
-failure costs one unit of the budget and starts a new attempt: healthy actors are kept, the others
-replaced in their bundles, and the function runs again (it resumes from its own checkpoints). If
-the full group cannot be placed again, the run goes on with the largest allowed size that fits and
-grows back, at a checkpoint, when it can. The same error at the same step twice ends the run.
-
-It knows nothing of models: an attempt is `make_attempt(world_size)` → (args, info), progress is
-what ranks report (`step`, `phase`, timestamps), results are what they return (rank 0's `stopped`
-says it stopped early on request).
+A state machine (distrain/cluster/states.py): `run` calls `_step` until a final state, and `_step`
+does one unit of work for the current state and returns the next. A rank that raises or dies is seen
+at once (the driver waits on the ranks' calls); a rank whose progress stops for longer than the hang
+timeout counts as failed, after its stacks are saved. The policy (policy.py) decides what a failure
+means: a new attempt from the last checkpoint with the healthy actors kept and the others replaced
+(hot spares first), one worker replaced while the others go on, a smaller group when the full one
+cannot be placed, or the end of the run. The supervisor knows nothing of models.
 """
 
 from __future__ import annotations
 
-import enum
 import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
-from ray.exceptions import RayActorError, RayError
+from ray.exceptions import RayActorError
 
-from distrain.cluster.attempt import Attempt, Heartbeats, blame, mask, write_placement, write_stacks
-from distrain.cluster.placement import (
-    GroupSpec,
-    PlacementError,
-    WorkerFailure,
-    draining_nodes,
-    fitting_sizes,
-    room_for,
+from distrain.channel import Phase
+from distrain.cluster.attempt import (
+    Attempt,
+    Failure,
+    FailureKind,
+    Heartbeats,
+    Mark,
+    Outcome,
+    blame,
+    mask,
+    write_placement,
+    write_stacks,
 )
-from distrain.cluster.policy import Policy
+from distrain.cluster.placement import GroupSpec, PlacementError, WorkerFailure, draining_nodes, fitting_sizes, room_for
+from distrain.cluster.policy import Decision, Policy
+from distrain.cluster.states import (
+    FINAL,
+    AttemptLost,
+    Engine,
+    Failed,
+    Finished,
+    Placing,
+    Recovering,
+    Resizing,
+    Running,
+    State,
+    Stopping,
+    Watching,
+    check_transition,
+)
 from distrain.cluster.worker_group import WorkerGroup, first_line
-
-MAX_BACKOFF_S = 60.0
-
-
-class State(enum.Enum):
-    STARTING = "starting"
-    RUNNING = "running"
-    RECOVERING = "recovering"
-    RESIZING = "resizing"
-    STOPPING = "stopping"
-    FINISHED = "finished"
-    FAILED = "failed"
 
 
 class Supervisor:
@@ -55,236 +58,320 @@ class Supervisor:
         self,
         spec: GroupSpec,
         policy: Policy,
-        fn: Callable[..., Any],
-        make_attempt: Callable[[int], tuple[tuple, dict]],
+        engine: Engine,
         world_sizes: Sequence[int],
         run_dir: Path,
         on_progress: Callable[[dict], None] = lambda progress: None,
         on_event: Callable[[str], None] = lambda message: None,
+        reuse_workers: bool = False,
     ):
-        """world_sizes: the sizes the run may use, the one asked for (spec.num_workers) first."""
-        self.spec, self.policy, self.fn, self.make_attempt = spec, policy, fn, make_attempt
+        """world_sizes: the sizes the run may use, the one asked for (spec.num_workers) first.
+        reuse_workers: keep the group for the next run of this driver when this one ends well."""
+        self.spec, self.policy, self.engine = spec, policy, engine
         self.world_sizes, self.run_dir = list(world_sizes), run_dir
-        self.on_progress, self.on_event = on_progress, on_event
-        self.state = State.STARTING
+        self.on_progress, self.on_event, self.reuse_workers = on_progress, on_event, reuse_workers
+        self.state: State = Placing(since=time.time(), shrink=False)  # a run starts on all its workers
         self.attempts: list[Attempt] = []
-        self.failures = 0
+        self.failures: list[Failure] = []
+        self.replacements: list[dict] = []  # workers replaced while the others went on
         self.stop_requested_at: float | None = None
         self.step_times: list[float] = []
         self.group: WorkerGroup | None = None
+        self.others: list[dict] = []  # where the engine's other actors of the attempt run (parameter servers)
 
     @property
     def restarts(self) -> int:
-        return max(len(self.attempts) - 1, 0)
+        return len(self.replacements) + max(len(self.attempts) - 1, 0)
 
     def request_stop(self) -> None:
         """Ask for a clean stop (SIGTERM): the ranks checkpoint if time allows, then return."""
         self.stop_requested_at = self.stop_requested_at or time.time()
 
-    def run(self) -> list[Any]:
-        """The ranks' results from the attempt that finished (none if a stop request came during a
-        failure); WorkerFailure when the run cannot finish."""
+    def run(self) -> Finished:
+        """Step the state machine to its end: Finished, or the error that made it Failed, raised."""
         try:
-            placed = self._place(time.time(), patient=False, shrink=False)  # a run starts on all its workers
-            while True:
-                attempt = self._launch(placed)
-                results = self._watch(attempt)
-                if attempt.outcome == "resized" and not (results[0] or {}).get("stopped"):
-                    attempt.outcome = "completed"  # it reached its end before the request
-                if attempt.outcome in ("completed", "stopped") or self.stop_requested_at:
-                    self.state = State.FINISHED
-                    return results
-                placed = self._recover(attempt)
-        except BaseException:
-            self.state = State.FAILED
+            while not isinstance(self.state, FINAL):
+                self._enter(self._step())
+        except BaseException as e:
+            self._enter(Failed(e))
             raise
         finally:
+            self.engine.end()
             if self.group is not None:
-                self.group.shutdown()
+                healthy = isinstance(self.state, Finished) and self.state.results is not None
+                self.group.release() if self.reuse_workers and healthy else self.group.shutdown()
+        return self.state
 
-    # -- placing ----------------------------------------------------------------------------------
+    def _enter(self, state: State) -> None:
+        check_transition(self.state, state)
+        self.state = state
 
-    def _place(self, since: float, patient: bool, shrink: bool = True, torn_down_at: float | None = None) -> dict:
+    def _step(self) -> State:
+        match self.state:
+            case Placing():
+                return self._place(self.state)
+            case Running():
+                return self._run(self.state)
+            case Stopping():
+                return self._stop(self.state)
+            case Resizing():
+                return self._resize(self.state)
+            case Recovering():
+                return self._recover(self.state)
+        raise AssertionError(f"no step from {self.state}")
+
+    # -- Placing ----------------------------------------------------------------------------------
+
+    def _place(self, s: Placing) -> Running:
+        table = None
+        if s.refill:
+            try:
+                table = self.group.refill()
+            except PlacementError as e:  # it waited placement_timeout_s already: shrink now if it may
+                self.on_event(str(e))
+        if table is None:
+            table = self._new_group(s)
+        now = time.time()
+        timings = {Mark.SINCE: s.since, Mark.TORN_DOWN: s.torn_down_at or now, Mark.PLACED: now}
+        attempt = Attempt(len(self.attempts) + 1, len(table), {}, timings)
+        self.attempts.append(attempt)
+        self.others = self.engine.begin(self.group, attempt)
+        write_placement(self.run_dir, attempt.number, [*self.group.placement(), *self.others])
+        return Running(attempt, Heartbeats(len(table), self.step_times), next_node_check=self._next_node_check())
+
+    def _new_group(self, s: Placing) -> list[dict]:
         """A new group of the full size, or, when that cannot be placed in placement_timeout_s (and
-        `shrink`), of the largest allowed size the alive nodes can hold; with the attempt's times."""
+        `shrink`), of the largest allowed size the alive nodes can hold."""
         if self.group is not None:
             self.group.shutdown()
             self.group = None
-        timings = {"since": since, "torn_down_at": torn_down_at or time.time()}
         full = self.world_sizes[0]
-        candidates = [full, *(fitting_sizes(self.spec, self.world_sizes[1:]) if shrink else [])]
-        for n in candidates:
-            group = WorkerGroup(replace(self.spec, num_workers=n))
-            try:
-                table = group.start(patient=patient and n == full)
-            except PlacementError as e:
-                if n == candidates[-1]:
-                    if len(candidates) == 1:
-                        raise
-                    raise PlacementError(
-                        f"{e}; no allowed smaller size (down to cluster.min_workers={self.world_sizes[-1]}) "
-                        f"could be placed either"
-                    ) from e
-                self.on_event(f"{e}; trying fewer workers")
-                continue
-            self.group = group
-            if n != full:
-                self.state = State.RESIZING
-                self.on_event(f"continuing on {n} of {full} workers; growing back when there is room")
-            return {"table": table, **timings, "placed_at": time.time()}
-        raise AssertionError("unreachable: the last candidate raises")
+        try:
+            return self._start_group(full, patient=s.patient)
+        except PlacementError as e:
+            if not s.shrink or len(self.world_sizes) == 1:
+                raise
+            verdict = self.policy.size(full, fitting_sizes(self.spec, self.world_sizes[1:]))
+            if verdict.decision == Decision.GIVE_UP:
+                raise PlacementError(
+                    f"{e}; {verdict.reason} (down to cluster.min_workers={self.world_sizes[-1]})"
+                ) from e
+            self.on_event(f"{e}; continuing on {verdict.size} of {full} workers; growing back when there is room")
+            return self._start_group(verdict.size, patient=False)
 
-    def _launch(self, placed: dict) -> Attempt:
-        table = placed.pop("table")
-        args, info = self.make_attempt(len(table))
-        attempt = Attempt(len(self.attempts) + 1, len(table), info, placed)
-        self.attempts.append(attempt)
-        write_placement(self.run_dir, attempt.number, table)
-        self.group.launch(self.fn, *args)
-        self.state = State.RUNNING
-        return attempt
+    def _start_group(self, n: int, patient: bool) -> list[dict]:
+        group = WorkerGroup(replace(self.spec, num_workers=n), self.engine.warm_up())
+        table = group.start(patient=patient)
+        self.group = group
+        return table
 
-    # -- watching ---------------------------------------------------------------------------------
+    # -- Running, Stopping, Resizing --------------------------------------------------------------
 
-    def _watch(self, attempt: Attempt) -> list[Any]:
-        """Until every rank has returned, or one failed or hung (then the results are empty)."""
-        group, n = self.group, attempt.world_size
-        beats = Heartbeats(n, self.step_times)
-        results: dict[int, Any] = {}
-        next_check = time.monotonic() + self.policy.node_check_s
-        while len(results) < n:
-            ended = group.poll(self.policy.poll_s)
-            results.update((rank, value) for rank, value, error in ended if error is None)
-            progress = group.progress()
-            self.on_progress(progress[0])
-            self._note(attempt, progress)
-            errors = [(rank, error) for rank, _, error in ended if error is not None]
-            if errors:
-                self._failed(attempt, errors)
-                return []
-            beats.update(progress)
-            hung = [r for r in range(n) if r not in results and beats.silent_s(r) > self._hang_limit(progress[r])]
-            if hung:
-                self._hung(attempt, hung, progress, beats)
-                return []
-            if attempt.outcome == "stopped" and time.time() > self.stop_requested_at + self.policy.stop_grace_s:
-                attempt.cause = f"the ranks did not stop within {self.policy.stop_grace_s:g} s and were ended"
-                break
-            if attempt.outcome == "running":
-                next_check = self._steer(attempt, next_check)
-        if attempt.outcome == "running":
-            attempt.outcome = "completed"
-        final = group.last_progress(0)  # polls lag: the last report (the last step) may be unread
-        self._note(attempt, [final])
-        self.on_progress(final)
-        attempt.timings["ended_at"] = time.time()
-        return [results.get(rank) for rank in range(n)]
-
-    def _note(self, attempt: Attempt, progress: list[dict]) -> None:
-        """What the ranks' reports tell the record: the step reached, rank 0's start-up times."""
-        attempt.step_reached = max([attempt.step_reached, *(p.get("step") or 0 for p in progress)])
-        for key in ("joined_at", "loaded_at", "first_step_at"):
-            if progress[0].get(key, 0) >= attempt.timings["placed_at"]:  # not a mark of the previous attempt
-                attempt.timings.setdefault(key, progress[0][key])
-
-    def _steer(self, attempt: Attempt, next_check: float) -> float:
-        """Ask the ranks to stop at a checkpoint when the user wants to stop (SIGTERM), when a node
-        of theirs is draining (it is about to be preempted), or when a shrunk run has room to grow
-        back; the next attempt then starts where it should. Returns when to look at nodes again."""
+    def _run(self, s: Running) -> State:
+        failures = self._watch(s)
+        if failures:
+            return Recovering(s, failures)
+        if self._done(s):
+            return self._finish(s)
+        if s.attempt.step_reached > s.attempt.info.get("resumed_from_step", 0):
+            self.group.restock()  # the attempt made a step: a new spare's warm-up no longer slows its start
         if self.stop_requested_at:
-            self.state, attempt.outcome = State.STOPPING, "stopped"
+            deadline = self.stop_requested_at + self.policy.stop_grace_s
             self.on_event("stop requested: checkpointing, then stopping")
-            self.group.request_stop(self.stop_requested_at + self.policy.stop_grace_s - 1.0)
-            return next_check
-        if time.monotonic() < next_check:
-            return next_check
-        full, n = self.world_sizes[0], attempt.world_size
-        draining = {e["node_id"] for e in self.group.table} & set(deadlines := draining_nodes())
-        if draining:
-            deadline = min(deadlines[node] for node in draining) or time.time() + self.policy.setup_timeout_s
-            self.on_event(f"node {', '.join(d[:8] for d in draining)} is draining: checkpointing, then moving off it")
-        elif n < full and room_for(self.spec, full - n):
-            deadline = time.time() + self.policy.setup_timeout_s
-            self.on_event(f"room for all {full} workers again: growing back at a checkpoint")
-        else:
-            return time.monotonic() + self.policy.node_check_s
-        self.state, attempt.outcome = State.RESIZING, "resized"
-        self.group.request_stop(deadline - 1.0)
-        return next_check
+            self._ask_to_stop(deadline - 1.0)  # a second kept for the driver
+            return Stopping(s.attempt, s.beats, s.results, deadline=deadline)
+        if time.monotonic() >= s.next_node_check:
+            why, deadline = self._reason_to_move(s.attempt)
+            if why:
+                self.on_event(why)
+                self._ask_to_stop(deadline - 1.0)
+                return Resizing(s.attempt, s.beats, s.results, why=why)
+            s.next_node_check = self._next_node_check()
+        return s
 
-    def _hang_limit(self, progress: dict) -> float:
-        if progress.get("phase") != "train":
+    def _stop(self, s: Stopping) -> State:
+        failures = self._watch(s)
+        if failures:  # the stop is what was asked for: no new attempt
+            s.attempt.end(Outcome.FAILED, failures[0])
+            return Finished(None, stopped=True)
+        if self._done(s):
+            return self._finish(s)
+        if time.time() > s.deadline:
+            s.attempt.cause = f"the ranks did not stop within {self.policy.stop_grace_s:g} s and were ended"
+            s.attempt.end(Outcome.STOPPED)
+            return Finished(None, stopped=True)
+        return s
+
+    def _resize(self, s: Resizing) -> State:
+        failures = self._watch(s)
+        if failures:
+            return Recovering(s, failures)
+        if self._done(s):
+            finished = self._finish(s)
+            if not isinstance(finished, Finished) or not finished.stopped:
+                return finished  # a failure at the end, or it reached the end before the request
+            s.attempt.outcome = Outcome.RESIZED
+            return Placing(since=time.time())
+        if self.stop_requested_at:
+            deadline = self.stop_requested_at + self.policy.stop_grace_s
+            self._ask_to_stop(deadline - 1.0)
+            return Stopping(s.attempt, s.beats, s.results, deadline=deadline)
+        return s
+
+    def _ask_to_stop(self, deadline: float) -> None:
+        self.group.request_stop(deadline)
+        self.engine.request_stop(deadline)
+
+    def _done(self, s: Watching) -> bool:
+        return len(s.results) == s.attempt.world_size and not self.group.calls
+
+    def _finish(self, s: Watching) -> State:
+        """Every rank returned: the engine's results, and the attempt's outcome."""
+        final = self.group.last_progress(0)  # polls lag: the last report (the last step) may be unread
+        s.attempt.note([final])
+        self.on_progress(final)
+        try:
+            results = self.engine.finish([s.results[r] for r in range(s.attempt.world_size)])
+        except AttemptLost as e:
+            return Recovering(s, [Failure(FailureKind.LOST, str(e))])
+        stopped = bool(results.get("stopped"))
+        s.attempt.end(Outcome.STOPPED if stopped else Outcome.COMPLETED)
+        return Finished(results, stopped=stopped)
+
+    def _watch(self, s: Watching) -> list[Failure]:
+        """One look at the ranks (waiting up to poll_s for one to end): their results, the engine's
+        work, progress; the failures it found, empty if none."""
+        group, attempt = self.group, s.attempt
+        ended = group.poll(self.policy.poll_s)
+        s.results.update((rank, value) for rank, value, error in ended if error is None)
+        errors = [(rank, error) for rank, _, error in ended if error is not None]
+        try:
+            self.engine.tick(suspect=bool(errors))
+        except AttemptLost as e:
+            return [Failure(FailureKind.LOST, str(e))]
+        progress = group.progress()
+        self.on_progress(progress[0])
+        attempt.note(progress)
+        if errors:
+            return self._failed(errors)
+        s.beats.update(progress)
+        hung = [
+            r
+            for r in range(attempt.world_size)
+            if r not in s.results and s.beats.silent_s(r) > self._limit(progress[r])
+        ]
+        return [self._hung(attempt, hung, progress, s.beats)] if hung else []
+
+    def _limit(self, progress: dict) -> float:
+        """How long a rank may stay silent in its phase: a step, a few typical step times; waiting on
+        something outside the rank, for ever; anything else (start-up, a checkpoint), setup_timeout_s."""
+        phase = progress.get("phase")
+        if phase == Phase.WAIT:
+            return float("inf")
+        if phase != Phase.TRAIN:
             return self.policy.setup_timeout_s
         recent = self.step_times[-50:]
         return self.policy.step_limit(statistics.median(recent) if recent else None)
 
-    def _failed(self, attempt: Attempt, errors: list[tuple[int, RayError]]) -> None:
-        attempt.timings["ended_at"] = time.time()
-        deadline = time.monotonic() + self.policy.survivor_grace_s
-        while self.group.calls and time.monotonic() < deadline:  # the others' errors too: then pick the cause
-            errors += [(r, e) for r, _, e in self.group.poll(deadline - time.monotonic()) if e is not None]
-        self._note(attempt, [self.group.last_progress(0)])  # rank 0's last marks, if it lives
-        rank, error = min(errors, key=lambda item: blame(item[1]))
-        attempt.outcome = "failed"
-        attempt.cause = f"{self.group.who(rank)} failed: {first_line(error)}"
-        attempt.error = str(error).strip()
-        if not isinstance(error, RayActorError):  # a death (a kill, a lost node) is never called deterministic
-            cause = getattr(error, "cause", None) or error
-            step = self.group.last_progress(rank).get("step")  # exact: the rank's process is still there
-            attempt.signature = (type(cause).__name__, mask(first_line(error)), step)
+    def _failed(self, errors: list[tuple[int, Exception]]) -> list[Failure]:
+        """The failure (collective training: the one to blame, after the others' errors came in) or the
+        failures (an engine that replaces workers one by one)."""
+        seen = time.time()
+        if not self.engine.replaces_workers:
+            deadline = time.monotonic() + self.policy.survivor_grace_s
+            while self.group.calls and time.monotonic() < deadline:  # the others' errors too: then pick the cause
+                errors += [(r, e) for r, _, e in self.group.poll(deadline - time.monotonic()) if e is not None]
+            errors = [min(errors, key=lambda item: blame(item[1]))]
+        return [self._failure(rank, error, seen) for rank, error in errors]
 
-    def _hung(self, attempt: Attempt, hung: list[int], progress: list[dict], beats: Heartbeats) -> None:
-        attempt.timings["ended_at"] = time.time()
+    def _failure(self, rank: int, error: Exception, seen: float) -> Failure:
+        cause = f"{self.group.who(rank)} failed: {first_line(error)}"
+        if isinstance(error, RayActorError):  # a death (a kill, a lost node) is never called deterministic
+            return Failure(FailureKind.DIED, cause, rank, str(error).strip(), at=seen)
+        step = self.group.last_progress(rank).get("step")  # exact: the rank's process is still there
+        kind = type(getattr(error, "cause", None) or error).__name__
+        signature = (kind, mask(first_line(error)), step)
+        return Failure(FailureKind.RAISED, cause, rank, str(error).strip(), signature, at=seen)
+
+    def _hung(self, attempt: Attempt, hung: list[int], progress: list[dict], beats: Heartbeats) -> Failure:
+        """Ranks silent past their limit. Collective training: every rank's stacks, and the whole group
+        goes (the others wait in collectives); a replacing engine: the one rank's."""
+        one = self.engine.replaces_workers
         silent = max(beats.silent_s(r) for r in hung)
         steps = sorted({str(progress[r].get("step")) for r in hung})
-        folder = write_stacks(self.run_dir, attempt.number, dict(enumerate(self.group.stacks())))
-        mute = self.group.silent(longer_than_s=min(self._hang_limit(progress[r]) for r in hung))
-        attempt.outcome = "hung"
-        attempt.cause = (
-            f"rank{'s' * (len(hung) > 1)} {', '.join(map(str, hung))} made no progress for {silent:.1f} s "
-            f"(at step {', '.join(steps)})"
-            + (f", rank {', '.join(map(str, mute))} not answering" if mute else "")
+        folder = write_stacks(self.run_dir, attempt.number, self.group.stacks(hung[:1] if one else None))
+        mute = self.group.silent(longer_than_s=min(self._limit(progress[r]) for r in hung))
+        who = self.group.who(hung[0]) if one else f"rank{'s' * (len(hung) > 1)} {', '.join(map(str, hung))}"
+        cause = (
+            f"{who} made no progress for {silent:.1f} s (at step {', '.join(steps)})"
+            + (f", rank {', '.join(map(str, mute))} not answering" if mute and not one else "")
             + f"; stacks in {folder}"
         )
-        self.group.returned.clear()  # all are stuck, in the step or in a collective: none is reused
+        return Failure(FailureKind.HUNG, cause, hung[0] if one else None)
 
-    # -- recovering -------------------------------------------------------------------------------
-
-    def _recover(self, attempt: Attempt) -> dict:
-        """The group for the next attempt; WorkerFailure when the run should end instead."""
-        since = attempt.timings["ended_at"]
-        if attempt.outcome == "resized":
-            return self._place(since, patient=False)
-        self.failures += 1
-        self._check_budget(attempt)
-        self.state = State.RECOVERING
-        budget = "unlimited" if self.policy.max_failures < 0 else self.policy.max_failures
-        self.on_event(f"{attempt.cause}; recovering (failure {self.failures} of {budget})")
-        time.sleep(self._backoff())
-        if attempt.world_size < self.world_sizes[0]:
-            return self._place(since, patient=True)
-        self.group.release_unhealthy()  # the same group, its unhealthy actors replaced in their bundles
-        torn_down = time.time()
-        try:
-            table = self.group.refill()
-        except PlacementError as e:  # it waited placement_timeout_s already: shrink now if it must
-            self.on_event(str(e))
-            return self._place(since, patient=False, torn_down_at=torn_down)
-        return {"table": table, "since": since, "torn_down_at": torn_down, "placed_at": time.time()}
-
-    def _check_budget(self, attempt: Attempt) -> None:
-        failed = [a for a in self.attempts if a.outcome == "failed"]
-        if attempt.signature is not None and len(failed) > 1 and failed[-2].signature == attempt.signature:
-            raise WorkerFailure(
-                f"the same error at the same step in two attempts, so retrying cannot help: {attempt.cause}\n"
-                f"{attempt.error}"
+    def _reason_to_move(self, attempt: Attempt) -> tuple[str | None, float]:
+        """A node of the group is draining (about to be preempted), or a shrunk run has room to grow
+        back: why to checkpoint and move, and by when."""
+        full, n = self.world_sizes[0], attempt.world_size
+        draining = {e["node_id"] for e in self.group.table} & set(deadlines := draining_nodes())
+        if draining:
+            deadline = min(deadlines[node] for node in draining) or time.time() + self.policy.setup_timeout_s
+            return f"node {', '.join(d[:8] for d in draining)} is draining: checkpointing, then moving off it", deadline
+        if n < full and room_for(self.spec, full - n):
+            return (
+                f"room for all {full} workers again: growing back at a checkpoint",
+                time.time() + self.policy.setup_timeout_s,
             )
-        self.policy.check_budget(self.failures, attempt.cause, attempt.error)
+        return None, 0.0
 
-    def _backoff(self) -> float:
-        """No wait before the first retry after forward progress (a new highest step), then doubling
-        waits while attempts keep failing without any."""
-        best, stalled = 0, 0
-        for a in self.attempts:
-            best, stalled = (a.step_reached, 0) if a.step_reached > best else (best, stalled + 1)
-        return 0.0 if stalled == 0 else min(MAX_BACKOFF_S, self.policy.restart_backoff_s * 2 ** (stalled - 1))
+    def _next_node_check(self) -> float:
+        return time.monotonic() + self.policy.node_check_s
+
+    # -- Recovering -------------------------------------------------------------------------------
+
+    def _recover(self, s: Recovering) -> State:
+        for failure in s.failures:
+            verdict = self.policy.decide(failure, self.failures, self.engine.replaces_workers)
+            self.failures.append(failure)
+            if verdict.decision == Decision.GIVE_UP:
+                s.watching.attempt.end(Outcome.HUNG if failure.kind == FailureKind.HUNG else Outcome.FAILED, failure)
+                raise WorkerFailure(f"{verdict.reason}" + (f"\n{failure.error}" if failure.error else ""))
+        budget = "unlimited" if self.policy.max_failures < 0 else self.policy.max_failures
+        if verdict.decision == Decision.REPLACE:
+            for failure in s.failures:
+                self._replace(s.watching, failure, f"failure {len(self.failures)} of {budget}")
+            return s.watching
+        failure = s.failures[0]
+        attempt = s.watching.attempt
+        attempt.end(Outcome.HUNG if failure.kind == FailureKind.HUNG else Outcome.FAILED, failure)
+        self.engine.end()
+        if self.stop_requested_at:
+            return Finished(None, stopped=True)
+        self.on_event(f"{failure.cause}; recovering (failure {len(self.failures)} of {budget})")
+        self._sleep(self.policy.backoff([a.step_reached for a in self.attempts]))
+        if self.stop_requested_at:
+            return Finished(None, stopped=True)
+        since = attempt.timings[Mark.ENDED]
+        if attempt.world_size < self.world_sizes[0]:  # shrunk: try the full size again
+            return Placing(since=since, patient=True)
+        if failure.kind == FailureKind.HUNG:
+            self.group.returned.clear()  # all are stuck, in the step or in a collective: none is reused
+        self.group.release_unhealthy()
+        return Placing(since=since, torn_down_at=time.time(), refill=True)
+
+    def _replace(self, watching: Watching, failure: Failure, budget: str) -> None:
+        """One worker replaced while the others go on (a hot spare if one is warm)."""
+        rank = failure.rank
+        self.on_event(f"{failure.cause}; replacing it while the others go on ({budget})")
+        step = self.group.last_progress(rank, timeout_s=0.5).get("step")
+        self.group.replace(rank)
+        watching.beats.restart(rank)
+        self.engine.relaunch(rank)
+        write_placement(self.run_dir, watching.attempt.number, [*self.group.placement(), *self.others])
+        self.replacements.append({"worker": rank, "cause": failure.cause, "at_step": step, "time": failure.at})
+
+    def _sleep(self, seconds: float) -> None:
+        """Wait, unless a stop request comes meanwhile."""
+        end = time.monotonic() + seconds
+        while time.monotonic() < end and not self.stop_requested_at:
+            time.sleep(min(0.1, end - time.monotonic()))

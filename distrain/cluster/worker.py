@@ -16,9 +16,9 @@ import ray
 
 
 class Channel:
-    """What a rank's function shares with the supervisor while it runs: progress goes up
-    (`report`), a request to stop comes down (`stop_deadline`: the wall-clock time by which the
-    supervisor wants the rank to have returned, or None)."""
+    """The rank's end of distrain.channel.Channel: progress goes up (`report`), a request to stop
+    comes down (`stop_deadline`: the wall-clock time by which the supervisor wants the rank to have
+    returned, or None)."""
 
     def __init__(self) -> None:
         self.progress: dict = {}
@@ -32,7 +32,8 @@ class Worker:
     """Runs one rank's function. Created with max_concurrency=2: `run` holds one thread for the
     whole training while the other answers `progress`, `request_stop` and `stacks`, so the driver
     can watch and steer a busy rank. One actor may run several attempts in turn: a rank whose
-    call returned is reused after a failure elsewhere, its imports already warm."""
+    call returned is reused after a failure elsewhere, its imports already warm, and a hot spare
+    (`warm`) takes a rank whose worker died."""
 
     def __init__(self) -> None:
         self.channel = Channel()
@@ -44,6 +45,12 @@ class Worker:
             "gpu_ids": [int(g) for g in ray.get_gpu_ids()],
             "pid": os.getpid(),
         }
+
+    def warm(self, fn: Callable[..., Any], *args: Any) -> dict:
+        """A hot spare's wait: fn(*args) loads what the rank function will need (arriving, fn
+        imports its module: torch and the trainer); then where this worker runs."""
+        fn(*args)
+        return self.node_info()
 
     def free_port(self) -> int:
         """A port free on this worker's node, for the rendezvous when this worker is rank 0."""

@@ -1,5 +1,5 @@
 """A placed group of worker actors: start them, give each its rank and torchrun-style environment,
-run a function on all, watch it, and replace the workers a failure took."""
+run a function on all, watch it, and put workers (hot spares first) in place of those a failure took."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from distrain.cluster import warm
 from distrain.cluster.placement import (
     GroupSpec,
     PlacementError,
@@ -24,11 +25,15 @@ from distrain.cluster.worker import RemoteWorker
 
 
 class WorkerGroup:
-    def __init__(self, spec: GroupSpec):
-        self.spec = spec
+    def __init__(self, spec: GroupSpec, warm_up: warm.WarmUp | None = None):
+        """`warm_up`: what each hot spare runs while it waits for a rank (its imports, its data)."""
+        self.spec, self.warm_up = spec, warm_up
         self.pg = None
+        self.job = ray.get_runtime_context().get_job_id()
         self.workers: list = []  # in rank order once started
         self.table: list[dict] = []
+        self.spares: list[warm.Spare] = []
+        self.free_bundles: list[int] = []  # spare bundles whose spare took a rank, and dead ranks' slots
         self.calls: dict = {}  # the running `run` call of each rank: ObjectRef → rank
         self.returned: set[int] = set()  # ranks whose call ended without their process dying
         self._asked: dict = {}  # rank → (its unanswered progress question, when asked)
@@ -41,10 +46,17 @@ class WorkerGroup:
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
 
+    # -- starting -------------------------------------------------------------------------------
+
     def start(self, patient: bool = False) -> list[dict]:
-        """Reserve one bundle per block of node_group workers, start the actors, then rank them by
-        where they landed; on any failure remove what was reserved and started. A group the alive
-        nodes could never hold fails at once, unless `patient` (waiting for nodes to come back)."""
+        """Reserve one bundle per block of node_group workers (and one per spare), start the actors,
+        then rank them by where they landed; on any failure remove what was reserved and started. A
+        group the alive nodes could never hold fails at once, unless `patient` (waiting for nodes to
+        come back). A group of the same spec kept by an earlier run of this driver is taken instead."""
+        kept = warm.reuse(self)
+        if kept is not None:
+            self.__dict__.update(kept.__dict__, warm_up=self.warm_up)
+            return self.table
         try:
             return self._start(patient)
         except BaseException:
@@ -61,7 +73,9 @@ class WorkerGroup:
                 f"cannot place {what}: each block needs {bundle} on one node, and the nodes hold {fits} blocks "
                 f"({sum(fits.values())} < {blocks}); use fewer workers or a smaller tensor-parallel size"
             )
-        self.pg = placement_group([bundle] * blocks, strategy=s.placement_strategy)
+        bundles = s.bundles()
+        warm.make_room({k: sum(b.get(k, 0) for b in bundles) for k in bundle})
+        self.pg = placement_group(bundles, strategy=s.placement_strategy)
         try:
             ray.get(self.pg.ready(), timeout=s.placement_timeout_s)
         except GetTimeoutError as e:
@@ -70,10 +84,11 @@ class WorkerGroup:
                 f"cluster.placement_timeout_s={s.placement_timeout_s:g}; the cluster has "
                 f"{ray.available_resources()} free"
             ) from e
-        bundles = [i // s.node_group for i in range(s.num_workers)]
-        actors = [self._actor(b) for b in bundles]
-        self.workers = actors  # shutdown finds them, even if the next line fails
-        return self._rank(actors, self._started(actors, bundles))
+        of_rank = [i // s.node_group for i in range(s.num_workers)]
+        actors = [self._actor(b) for b in of_rank]
+        self.workers = actors  # shutdown finds them, even if the next lines fail
+        self.spares = [warm.start_spare(self._actor, blocks + i, self.warm_up) for i in range(s.spares)]
+        return self._rank(actors, self._started(actors, of_rank))
 
     def _started(self, actors: list, bundles: list[int]) -> list[dict]:
         """Where each new actor runs, once it has started (slow: a process, perhaps a runtime env)."""
@@ -97,6 +112,13 @@ class WorkerGroup:
         self.table = rank_table(infos, self.spec.node_group)
         self.workers = [actors[entry["worker_index"]] for entry in self.table]
         return self.table
+
+    def placement(self) -> list[dict]:
+        """Where the ranks run, then the spares that are warm: for the run directory's placement files."""
+        spares = [{"spare": i, **info} for i, sp in enumerate(self.spares) if (info := sp.info()) is not None]
+        return [*self.table, *spares]
+
+    # -- running --------------------------------------------------------------------------------
 
     def environments(self, port: int) -> list[dict[str, str]]:
         """What torchrun would set for each rank, plus threads and the node's visible GPUs."""
@@ -138,13 +160,7 @@ class WorkerGroup:
             self._asked.pop(r, None)
             self._progress.pop(r, None)
 
-    def run(
-        self,
-        fn: Callable[..., Any],
-        *args: Any,
-        on_progress: Callable[[list[dict]], None] | None = None,
-        ranks: list[int] | None = None,
-    ) -> list[Any]:
+    def run(self, fn: Callable[..., Any], *args: Any, ranks: list[int] | None = None) -> list[Any]:
         """Run fn(*args, channel) on every rank (or on `ranks`) once, with no recovery (the
         supervisor's job): the first rank that raises or dies raises WorkerFailure. The results in
         rank order (None for ranks not run)."""
@@ -155,8 +171,6 @@ class WorkerGroup:
                 if error is not None:
                     raise WorkerFailure(f"{self.who(rank)} failed: {first_line(error)}") from error
                 results[rank] = value
-            if on_progress is not None:
-                on_progress(self.progress())  # also once after the last rank finished: its final report
         return results
 
     def who(self, rank: int) -> str:
@@ -212,21 +226,24 @@ class WorkerGroup:
         now = time.monotonic()
         return [rank for rank, (_, asked) in sorted(self._asked.items()) if now - asked > longer_than_s]
 
-    def stacks(self, timeout_s: float = 5.0) -> list[str]:
-        """Every rank's Python stacks; a rank that cannot answer in timeout_s says so instead."""
-        refs = [w.stacks.remote() for w in self.workers]
+    def stacks(self, ranks: list[int] | None = None, timeout_s: float = 5.0) -> dict[int, str]:
+        """The Python stacks of every rank (or of `ranks`); one that cannot answer in timeout_s says so instead."""
+        ranks = list(range(len(self.workers))) if ranks is None else ranks
+        refs = [self.workers[r].stacks.remote() for r in ranks]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-        out = []
-        for ref in refs:
+        out = {}
+        for rank, ref in zip(ranks, refs, strict=True):
             try:
-                out.append(ray.get(ref) if ref in ready else f"no answer within {timeout_s:g} s (stopped or wedged)")
+                out[rank] = ray.get(ref) if ref in ready else f"no answer within {timeout_s:g} s (stopped or wedged)"
             except RayError as e:
-                out.append(f"no answer: {first_line(e)}")
+                out[rank] = f"no answer: {first_line(e)}"
         return out
 
     def request_stop(self, deadline: float) -> None:
         for w in self.workers:
             w.request_stop.remote(deadline)
+
+    # -- replacing ------------------------------------------------------------------------------
 
     def release_unhealthy(self, timeout_s: float = 5.0) -> None:
         """After a failure: kill every actor whose call did not return (dead, or stuck in a
@@ -246,29 +263,54 @@ class WorkerGroup:
                 ray.kill(self.workers[entry["rank"]], no_restart=True)
 
     def refill(self) -> list[dict]:
-        """Start new actors in the bundles `release_unhealthy` emptied and rank the group again.
-        PlacementError if the placement group is not whole again within placement_timeout_s (a
-        node of it is gone and nothing took its place)."""
+        """Put workers in place of those `release_unhealthy` let go, hot spares first, and rank the
+        group again. PlacementError if new ones are needed and the placement group is not whole again
+        within placement_timeout_s (a node of it is gone and nothing took its place)."""
         kept = [entry for entry in self.table if entry["rank"] in self.returned]
         lost = [entry for entry in self.table if entry["rank"] not in self.returned]
-        self.workers = [self.workers[e["rank"]] for e in kept]
+        actors, infos = [self.workers[e["rank"]] for e in kept], list(kept)
         self.calls = {}
-        self._wait_whole(f"could not restart {len(lost)} workers")
-        new = [self._actor(e["bundle"]) for e in lost]
-        self.workers += new
-        return self._rank(self.workers, [*kept, *self._started(new, [e["bundle"] for e in lost])])
+        for actor, info in self._fill(lost):
+            actors.append(actor)
+            infos.append(info)
+        return self._rank(actors, infos)
 
     def replace(self, rank: int) -> dict:
-        """Kill the actor of `rank` and start a new one in its bundle, under the same rank: for
-        work that goes on without it meanwhile (a parameter server's other workers)."""
+        """Kill the actor of `rank` and put another (a hot spare if one is warm) under the same rank:
+        for work that goes on without it meanwhile (a parameter server's other workers)."""
         entry = self.table[rank]
         ray.kill(self.workers[rank], no_restart=True)
         self.calls = {ref: r for ref, r in self.calls.items() if r != rank}
-        self._wait_whole(f"could not restart rank {rank}")
-        self.workers[rank] = self._actor(entry["bundle"])
-        self.table[rank] = {**entry, **self._started([self.workers[rank]], [entry["bundle"]])[0]}
+        ((actor, info),) = self._fill([entry])
+        self.workers[rank] = actor
+        self.table[rank] = {**entry, **info}
         number_nodes(self.table)  # it may have come back on another node or GPU
         return self.table[rank]
+
+    def _fill(self, lost: list[dict]) -> list[tuple[Any, dict]]:
+        """An actor and where it runs for each lost rank's entry: a warm spare where one can take it
+        (on the rank's node when its block must share one), else a new actor in the rank's bundle."""
+        filled, new = [], []
+        for entry in lost:
+            taken = warm.take_spare(self.spares, entry["node_id"] if self.spec.node_group > 1 else None)
+            if taken is None:
+                new.append(entry)
+                continue
+            spare, info = taken
+            filled.append((spare.actor, info))
+            self.free_bundles.append(entry["bundle"])  # where the next spare goes
+        if new:
+            self._wait_whole(f"could not restart {len(new)} workers")
+            actors = [self._actor(e["bundle"]) for e in new]
+            filled += zip(actors, self._started(actors, [e["bundle"] for e in new]), strict=True)
+        return filled
+
+    def restock(self) -> None:
+        """Start a spare in each bundle a spare left when it took a rank (a run calls this once its
+        new attempt has made a step: a spare's warm-up takes CPU the recovery needs more)."""
+        while self.free_bundles and len(self.spares) < self.spec.spares:
+            self.spares.append(warm.start_spare(self._actor, self.free_bundles.pop(), self.warm_up))
+        self.free_bundles.clear()
 
     def _wait_whole(self, what: str) -> None:
         """Until the placement group is whole again (a lost node's bundles rescheduled), or PlacementError."""
@@ -280,10 +322,18 @@ class WorkerGroup:
                 f"cluster.placement_timeout_s={self.spec.placement_timeout_s:g}"
             ) from e
 
+    # -- ending ---------------------------------------------------------------------------------
+
+    def release(self) -> None:
+        """Keep this group's placement group and warm actors for the next run of the same spec in
+        this driver (cluster.reuse_workers): its workers then start in no time."""
+        self.calls, self._asked, self._progress, self.returned = {}, {}, {}, set()
+        warm.keep(self)
+
     def shutdown(self) -> None:
-        for w in self.workers:
+        for w in [*self.workers, *(spare.actor for spare in self.spares)]:
             ray.kill(w, no_restart=True)
-        self.workers, self.calls = [], {}
+        self.workers, self.spares, self.calls = [], [], {}
         if self.pg is not None:
             remove_placement_group(self.pg)
             self.pg = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import glob
 import os
 import sysconfig
@@ -29,15 +30,22 @@ def corpus_files(path: str | None) -> list[str]:
 
 
 def load_tokens(path: str | None) -> np.ndarray:
-    """The corpus as uint8 tokens: the files' bytes, concatenated in sorted order."""
+    """The corpus as uint8 tokens: the files' bytes, concatenated in sorted order. Kept in the
+    process while its files are unchanged: a worker that trains again (after a restart, in the next
+    run, or a hot spare warming up) does not read them again."""
     files = corpus_files(path)
     if not files:
         raise FileNotFoundError(f"data.path={path!r} matches no files")
+    return _read(tuple((f, os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files))
+
+
+@functools.lru_cache(maxsize=2)
+def _read(files: tuple[tuple[str, int, int], ...]) -> np.ndarray:
     data = bytearray()
-    for f in files:
+    for f, _, _ in files:
         with open(f, "rb") as fh:
             data += fh.read()
-    return np.frombuffer(data, dtype=np.uint8)
+    return np.frombuffer(data, dtype=np.uint8)  # shared by every caller: read, never written
 
 
 def unigram_entropy(tokens: np.ndarray) -> float:

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from distrain.layout import MeshSizes
+from distrain.layout import Layout
 
 DATA_PARALLEL = ("dp_replicate", "dp_shard")
 
 
-def build_mesh(sizes: MeshSizes, device_type: str) -> DeviceMesh:
+def build_mesh(layout: Layout, device_type: str) -> DeviceMesh:
     """Dims of size 1 are left out (no groups to build); `submesh` treats them as absent."""
-    kept = [(name, size) for name, size in sizes.as_dict().items() if size > 1] or [("dp_replicate", 1)]
+    kept = [(name, size) for name, size in layout.sizes().items() if size > 1] or [("dp_replicate", 1)]
     return init_device_mesh(device_type, tuple(s for _, s in kept), mesh_dim_names=tuple(n for n, _ in kept))
 
 

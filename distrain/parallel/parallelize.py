@@ -9,6 +9,7 @@ clipping across stages, and the module whose parameters the optimizer and checkp
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -18,11 +19,12 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from distrain.config import StrategyConfig
-from distrain.layout import MeshSizes
+from distrain.layout import Layout
 from distrain.parallel.data_parallel import apply_ddp, apply_fsdp, apply_replicate, no_gradient_sync
 from distrain.parallel.dims import DATA_PARALLEL, build_mesh, submesh
-from distrain.parallel.pipeline import LossFn, Pipeline, split_stages
 from distrain.parallel.tensor_parallel import apply_tp, loss_context
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def apply_activation_checkpointing(model: nn.Module) -> None:
@@ -56,28 +58,33 @@ def stage_union(parts: list[nn.Module]) -> nn.Module:
 
 
 class ParallelModel:
-    """One rank's share of the model under a strategy: its stages, wrapped, and how to step them."""
+    """One rank's share of the model under a strategy: its stages, wrapped, and how to step them.
+
+    `collective=False` builds it for one process without a process group (a parameter-server
+    worker, whose gradients travel to the servers instead): no mesh, no wrapper."""
 
     def __init__(
         self,
         model: nn.Module,
         cfg: StrategyConfig,
-        sizes: MeshSizes,
+        layout: Layout,
         device: torch.device,
         bf16: bool,
-        n_microbatches: int,
         loss_fn: LossFn,
+        collective: bool = True,
     ):
-        self.cfg, self.sizes, self.loss_fn, self.n_microbatches = cfg, sizes, loss_fn, n_microbatches
-        self.mesh = build_mesh(sizes, device.type)
-        self.dp_mesh = submesh(self.mesh, DATA_PARALLEL)
-        self.vocab_sharded_loss = sizes.tp > 1 and cfg.loss_parallel
+        self.cfg, self.layout, self.loss_fn = cfg, layout, loss_fn
+        self.mesh = build_mesh(layout, device.type) if collective else None
+        self.dp_mesh = submesh(self.mesh, DATA_PARALLEL) if collective else None
+        self.vocab_sharded_loss = layout.tp > 1 and cfg.loss_parallel
 
         parts = {0: model}
-        if sizes.pp > 1:
-            parts = split_stages(model, self.mesh["pp"], cfg.stages_per_rank)
+        if layout.pp > 1:
+            from distrain.parallel.pipeline import split_stages  # torch's pipelining imports dynamo: only when used
+
+            parts = split_stages(model, self.mesh["pp"], layout)
         for part in parts.values():
-            if sizes.tp > 1:
+            if layout.tp > 1:
                 apply_tp(part, self.mesh["tp"], self.vocab_sharded_loss)
             if cfg.activation_checkpoint:
                 apply_activation_checkpointing(part)
@@ -86,8 +93,10 @@ class ParallelModel:
         parts = {index: self.apply_data_parallel(part, bf16) for index, part in parts.items()}
 
         self.pipeline = None
-        if sizes.pp > 1:
-            self.pipeline = Pipeline(parts, self.mesh["pp"], device, cfg.schedule, n_microbatches, loss_fn)
+        if layout.pp > 1:
+            from distrain.parallel.pipeline import Pipeline
+
+            self.pipeline = Pipeline(parts, self.mesh["pp"], device, layout, loss_fn)
         self.parts = list(parts.values())
         self.module = self.parts[0] if len(self.parts) == 1 else stage_union(self.parts)
 
@@ -100,23 +109,14 @@ class ParallelModel:
         if c.zero >= 2:
             apply_fsdp(model, mesh, reshard_after_forward=c.zero == 3, bf16=bf16, offload=c.offload)
             return model
-        if self.sizes.tp == 1 and self.sizes.pp == 1:
+        if self.layout.tp == 1 and self.layout.pp == 1:
             return apply_ddp(model, mesh, c.bucket_cap_mb)
         return apply_replicate(model, mesh, bf16)
 
     @property
     def zero1_group(self) -> dist.ProcessGroup | None:
         """The group that shards the optimizer state under ZeRO-1, else None."""
-        return self.dp_mesh.get_group() if self.cfg.zero == 1 else None
-
-    def data_shard(self) -> tuple[int, int]:
-        """This rank's slice of the global batch: its index and the count over the data-parallel dims."""
-        return self.sizes.data_shard(dist.get_rank())
-
-    @property
-    def loss_holders(self) -> int:
-        """Ranks that compute the loss of each data shard: its tensor-parallel peers, on the last stage."""
-        return self.sizes.world_size // self.sizes.pp
+        return self.dp_mesh.get_group() if self.cfg.zero == 1 and self.dp_mesh is not None else None
 
     def no_sync(self, last: bool) -> contextlib.AbstractContextManager:
         """For a non-final micro-batch: keep its gradient local (no collective) until the last one."""
@@ -125,13 +125,14 @@ class ParallelModel:
         return no_gradient_sync(self.module)
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor, train: bool = True) -> torch.Tensor:
-        """This rank's batch through the model in `n_microbatches` equal micro-batches; gradients
-        (mean over the micro-batches) reduced once, after the last. Returns the summed losses."""
+        """This rank's batch through the model in the layout's equal micro-batches; gradients (mean
+        over the micro-batches) reduced once, after the last. Returns the summed losses."""
         with loss_context(self.vocab_sharded_loss):
             if self.pipeline is not None:
                 losses = [as_tensor(loss.detach()) for loss in self.pipeline.step(x, y, train)]
                 return torch.stack(losses).sum() if losses else torch.zeros((), device=x.device)
-            micro = list(zip(x.chunk(self.n_microbatches), y.chunk(self.n_microbatches), strict=True))
+            n = self.layout.micro_batches
+            micro = list(zip(x.chunk(n), y.chunk(n), strict=True))
             total = torch.zeros((), device=x.device)
             for i, (xm, ym) in enumerate(micro):
                 with self.no_sync(i == len(micro) - 1) if train else torch.no_grad():
@@ -147,9 +148,11 @@ class ParallelModel:
         ranks another layout sums each element in another order (gloo's ring starts each chunk at
         a different rank), so the first step after a restart would differ in the last bits from
         the same step in a run that never stopped. One backward before the first step, gradients
-        thrown away, gives every step of every run the rebuilt layout."""
+        thrown away, gives every step of every run the rebuilt layout. The layout follows the order
+        gradients arrive in, not their values, so two tokens of one sequence do (a restart waits
+        for this backward, and a whole micro-batch's would cost a step)."""
         if isinstance(self.module, DistributedDataParallel):
-            self.forward_backward(x, y)
+            self.loss_fn(self.module(x[:1, :2]), y[:1, :2]).backward()
             self.module.zero_grad(set_to_none=True)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:

@@ -21,7 +21,7 @@ from torch.distributed.pipelining import (
     ScheduleLoopedBFS,
 )
 
-from distrain.layout import SCHEDULES, num_stages, stage_indices, stage_layers
+from distrain.layout import SCHEDULES, Layout
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -35,12 +35,11 @@ SCHEDULE_CLASSES = {
 }
 
 
-def split_stages(model: nn.Module, pp_mesh: DeviceMesh, stages_per_rank: int) -> dict[int, nn.Module]:
+def split_stages(model: nn.Module, pp_mesh: DeviceMesh, layout: Layout) -> dict[int, nn.Module]:
     """This rank's stages, stage index → module; `model` itself becomes the last of them."""
-    pp, pp_rank = pp_mesh.size(), pp_mesh.get_local_rank()
-    n_stages = num_stages(pp, stages_per_rank)
-    layers = stage_layers(len(model.layers), n_stages)
-    mine = stage_indices(pp_rank, pp, stages_per_rank)
+    n_stages = layout.num_stages
+    layers = layout.stage_layers(len(model.layers))
+    mine = layout.stages(pp_mesh.get_local_rank())
     _keep_layers(model, {i for index in mine for i in layers[index]})  # before copying: copy only this rank's blocks
     stages = {}
     for n, index in enumerate(mine):
@@ -67,18 +66,17 @@ class Pipeline:
         stages: dict[int, nn.Module],
         pp_mesh: DeviceMesh,
         device: torch.device,
-        schedule: str,
-        n_microbatches: int,
+        layout: Layout,
         loss_fn: LossFn,
     ):
-        group, n_stages = pp_mesh.get_group(), num_stages(pp_mesh.size(), len(stages))
+        group, n_stages = pp_mesh.get_group(), layout.num_stages
         self.stages = [PipelineStage(m, i, n_stages, device, group=group) for i, m in stages.items()]
         self.has_first = 0 in stages
         self.has_last = n_stages - 1 in stages
-        cls = SCHEDULE_CLASSES[schedule]
-        multi = SCHEDULES[schedule].multi_stage
+        cls = SCHEDULE_CLASSES[layout.schedule]
+        multi = SCHEDULES[layout.schedule].multi_stage
         # scale_grads (the default): the gradient is the mean over the micro-batches, as without a pipeline.
-        self.schedule = cls(self.stages if multi else self.stages[0], n_microbatches, loss_fn=loss_fn)
+        self.schedule = cls(self.stages if multi else self.stages[0], layout.micro_batches, loss_fn=loss_fn)
 
     def step(self, x: torch.Tensor, y: torch.Tensor, train: bool = True) -> list[torch.Tensor]:
         """Run the local batch through the pipeline (forward and backward when training); the

@@ -8,6 +8,11 @@ each through an optimizer of its own over the same storage and the same state te
 Pushes are idempotent per (worker, step): a replacement worker, or one resuming from a
 checkpoint some shards had already applied a step to, may push a step twice, and only the first
 counts. Weights go out once per version: `pull` hands every worker the same object-store ref.
+
+A worker's record of a step (its loss, gradient norm, bytes, time) travels with that step's push
+to shard 0, which hands it to the driver (`drain`) once its fate is known: applied (with its
+staleness, or in sync mode the averaged gradient's norm) or dropped. So every step a checkpoint
+holds has its records on shard 0 by the time the checkpoint is saved.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from distrain.ps.shard import ShardView, Slot, as_tensor, model_shards
 from distrain.train.optim import lr_at
 
 SERVER_FILE = "server_{:03d}.pt"
-RECENT_ROUNDS = 8  # sync: rounds whose norm a late (dropped) push may still ask for
+RECENT_ROUNDS = 8  # sync: rounds whose norm and members a late (dropped or repeated) push may still ask for
 
 
 def elastic_exchange(worker: torch.Tensor, centre: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -56,26 +61,29 @@ class ParameterServer:
     def __init__(self, job: dict, index: int):
         cfg = from_plain(job["config"])
         self.cfg, self.index = cfg, index
-        s, t = cfg.strategy, cfg.trainer
+        p, t = cfg.ps, cfg.trainer
         torch.set_num_threads(cfg.cluster.threads_per_worker)
-        self.mode, self.workers = s.mode, cfg.cluster.num_workers
-        self.needed = self.workers - s.backup_workers  # gradients that close a synchronous round
-        self.bound = s.max_staleness
+        self.mode, self.workers = p.mode, cfg.cluster.num_workers
+        self.needed = self.workers - p.backup_workers  # gradients that close a synchronous round
+        self.bound = p.max_staleness
+        self.alpha = p.elastic_alpha(self.workers)
         torch.manual_seed(t.seed)  # the same initial weights as the workers and every other strategy
         model = Transformer(cfg.model, t.seq_len)
-        self.pieces = model_shards(model, s.num_servers)[index]
+        self.pieces = model_shards(model, p.num_servers)[index]
         self.flat = ShardView(model, self.pieces).gather(grad=False).clone()
         self.slots = [
-            Slot(self.flat, self.pieces, cfg.optim) for _ in range(self.workers if s.mode == "hogwild" else 1)
+            Slot(self.flat, self.pieces, cfg.optim) for _ in range(self.workers if p.mode == "hogwild" else 1)
         ]
         self.version = 0
         self.applied: dict[int, int] = {}  # worker → the last step of it applied (or exchanged)
         self.cond = threading.Condition()
-        self.in_flight: dict[int, int] = {}  # bounded async: worker → the version it pulled
+        self.in_flight: dict[int, int] = {}  # async and Hogwild: worker → the version it pulled
         self.round: dict[int, torch.Tensor] = {}  # sync: worker → its gradient for step version + 1
         self.closed: dict[int, torch.Tensor] = {}  # sync: step → its averaged gradient, until applied
+        self.members: dict[int, set[int]] = {}  # sync: step → the workers whose gradients it averaged (recent)
         self.norm_sq: dict[int, float] = {}  # sync: step → its averaged gradient's norm², for recent steps
-        self.records: list[dict] = []  # what workers report with their pushes (shard 0), until drained
+        self.held: dict[int, list[dict]] = {}  # sync: step → its members' records, until the round is applied
+        self.records: list[dict] = []  # records whose fate is known (shard 0), until drained
         self.records_lock = threading.Lock()  # not the condition: Hogwild's pushes take no lock
         self.stopped = False
         self.state_ready = False  # Hogwild: whether the first update has created the optimizer state
@@ -83,9 +91,6 @@ class ParameterServer:
         self._published: tuple[int, ray.ObjectRef] | None = None
         if job.get("resume_from"):
             self.load(f"{job['resume_from']}/{SERVER_FILE.format(index)}")
-        self._share_state()
-
-    def _share_state(self) -> None:
         for slot in self.slots[1:]:
             slot.share_state_of(self.slots[0])
 
@@ -118,30 +123,35 @@ class ParameterServer:
 
     # -- gradients in ---------------------------------------------------------------------------
 
-    def push(self, worker: int, step: int, grad: np.ndarray, records: list[dict] = ()) -> dict:
-        """A worker's gradient of `step`. sync: waits for the round to close, then returns the
-        averaged shard gradient's norm² (`applied` False when it came after the round closed:
-        a dropped straggler). async/hogwild: applied at once, with its staleness."""
+    def push(self, worker: int, step: int, grad: np.ndarray, record: dict | None = None) -> dict:
+        """A worker's gradient of `step` (and, to shard 0, its record of the step). sync: waits for
+        the round to close, then returns the averaged shard gradient's norm² (`applied` False when it
+        came after the round closed: a dropped straggler). async/hogwild: applied at once, with its
+        staleness."""
         grad = as_tensor(grad)
-        self.log(records)
         if self.mode == "hogwild":
-            return self._push_unlocked(worker, step, grad)
+            return self._push_unlocked(worker, step, grad, record)
         with self.cond:
             if self.mode == "sync":
-                return self._push_sync(worker, step, grad)
-            return self._push_async(worker, step, grad)
+                return self._push_sync(worker, step, grad, record)
+            return self._push_async(worker, step, grad, record)
 
-    def _push_sync(self, worker: int, step: int, grad: torch.Tensor) -> dict:
+    def _push_sync(self, worker: int, step: int, grad: torch.Tensor, record: dict | None) -> dict:
         applied = step == self.version + 1 and step not in self.closed and worker not in self.round
         if applied:
             self.round[worker] = grad
+            self.held.setdefault(step, []).extend([record] if record else [])
             if len(self.round) == self.needed:
                 total = torch.stack([self.round[w] for w in sorted(self.round)]).sum(0)  # in worker order
                 self.closed[step] = total.div_(self.needed)
                 self.norm_sq[step] = float(self.closed[step].double().pow(2).sum())
-                self.norm_sq.pop(step - RECENT_ROUNDS, None)
+                self.members[step] = set(self.round)
+                for old in (self.norm_sq, self.members):
+                    old.pop(step - RECENT_ROUNDS, None)
                 self.round = {}
                 self.cond.notify_all()
+        elif worker not in self.round and worker not in self.members.get(step, ()):
+            self._emit(record, applied=False)  # a straggler's gradient for a round that closed without it
         self._wait(lambda: step in self.norm_sq or self.version >= step)
         return {"norm_sq": self.norm_sq.get(step), "applied": applied, "stopped": self.stopped}
 
@@ -149,6 +159,8 @@ class ParameterServer:
         clip = self.cfg.optim.grad_clip
         self.slots[0].step(self.closed.pop(step), self._lr(step), (clip, torch.tensor(norm)) if clip > 0 else None)
         self._advance({})
+        for record in self.held.pop(step, []):
+            self._emit(record, applied=True, round_norm=norm)
 
     def _seen(self, worker: int, step: int) -> bool:
         """Whether this (worker, step) was applied already: it counts once. A rejected push no longer
@@ -159,7 +171,7 @@ class ParameterServer:
         self.cond.notify_all()
         return True
 
-    def _push_async(self, worker: int, step: int, grad: torch.Tensor) -> dict:
+    def _push_async(self, worker: int, step: int, grad: torch.Tensor, record: dict | None) -> dict:
         if not self._seen(worker, step) and self.bound is not None:
             self._wait(
                 lambda: feasible([v for w, v in self.in_flight.items() if w != worker], self.version + 1, self.bound)
@@ -169,9 +181,10 @@ class ParameterServer:
         staleness = self.version - self.in_flight.pop(worker, self.version)
         self.slots[0].step(grad, self._lr(step))
         self._advance({worker: step})
+        self._emit(record, applied=True, staleness=staleness)
         return {"applied": True, "staleness": staleness, "version": self.version, "stopped": self.stopped}
 
-    def _push_unlocked(self, worker: int, step: int, grad: torch.Tensor) -> dict:
+    def _push_unlocked(self, worker: int, step: int, grad: torch.Tensor, record: dict | None) -> dict:
         """Hogwild: in place, concurrently with other pushes; the version read is the staleness
         as this push saw it."""
         if self._seen(worker, step):
@@ -188,17 +201,20 @@ class ParameterServer:
             staleness = self.version - pulled
             self.version += 1
             self.applied[worker] = step
+        self._emit(record, applied=True, staleness=staleness)
         return {"applied": True, "staleness": staleness, "version": self.version, "stopped": self.stopped}
 
-    def exchange(self, worker: int, step: int, weights: np.ndarray, records: list[dict] = ()) -> dict:
-        """EASGD: the elastic exchange with a worker's shard weights after its local step `step`;
-        returns the difference d the worker subtracts from its own weights."""
-        self.log(records)
+    def exchange(self, worker: int, step: int, weights: np.ndarray, records: list[dict] | None = None) -> dict:
+        """EASGD: the elastic exchange with a worker's shard weights after its local step `step`
+        (and, to shard 0, its records of the local steps since the last one); returns the difference
+        d the worker subtracts from its own weights."""
         with self.cond:
             if self._seen(worker, step):
                 return {"diff": None, "applied": False, "stopped": self.stopped}
-            diff = elastic_exchange(as_tensor(weights), self.flat, self.cfg.strategy.alpha)
+            diff = elastic_exchange(as_tensor(weights), self.flat, self.alpha)
             self._advance({worker: step})
+            for record in records or ():
+                self._emit(record)
             return {"diff": diff.numpy(), "applied": True, "version": self.version, "stopped": self.stopped}
 
     def _advance(self, steps: dict[int, int]) -> None:
@@ -214,7 +230,23 @@ class ParameterServer:
         while not (ready() or self.stopped):
             self.cond.wait(timeout=1.0)
 
-    # -- the driver's calls -----------------------------------------------------------------------
+    # -- records out, and the driver's calls ------------------------------------------------------
+
+    def _emit(self, record: dict | None, **facts: object) -> None:
+        if record is not None:
+            with self.records_lock:
+                self.records.append({**record, **facts})
+
+    def log(self, records: list[dict]) -> None:
+        """Records sent on their own: worker 0's validation losses, a stopped EASGD worker's last steps."""
+        with self.records_lock:
+            self.records.extend(records)
+
+    def drain(self) -> dict:
+        """The records whose fate became known since the last drain, and the version."""
+        with self.records_lock:
+            records, self.records = self.records, []
+        return {"records": records, "version": self.version}
 
     def next_step(self, worker: int) -> int:
         """Where a (new) worker starts: sync, the open round; otherwise after its last applied step."""
@@ -227,26 +259,15 @@ class ParameterServer:
             self.in_flight.pop(worker, None)
             self.cond.notify_all()
 
-    def log(self, records: list[dict]) -> None:
-        """Records sent on their own (EASGD's, and each worker's last)."""
-        with self.records_lock:
-            self.records.extend(records)
-
-    def drain(self) -> dict:
-        """The workers' records since the last drain, and the version: the driver's metrics."""
-        with self.records_lock:
-            records, self.records = self.records, []
-        return {"records": records, "version": self.version}
-
     def stop(self) -> None:
         """Release every waiting call: workers see `stopped` and return."""
         with self.cond:
             self.stopped = True
             self.cond.notify_all()
 
-    def save(self, directory: str) -> tuple[str, int, int]:
-        """Write this shard's state into a checkpoint directory; (file name, size) for the commit,
-        and the last step of every worker that the saved weights hold."""
+    def save(self, directory: str) -> dict:
+        """Write this shard's state into a checkpoint directory: its file name and size (for the
+        commit), the last step of every worker that the saved weights hold, and the applied map."""
         with self.cond:
             state = copy.deepcopy(  # under the lock: weights, moments and version of one moment
                 {
@@ -258,20 +279,21 @@ class ParameterServer:
                     "norm_sq": self.norm_sq,  # a resumed sync worker may ask for a round this shard applied
                 }
             )
-            held = self.version if self.mode == "sync" else min(self.applied.get(w, 0) for w in range(self.workers))
         name = SERVER_FILE.format(self.index)
         path = f"{directory}/{name}"
         tmp = f"{path}.tmp"
         torch.save(state, tmp)
         os.replace(tmp, path)
-        return name, os.path.getsize(path), held
+        sync = self.mode == "sync"
+        applied = {w: state["version"] if sync else state["applied"].get(w, 0) for w in range(self.workers)}
+        return {"file": name, "size": os.path.getsize(path), "applied": applied}
 
     def load(self, path: str) -> None:
         state = torch.load(path, weights_only=False)
         if state["pieces"] != self.pieces:
             raise ValueError(
                 f"{path} holds a different slice of the model than shard {self.index} of "
-                f"strategy.num_servers={self.cfg.strategy.num_servers}: resume with the num_servers it was saved with"
+                f"ps.num_servers={self.cfg.ps.num_servers}: resume with the num_servers it was saved with"
             )
         self.flat.copy_(state["flat"])
         self.slots[0].optimizer.load_state_dict(state["optim"])

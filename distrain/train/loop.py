@@ -1,4 +1,5 @@
-"""One rank's training: mesh → model → strategy → data shard → step loop → checkpoints.
+"""One rank of collective training: process group → Learner (model, layout, data shard) → step loop
+→ metrics and checkpoints.
 
 `run_rank` is what a worker executes. It knows torch.distributed (through `distrain.parallel`)
 and nothing about Ray: it joins the process group from torchrun-style environment variables,
@@ -7,123 +8,78 @@ reports progress through the channel it is given, and reads a stop request from 
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from pathlib import Path
-from typing import Protocol
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from distrain import checkpoint
-from distrain.config import TrainConfig, TrainerConfig, from_plain, resolve_precision
-from distrain.data.loader import Batches, run_batches
-from distrain.layout import micro_batches
-from distrain.model.llama import Transformer
-from distrain.model.size import flops_per_token, num_params
+from distrain.channel import Channel, Phase
+from distrain.config import TrainConfig, from_plain
+from distrain.data.loader import run_batches
+from distrain.layout import Layout
+from distrain.model.size import flops_per_token
 from distrain.parallel import process_group
-from distrain.parallel.parallelize import ParallelModel
-from distrain.tracking import Tracker
+from distrain.tracking import Tracker, run_results
+from distrain.train.faults import Faults
+from distrain.train.learner import Learner
 from distrain.train.metrics import peak_flops, peak_memory_bytes
-from distrain.train.optim import build_optimizer, local_optimizer, lr_at
-from distrain.validation import mesh_sizes
+from distrain.train.optim import build_optimizer, local_optimizer, lr_at, set_lr
 
 STATE_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-
-
-def straggle(cfg: TrainerConfig, rank: int, compute_s: float) -> None:
-    """The simulated straggler (trainer.straggler) stretches its step to straggler_slowdown × its compute time."""
-    if cfg.straggler == rank:
-        time.sleep((cfg.straggler_slowdown - 1) * compute_s)
-
-
-class Channel(Protocol):
-    """The supervisor's line to a rank: progress up (phase, step, timestamps), a stop request down
-    (the wall-clock deadline by which it wants the rank to have returned)."""
-
-    stop_deadline: float | None
-
-    def report(self, progress: dict) -> None: ...
-
-
 def run_rank(job: dict, channel: Channel) -> dict:
-    """Train this rank's part of the run described by `job` (a plain dict: config, run_dir,
+    """Train this rank's part of the run described by `job` (a plain dict: config, layout, run_dir,
     resume_from, wandb_run_id, started_at); rank 0 returns the run's results, the others an empty
     dict. The results say `stopped` when a stop request ended the run before max_steps."""
-    cfg = from_plain(job["config"])
+    cfg, layout = from_plain(job["config"]), Layout.from_dict(job["layout"])
     device = process_group.init_from_env()
-    channel.report({"phase": "setup", "joined_at": time.time()})
+    channel.report({"phase": Phase.SETUP, "joined_at": time.time()})
     try:
-        return Trainer(cfg, job, device, channel).fit()
+        return Trainer(cfg, layout, job, device, channel).fit()
     finally:
         process_group.destroy()
 
 
+def warm_up(job: dict) -> None:
+    """What a hot spare does while it waits for a rank: this module's imports (torch and the whole
+    trainer, loaded as this function arrives) and the run's corpus, so that taking over costs neither."""
+    run_batches(from_plain(job["config"]))
+
+
 class Trainer:
-    def __init__(self, cfg: TrainConfig, job: dict, device: torch.device, channel: Channel):
-        self.cfg, self.device, self.channel = cfg, device, channel
-        self.plain_config = job["config"]
-        self.run_dir = Path(job["run_dir"])
-        self.started_at = job["started_at"]
+    def __init__(self, cfg: TrainConfig, layout: Layout, job: dict, device: torch.device, channel: Channel):
+        self.cfg, self.layout, self.device, self.channel = cfg, layout, device, channel
+        self.plain_config, self.run_dir, self.started_at = job["config"], Path(job["run_dir"]), job["started_at"]
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        t, s = cfg.trainer, cfg.strategy
-        self.precision = resolve_precision(t.precision, gpu=device.type == "cuda")
-
-        sizes = mesh_sizes(cfg)
-        assert sizes.world_size == self.world, f"{sizes} does not cover the {self.world} ranks"
-        self.accum_steps = micro_batches(t.global_batch_size, t.micro_batch_size, sizes.dp)
-        torch.manual_seed(t.seed)  # the same initial weights on every rank
-        # Plain ZeRO-3 (and offload) moves each block to the device as it shards it: the whole model
-        # need never fit there.
-        fsdp_only = s.zero == 3 and s.tp == 1 and s.pp == 1
-        model = Transformer(cfg.model, t.seq_len).to("cpu" if fsdp_only else device)
-        self.parallel = ParallelModel(
-            model, s, sizes, device, self.precision == "bf16", self.accum_steps, cross_entropy
-        )
-        self.optimizer = build_optimizer(self.parallel.module, cfg.optim, self.parallel.zero1_group)
-
-        self.train_batches, self.val_batches = run_batches(cfg)
-        self.dp_rank, self.dp_size = self.parallel.data_shard()
+        assert layout.world_size == self.world, f"{layout} does not cover the {self.world} ranks"
+        faults = Faults(cfg.fault, self.rank, channel)
+        self.learner = Learner(cfg, layout, layout.data_shard(self.rank), device, faults)
+        self.optimizer = build_optimizer(self.learner.module, cfg.optim, self.learner.parallel.zero1_group)
 
         self.step, self.loss, self.save_s = 0, math.nan, 0.0
         if job["resume_from"]:
             self.load(job["resume_from"])
-        with self.autocast():
-            self.parallel.settle_buckets(*self.batch(self.train_batches, self.step + 1))
+        self.learner.settle(self.step + 1)
         self.tracker = None
         if self.rank == 0:
             self.tracker = Tracker(str(self.run_dir), job["config"], self.step, job["wandb_run_id"])
-        channel.report({"step": self.step, "max_steps": t.max_steps, "loaded_at": time.time()})
+        channel.report({"step": self.step, "max_steps": cfg.trainer.max_steps, "loaded_at": time.time()})
 
     # -- one step -------------------------------------------------------------------------------
 
-    def autocast(self) -> contextlib.AbstractContextManager:
-        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.precision == "bf16")
-
-    def batch(self, batches: Batches, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        x, y = batches.get(index, self.dp_rank, self.dp_size)
-        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-
     def train_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Forward and backward over this rank's micro-batches, then one optimizer step; returns
-        the summed micro-batch losses (local, unreduced) and the gradient norm before clipping."""
-        start = time.perf_counter()
-        lr = lr_at(step, self.cfg.optim, self.cfg.trainer.max_steps)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        with self.autocast():
-            loss_sum = self.parallel.forward_backward(*self.batch(self.train_batches, step))
-        grad_norm = self.parallel.clip_grad_norm(self.cfg.optim.grad_clip)
+        """Forward and backward over this rank's micro-batches (the gradient all-reduced on the way),
+        then one optimizer step; the summed micro-batch losses (local) and the norm before clipping."""
+        set_lr(self.optimizer, lr_at(step, self.cfg.optim, self.cfg.trainer.max_steps))
+        loss_sum = self.learner.forward_backward(step)
+        grad_norm = self.learner.clip(self.cfg.optim.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        straggle(self.cfg.trainer, self.rank, time.perf_counter() - start)
         return loss_sum, grad_norm
 
     def global_mean(self, local_sum: torch.Tensor) -> float:
@@ -132,22 +88,13 @@ class Trainer:
         the last pipeline stage hold none and add zero) is counted once per micro-batch."""
         total = local_sum.detach().clone()
         dist.all_reduce(total)
-        return total.item() / (self.accum_steps * self.parallel.loss_holders)
+        return total.item() / (self.layout.micro_batches * self.layout.loss_holders)
 
-    @torch.no_grad()
     def evaluate(self) -> float:
-        self.channel.report({"phase": "eval"})
-        for part in self.parallel.parts:
-            part.eval()
-        loss_sum = torch.zeros((), device=self.device)
-        with self.autocast():
-            for i in range(self.cfg.trainer.eval_batches):
-                x, y = self.batch(self.val_batches, i)
-                loss_sum += self.parallel.forward_backward(x, y, train=False)
-        for part in self.parallel.parts:
-            part.train()
-        self.channel.report({"phase": "train"})
-        return self.global_mean(loss_sum) / self.cfg.trainer.eval_batches
+        self.channel.report({"phase": Phase.EVAL})
+        val_loss = self.global_mean(self.learner.evaluate()) / self.cfg.trainer.eval_batches
+        self.channel.report({"phase": Phase.TRAIN})
+        return val_loss
 
     # -- the loop -------------------------------------------------------------------------------
 
@@ -155,7 +102,7 @@ class Trainer:
         t = self.cfg.trainer
         tokens_per_step = t.global_batch_size * t.seq_len
         flops_token = flops_per_token(self.cfg.model, t.seq_len)
-        peak = peak_flops(self.device, self.precision)
+        peak = peak_flops(self.device, self.learner.precision)
         first_step_s, val_loss, stopped = None, None, False
         window_start, window_steps = time.perf_counter(), 0
         fit_start = time.perf_counter()
@@ -169,7 +116,7 @@ class Trainer:
                 self.channel.report({"first_step_at": time.time()})
             last = self.step == t.max_steps
             evaluate_now = (t.eval_interval > 0 and self.step % t.eval_interval == 0) or last
-            progress = {"phase": "train", "step": self.step, "max_steps": t.max_steps}
+            progress = {"phase": Phase.TRAIN, "step": self.step, "max_steps": t.max_steps}
             if self.step % t.log_interval == 0 or evaluate_now:
                 self.loss = self.global_mean(loss_sum)  # waits for the window's steps to finish
                 elapsed = time.perf_counter() - window_start
@@ -199,20 +146,19 @@ class Trainer:
             if stopped:
                 break
 
-        results = {
-            "final_step": self.step,
-            "final_loss": self.loss,
-            "final_val_loss": val_loss,
-            "first_step_s": first_step_s,
-            "train_s": time.perf_counter() - fit_start,
-            "world_size": self.world,
-            "num_params": num_params(self.cfg.model),
-            "flops_per_token": flops_token,
-            "wandb_run_id": None,
-            "stopped": stopped and self.step < t.max_steps,
-        }
+        wandb_run_id = self.tracker.wandb_run_id if self.tracker is not None else None
+        results = run_results(
+            self.cfg,
+            self.step,
+            self.loss,
+            val_loss,
+            first_step_s,
+            time.perf_counter() - fit_start,
+            self.world,
+            wandb_run_id,
+            stopped and self.step < t.max_steps,
+        )
         if self.tracker is not None:
-            results["wandb_run_id"] = self.tracker.wandb_run_id
             self.tracker.close(results)
         return results if self.rank == 0 else {}
 
@@ -229,20 +175,18 @@ class Trainer:
 
     def checkpoint(self) -> float:
         """Save, telling the supervisor that this rank is saving (slow, not hung); return the seconds."""
-        self.channel.report({"phase": "checkpoint"})
+        self.channel.report({"phase": Phase.CHECKPOINT})
         start = time.perf_counter()
         self.save()
         self.save_s = time.perf_counter() - start
-        self.channel.report({"phase": "train"})
+        self.channel.report({"phase": Phase.TRAIN})
         return self.save_s
 
     def state(self) -> dict:
         """Keyed by full-model parameter name, whatever the layout: a checkpoint resumes on any.
         Optimizer state is flattened to one entry per parameter so that ranks holding different
         parameters (pipeline stages, ZeRO-1 shards) contribute disjoint keys."""
-        model_sd, optim_sd = get_state_dict(
-            self.parallel.module, local_optimizer(self.optimizer), options=STATE_OPTIONS
-        )
+        model_sd, optim_sd = get_state_dict(self.learner.module, local_optimizer(self.optimizer), options=STATE_OPTIONS)
         return {"model": model_sd, "optim": optim_sd}
 
     def save(self) -> None:
@@ -250,6 +194,7 @@ class Trainer:
             "step": self.step,
             "loss": self.loss,
             "world_size": self.world,
+            "layout": self.layout.as_dict(),
             "data": {"seed": self.cfg.trainer.seed, "next_step": self.step + 1},
             "config": self.plain_config,  # what a resume is checked against
             "wandb_run_id": self.tracker.wandb_run_id if self.tracker is not None else None,
@@ -266,7 +211,7 @@ class Trainer:
         state = self.state()
         meta, rank_state = checkpoint.load(path, state)
         set_state_dict(
-            self.parallel.module,
+            self.learner.module,
             local_optimizer(self.optimizer),
             model_state_dict=state["model"],
             optim_state_dict=state["optim"],

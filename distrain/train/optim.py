@@ -44,6 +44,11 @@ def make_optimizer(
     return cls(groups, foreach=True, **options)
 
 
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
 def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """The optimizer that holds this rank's state: under ZeRO-1, the inner one over its own shard."""
     return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer

@@ -1,0 +1,27 @@
+"""What a rank's function and the supervisor share while it runs: the channel (progress up, a stop
+request down) and the phases a rank reports. Neither Ray nor torch: both layers use it."""
+
+from __future__ import annotations
+
+import enum
+from typing import Protocol
+
+
+class Phase(enum.StrEnum):
+    """What a rank is doing; the supervisor judges silence by it (a step may take seconds, a
+    checkpoint minutes, a parameter-server worker may wait on a server for as long as it takes)."""
+
+    SETUP = "setup"  # joining the group, building the model, loading a checkpoint
+    TRAIN = "train"
+    EVAL = "eval"
+    CHECKPOINT = "checkpoint"
+    WAIT = "wait"  # on something outside the rank (a server, a held run): never a hang
+
+
+class Channel(Protocol):
+    """The supervisor's line to a rank: progress up (`report` phase, step, timestamps), a stop
+    request down (`stop_deadline`: the wall-clock time by which it wants the rank to have returned)."""
+
+    stop_deadline: float | None
+
+    def report(self, progress: dict) -> None: ...

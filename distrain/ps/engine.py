@@ -1,0 +1,222 @@
+"""The parameter server as an engine of the supervisor (distrain/cluster/supervisor.py).
+
+An attempt is a group of server shards restored from the newest committed checkpoint, and the
+workers. A worker that dies, raises or hangs is replaced while the others go on (the supervisor's
+policy says so: `replaces_workers`); in sync mode the open round waits for the replacement, which
+recomputes the missing gradient. A server that dies or stops answering loses the attempt: a new one
+restores the servers from the checkpoint. Rank 0's role in collective training (metrics.jsonl, W&B,
+checkpoints, the progress line) is the driver's here: no worker is special.
+
+A checkpoint is saved by the shards into a staging directory and committed only once every metrics
+line up to its step is written, with the records of later steps that its weights already hold: a
+restore from it then logs every step once, with the value the training had.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from distrain import checkpoint
+from distrain.cluster.attempt import Attempt
+from distrain.cluster.placement import GroupSpec
+from distrain.cluster.worker_group import WorkerGroup
+from distrain.config import TrainConfig, to_plain
+from distrain.fsutil import write_json
+from distrain.layout import Layout
+from distrain.ps.metrics import StepLog
+from distrain.ps.server_group import ServerGroup
+from distrain.tracking import Tracker, run_results
+
+SUSPECT_CHECK_S = 3.0  # after a worker fails: how long the servers get to show they are alive
+
+
+class ParameterServerEngine:
+    replaces_workers = True
+
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        layout: Layout,
+        spec: GroupSpec,
+        run_dir: Path,
+        wandb_run_id: str | None,
+        started: float,
+        on_progress: Callable[[dict], None] = lambda progress: None,
+    ):
+        self.cfg, self.spec, self.run_dir, self.root = cfg, spec, run_dir, run_dir / "checkpoints"
+        self.plain, self.layout = to_plain(cfg), layout
+        self.wandb_run_id, self.started, self.on_progress = wandb_run_id, started, on_progress
+        self.log = StepLog(cfg)  # across attempts: a restore keeps what its checkpoint holds
+        self.servers: ServerGroup | None = None
+        self.tracker: Tracker | None = None
+        self.group: WorkerGroup | None = None
+        self.worker_job: dict = {}
+        self.last_line: tuple[int, dict] = (0, {})  # the newest step logged, and its line
+        self.committed = 0  # the step of the newest committed checkpoint
+        self.staged: tuple[int, Path, dict[int, int], dict] | None = None  # (step, dir, applied, files): saved
+        self.stopping = False
+        self.begun_at = 0.0
+
+    def warm_up(self) -> tuple[Callable[..., Any], tuple]:
+        from distrain.ps.worker import warm_up
+
+        return warm_up, ({"config": self.plain},)
+
+    def begin(self, group: WorkerGroup, attempt: Attempt) -> list[dict]:
+        from distrain.ps.worker import run_worker
+
+        latest = checkpoint.latest(self.root)
+        meta = checkpoint.read_meta(latest) if latest else {}
+        step = meta.get("step", 0)
+        held = meta.get("ps", {"applied": {}, "records": []})
+        self.log.restart(step, {int(w): s for w, s in held["applied"].items()}, held["records"])
+        attempt.info["resumed_from_step"] = step
+        self.last_line, self.committed, self.stopping, self.begun_at = (step, {}), step, False, time.time()
+        p = self.cfg.ps
+        job = {"config": self.plain, "resume_from": latest and str(latest)}
+        self.servers = ServerGroup(
+            job, p.num_servers, self.spec.num_workers, self.spec.cpus_per_worker, self.spec.start_timeout_s
+        )
+        where = self.servers.start()
+        self.tracker = Tracker(str(self.run_dir), self.plain, step, self.wandb_run_id)
+        self.group = group
+        self.worker_job = {"config": self.plain, "layout": self.layout.as_dict(), "servers": self.servers.actors}
+        group.launch(run_worker, self.worker_job)
+        return [{"server": k, **info} for k, info in enumerate(where)]
+
+    def tick(self, suspect: bool) -> None:
+        if suspect:  # a worker's failure may be a server's
+            self.servers.check(SUSPECT_CHECK_S)
+        self._drain()
+        self._write(self.log.lines())
+        self._commit_if_written()
+
+    def relaunch(self, rank: int) -> None:
+        from distrain.ps.worker import run_worker
+
+        self.servers.forget(rank)
+        self.group.launch(run_worker, self.worker_job, ranks=[rank])
+
+    def request_stop(self, deadline: float) -> None:
+        self.stopping = True
+        self.servers.call("stop")
+
+    def finish(self, results: list[Any]) -> dict:
+        """Every worker returned: the last records, a last checkpoint, the final evaluation, and the
+        last line with it."""
+        from distrain.ps.worker import evaluate_final
+
+        for _ in range(2):  # what was asked before the workers ended, then everything they sent
+            self._drain(wait_s=self.spec.start_timeout_s)
+        stopped = self.stopping and any(r.get("stopped") for r in results)
+        lines = self.log.lines(finished=True)
+        last = lines.pop() if lines and lines[-1][0] == self.cfg.trainer.max_steps and not stopped else None
+        self._write(lines, save=False)
+        self._commit_if_written()
+        self._stage()
+        val_loss = None
+        try:
+            if last is not None:
+                val_loss = self.group.run(evaluate_final, self.worker_job, ranks=[0])[0]["val_loss"]
+        finally:  # the last line and checkpoint, with or without the evaluation
+            if last is not None:
+                self._write([(last[0], {**last[1], **({"val_loss": val_loss} if val_loss is not None else {})})])
+            self._commit_if_written()
+        step, line = self.last_line
+        first = self.log.first_record_time
+        out = run_results(
+            self.cfg,
+            step,
+            line.get("loss"),
+            val_loss,
+            first - self.started if first else None,
+            time.time() - self.begun_at,
+            self.cfg.cluster.num_workers,
+            self.tracker.wandb_run_id,
+            stopped,
+        )
+        out["ps"] = {"mode": self.cfg.ps.mode, "num_servers": self.cfg.ps.num_servers}
+        self.tracker.close(out)
+        self.tracker = None
+        return out
+
+    def end(self) -> None:
+        if self.servers is not None:
+            self.servers.shutdown()
+            self.servers = None
+        if self.tracker is not None:
+            self.tracker.close({})
+            self.tracker = None
+        if self.staged is not None:  # saved, never committed: not a checkpoint
+            shutil.rmtree(self.staged[1], ignore_errors=True)
+            self.staged = None
+
+    # -- lines and checkpoints ------------------------------------------------------------------
+
+    def _drain(self, wait_s: float = 0.0) -> None:
+        answer = self.servers.drain(wait_s)
+        if answer is not None:
+            self.log.add(answer["records"], answer["version"], time.time())
+
+    def _write(self, lines: list[tuple[int, dict]], save: bool = True) -> None:
+        """Log the finished steps; save the servers when a step crossed a checkpoint interval."""
+        t, interval = self.cfg.trainer, self.cfg.checkpoint.interval
+        crossed = False
+        for step, line in lines:
+            crossed |= bool(interval) and step // interval > self.last_line[0] // interval and step < t.max_steps
+            if step % t.log_interval == 0 or "val_loss" in line or step == t.max_steps:
+                self.tracker.log(step, line)
+            self.on_progress({"step": step, "max_steps": t.max_steps, **line})
+            self.last_line = (step, line)
+        if save and crossed:
+            self._stage()
+
+    def _stage(self) -> None:
+        """The servers save into a staging directory (never loaded); the checkpoint's step is the last
+        step every worker has in the weights. Committed by `_commit_if_written` once its lines are."""
+        if self.staged is not None:
+            return
+        staging = self.root / f".saving-{uuid.uuid4().hex[:8]}"
+        staging.mkdir(parents=True)
+        try:
+            applied, files = self.servers.save(staging)
+            for _ in range(2):  # the records of every step the saved weights hold were on shard 0: take them
+                self._drain(wait_s=self.spec.start_timeout_s)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        step = min(applied.values())
+        if step <= self.committed:  # nothing new since the last one (the end after a final interval)
+            shutil.rmtree(staging, ignore_errors=True)
+            return
+        self.staged = (step, staging, applied, files)
+
+    def _commit_if_written(self) -> None:
+        if self.staged is None or self.log.written < self.staged[0]:
+            return
+        step, staging, applied, files = self.staged
+        meta = {
+            "step": step,
+            "world_size": self.cfg.cluster.num_workers,
+            "config": self.plain,
+            "wandb_run_id": self.tracker.wandb_run_id if self.tracker else self.wandb_run_id,
+            "ps": {"applied": applied, "records": self.log.held(step, applied)},
+        }
+        write_json(staging / checkpoint.META_FILE, meta)
+        size = (staging / checkpoint.META_FILE).stat().st_size
+        staging.rename(checkpoint.prepare(self.root, step))
+        self.staged = None
+        checkpoint.commit(
+            self.root,
+            step,
+            {**files, "the driver": {checkpoint.META_FILE: size}},
+            self.cfg.checkpoint.keep,
+            "the driver",
+        )
+        self.committed = step
+        self.log.committed(step)

@@ -1,0 +1,109 @@
+"""One rank's model, data and step arithmetic: the path the trainer and the parameter-server worker share.
+
+A Learner builds the model on the rank's device, lays it out for its layout (`ParallelModel`), and
+runs a step's micro-batches forward and backward under autocast, the gradient norm and clipping,
+and evaluation. Where the gradient is synchronised is the one difference between its users: under
+collective training the data-parallel wrapper all-reduces it during the last micro-batch's backward;
+a parameter-server worker's model has no wrapper (`collective=False`), and the worker pushes the
+rank-local gradient to the servers itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from distrain.config import TrainConfig, resolve_precision
+from distrain.data.loader import Batches, run_batches
+from distrain.layout import Layout
+from distrain.model.llama import Transformer
+from distrain.parallel.parallelize import ParallelModel
+from distrain.train.faults import Faults
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def local_device() -> torch.device:
+    """The rank's device without a process group: its GPU (LOCAL_RANK) when CUDA is visible, else the CPU."""
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+class Learner:
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        layout: Layout,
+        shard: tuple[int, int],
+        device: torch.device,
+        faults: Faults,
+        collective: bool = True,
+    ):
+        """`layout` is how the model is laid out over the process group (a single process when not
+        `collective`); `shard` is (index, count): the rank's slice of every global batch."""
+        self.cfg, self.device, self.shard, self.faults = cfg, device, shard, faults
+        self.precision = resolve_precision(cfg.trainer.precision, gpu=device.type == "cuda")
+        s = cfg.strategy
+        torch.manual_seed(cfg.trainer.seed)  # the same initial weights on every rank and in every engine
+        # Plain ZeRO-3 (and offload) moves each block to the device as it shards it: the whole model
+        # need never fit there.
+        fsdp_only = collective and s.zero == 3 and layout.tp == 1 and layout.pp == 1
+        model = Transformer(cfg.model, cfg.trainer.seq_len).to("cpu" if fsdp_only else device)
+        self.parallel = ParallelModel(model, s, layout, device, self.precision == "bf16", cross_entropy, collective)
+        self.train_batches, self.val_batches = run_batches(cfg)
+
+    @property
+    def module(self) -> nn.Module:
+        """What the optimizer steps and checkpoints hold."""
+        return self.parallel.module
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.precision == "bf16")
+
+    def batch(self, batches: Batches, index: int, shard: tuple[int, int] | None = None) -> tuple:
+        x, y = batches.get(index, *(shard or self.shard))
+        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+
+    def forward_backward(self, step: int) -> torch.Tensor:
+        """This rank's slice of global batch `step`, forward and backward over its micro-batches;
+        the gradient of their mean is left in the parameters' `.grad`. Returns the summed
+        micro-batch losses (local, unreduced)."""
+        self.faults.hold()
+        start = time.perf_counter()
+        with self.autocast():
+            loss_sum = self.parallel.forward_backward(*self.batch(self.train_batches, step))
+        self.faults.straggle(time.perf_counter() - start)
+        return loss_sum
+
+    def clip(self, max_norm: float) -> torch.Tensor:
+        """The whole model's gradient norm before clipping; the gradient scaled down to max_norm
+        when it is positive and exceeded (0: the norm only)."""
+        return self.parallel.clip_grad_norm(max_norm)
+
+    @torch.no_grad()
+    def evaluate(self, shard: tuple[int, int] | None = None) -> torch.Tensor:
+        """Summed losses of the micro-batches of trainer.eval_batches validation batches (this
+        rank's slice of each, or `shard`'s), local and unreduced."""
+        for part in self.parallel.parts:
+            part.eval()
+        loss_sum = torch.zeros((), device=self.device)
+        with self.autocast():
+            for i in range(self.cfg.trainer.eval_batches):
+                loss_sum += self.parallel.forward_backward(*self.batch(self.val_batches, i, shard), train=False)
+        for part in self.parallel.parts:
+            part.train()
+        return loss_sum
+
+    def settle(self, step: int) -> None:
+        """Before the first step of an attempt (ParallelModel.settle_buckets)."""
+        with self.autocast():
+            self.parallel.settle_buckets(*self.batch(self.train_batches, step))
