@@ -18,10 +18,6 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-
 from distrain.fsutil import atomic_write, write_json
 
 COMMIT_MARKER = "COMMITTED"
@@ -47,6 +43,10 @@ def _rank_file(rank: int) -> str:
 
 def save(root: str | Path, step: int, state: dict[str, Any], meta: dict, rank_state: dict, keep: int) -> Path:
     """Collective: every rank calls it with its own shard of `state` and its own `rank_state`."""
+    import torch  # here, not at the top: the driver finds and commits checkpoints without torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
     rank = dist.get_rank()
     path = step_dir(root, step)
     if rank == 0:
@@ -152,6 +152,10 @@ def read_meta(path: str | Path) -> dict:
 def load(path: str | Path, state: dict[str, Any]) -> tuple[dict, dict | None]:
     """Fill `state` in place from the checkpoint; return its metadata and this rank's own state
     (None when the checkpoint was written by a different number of ranks)."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
     path = Path(path)
     dcp.load(state, checkpoint_id=str(path))
     meta = read_meta(path)

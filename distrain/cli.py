@@ -1,5 +1,5 @@
-"""The front door: Hydra's registration and composition, and `python jobs/train.py [overrides]`
-(one line out on bad input, the exit status a job scheduler reads).
+"""Hydra's side of the command line: the schema's registration, the one `compose`, and the checks and
+rewrites `jobs/train.py` applies to its arguments before Hydra parses them.
 
 `compose(overrides)` is the one way to build a config outside the entrypoint: tests and benchmarks
 get exactly the config `jobs/train.py` would train.
@@ -8,10 +8,9 @@ get exactly the config `jobs/train.py` would train.
 from __future__ import annotations
 
 import re
-import sys
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
 from distrain.config import TrainConfig
 
@@ -60,51 +59,3 @@ def plan_overrides(args: list[str]) -> list[str]:
     """`--plan` is the override `plan=true`; either one also keeps Hydra from writing its record."""
     args = ["plan=true" if a == "--plan" else a for a in args]
     return [*args, *PLAN_HYDRA_OVERRIDES] if "plan=true" in args else args
-
-
-def fail(message: str, code: int = 2) -> None:
-    print(f"distrain: error: {message}", file=sys.stderr)
-    raise SystemExit(code)
-
-
-def main() -> None:
-    """`python jobs/train.py [overrides]`: Hydra's command line, then `run`."""
-    import hydra
-
-    sys.argv[1:] = plan_overrides(sys.argv[1:])
-    try:
-        check_group_choices(sys.argv[1:])
-    except BadInput as e:
-        fail(str(e))
-    register()
-    hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")(run)()
-
-
-def run(cfg: DictConfig) -> None:
-    """Train (or with `plan=true` print the layout), and exit non-zero on failure (what `ray job submit`
-    reports as FAILED). Imports here, not at the top, so `--cfg job` and a bad group choice do not
-    wait for torch and Ray to load."""
-    from distrain.cluster.placement import PlacementError, WorkerFailure
-    from distrain.cluster.runtime import CapacityError
-    from distrain.config import ConfigError
-    from distrain.fsutil import LockedError
-    from distrain.launch import train
-
-    config = OmegaConf.to_object(cfg)
-    try:
-        summary = train(config)
-    except (ConfigError, CapacityError, PlacementError, LockedError) as e:
-        fail(str(e))
-    except WorkerFailure as e:
-        fail(f"training failed: {e}", code=1)
-    if config.plan:
-        print(summary["plan"])
-        return
-    nan = float("nan")
-    print(
-        f"distrain: {summary['status']} at step {summary['final_step']}: loss {summary['final_loss'] or nan:.4f}, "
-        f"val loss {summary.get('final_val_loss') or nan:.4f}, {summary['wall_s']:.1f}s, "
-        f"{summary['restarts']} restarts; run directory {config.run_dir}"
-    )
-    if summary["status"] == "stopped":
-        print(f"distrain: stopped on request; the same command with run.name={config.run.name} resumes it")

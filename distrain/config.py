@@ -9,6 +9,7 @@ state: `distrain.cli` registers the schema and composes.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -208,5 +209,12 @@ def to_plain(cfg: Any) -> dict:
     return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
 
 
-def from_plain(d: dict) -> TrainConfig:
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), d))
+def from_plain(d: dict, cls: type = TrainConfig) -> Any:
+    """The dataclasses back from `to_plain`'s dict, without OmegaConf: a worker does this as it starts
+    (OmegaConf's structured merge took 0.2 s there, on the way to the first step after a failure)."""
+    values = {}
+    for f in dataclasses.fields(cls):
+        if f.name in d:
+            group = f.default_factory if dataclasses.is_dataclass(f.default_factory) else None
+            values[f.name] = from_plain(d[f.name], group) if group else d[f.name]
+    return cls(**values)

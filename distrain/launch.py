@@ -26,6 +26,7 @@ from distrain.cluster.attempt import Attempt
 from distrain.cluster.placement import GroupSpec
 from distrain.cluster.policy import Policy
 from distrain.cluster.runtime import attach_address, check_capacity, connect, has_gpus
+from distrain.cluster.states import Work
 from distrain.cluster.supervisor import Supervisor
 from distrain.cluster.worker_group import WorkerGroup
 from distrain.config import ClusterConfig, ConfigError, TrainConfig, to_plain
@@ -63,19 +64,18 @@ class AllReduceEngine:
 
         return warm_up, (self.job,)
 
-    def begin(self, group: WorkerGroup, attempt: Attempt) -> list[dict]:
+    def begin(self, group: WorkerGroup, attempt: Attempt) -> Work:
         from distrain.train.loop import run_rank
 
         latest = checkpoint.latest(self.run_dir / "checkpoints")
         attempt.info["resumed_from_step"] = checkpoint.read_meta(latest)["step"] if latest else 0
         layout = self.layouts[len(group.table)]
-        group.launch(run_rank, {**self.job, "layout": layout.as_dict(), "resume_from": latest and str(latest)})
-        return []
+        return Work(run_rank, ({**self.job, "layout": layout.as_dict(), "resume_from": latest and str(latest)},))
 
     def tick(self, suspect: bool) -> None:
         pass
 
-    def relaunch(self, rank: int) -> None:
+    def replaced(self, rank: int) -> None:
         raise AssertionError("a process group restarts together")
 
     def request_stop(self, deadline: float) -> None:
@@ -128,10 +128,28 @@ def train(cfg: TrainConfig) -> dict:
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     with exclusive_lock(run_dir / LOCK_FILE):
-        return _train_locked(cfg, layout, run_dir, started)
+        supervisor, summary, progress = _prepare(cfg, layout, run_dir, started)
+        try:
+            with stop_signals(supervisor.request_stop):
+                finished = supervisor.run()
+            stopped = finished.stopped
+            summary.update(finished.results or _from_metrics(run_dir), status="stopped" if stopped else "completed")
+        except BaseException as e:
+            summary.update(_from_metrics(run_dir), error=f"{type(e).__name__}: {e}")
+            raise
+        finally:
+            progress.close()
+            summary["attempts"] = [a.record() for a in supervisor.attempts]
+            summary["replacements"] = supervisor.replacements
+            summary["restarts"] = supervisor.restarts
+            summary["wall_s"] = time.time() - started
+            write_summary(str(run_dir), summary)
+    return summary
 
 
-def _train_locked(cfg: TrainConfig, layout: Layout, run_dir: Path, started: float) -> dict:
+def _prepare(cfg: TrainConfig, layout: Layout, run_dir: Path, started: float) -> tuple:
+    """The supervisor of the run (its engine: collective training or the parameter server), the
+    summary it starts from (the run's history, its W&B id), and the console progress line."""
     resume_from = checkpoint.latest(run_dir / "checkpoints")
     meta = checkpoint.read_meta(resume_from) if resume_from else {}
     if resume_from:
@@ -167,23 +185,7 @@ def _train_locked(cfg: TrainConfig, layout: Layout, run_dir: Path, started: floa
     supervisor = Supervisor(
         spec, policy(cfg.cluster), engine, sizes, run_dir, on_rank_progress, progress.message, cfg.cluster.reuse_workers
     )
-    try:
-        with stop_signals(supervisor.request_stop):
-            finished = supervisor.run()
-        summary.update(
-            finished.results or _from_metrics(run_dir), status="stopped" if finished.stopped else "completed"
-        )
-    except BaseException as e:
-        summary.update(_from_metrics(run_dir), error=f"{type(e).__name__}: {e}")
-        raise
-    finally:
-        progress.close()
-        summary["attempts"] = [a.record() for a in supervisor.attempts]
-        summary["replacements"] = supervisor.replacements
-        summary["restarts"] = supervisor.restarts
-        summary["wall_s"] = time.time() - started
-        write_summary(str(run_dir), summary)
-    return summary
+    return supervisor, summary, progress
 
 
 def policy(c: ClusterConfig) -> Policy:

@@ -1,44 +1,35 @@
-"""Pipeline bubble, measured:  python jobs/bench_bubble.py [--pp 2] [--micro-batches 2 4 8 16]
+"""Pipeline bubble of every schedule, measured against theory:  python jobs/bench_bubble.py
 
-Runs every schedule distrain offers (`distrain.layout.SCHEDULES`) through `ParallelModel`
-in `pp` gloo processes on 127.0.0.1 (no Ray: a parallel-layer measurement) and times, on each rank,
-the calls that compute: its stages' forward, backward (input and weight parts) and the loss. A
-rank's idle fraction is 1 − compute / step, the step being the slowest rank's wall time of the
-schedule's `step` (all ranks start it together after a barrier), beside the textbook bubble
-(p − 1) / (v·m + p − 1). jobs/bench_strategies.py puts the results in docs/strategies.md; alone,
-this prints the table and can write the plot.
+Runs every schedule distrain offers (`distrain.layout.SCHEDULES`) through `ParallelModel` in `pp` gloo
+processes on 127.0.0.1 (no Ray: a parallel-layer measurement) and times, on each rank, the calls that
+compute: its stages' forward, backward (input and weight parts) and the loss. A rank's idle fraction is
+1 − compute / step, the step being the slowest rank's wall time of the schedule's `step` (all ranks start
+it together after a barrier), beside the textbook bubble (p − 1) / (v·m + p − 1). Writes docs/bubble.md
+and its plot, docs/bubble.svg.
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
-import json
 import math
 import os
-import socket
 import statistics
-import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
+import harness  # first: it keeps Ray on loopback
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from svgplot import Axes, Canvas  # jobs/svgplot.py, beside this script
 
 from distrain.config import ModelConfig, StrategyConfig
-from distrain.layout import SCHEDULES, MeshSizes, stage_layers
+from distrain.layout import SCHEDULES, Layout, stage_layers
 from distrain.model.llama import Transformer
-from distrain.parallel import process_group
 from distrain.parallel.parallelize import ParallelModel
-from distrain.train.loop import cross_entropy
+from distrain.train.learner import cross_entropy
 
-ROOT = Path(__file__).resolve().parent.parent
 # The stage calls a schedule makes that compute; the rest of its time is spent waiting on peers.
 STAGE_COMPUTE = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
 COLOURS = {"gpipe": "#1f77b4", "1f1b": "#ff7f0e", "interleaved_1f1b": "#2ca02c", "looped_bfs": "#d62728"}
@@ -54,41 +45,17 @@ class BubbleSetup:
     n_layers: int = 8
     seq_len: int = 128
     micro_batch_size: int = 2
-    steps: int = 8  # timed steps per schedule and micro-batch count
+    steps: int = 8  # timed steps per schedule, micro-batch count and repeat
     warmup: int = 1  # untimed first steps (the first one also infers the stages' shapes)
+    repeats: int = 2  # passes over every (schedule, m), the order reversed on every other one
 
     @property
     def model(self) -> ModelConfig:
-        heads = self.dim // 64
+        heads = self.dim // 64 or 1
         return ModelConfig(name="bubble", dim=self.dim, n_layers=self.n_layers, n_heads=heads, ffn_dim=3 * self.dim)
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def join_group(rank: int, world: int, port: int) -> torch.device:
-    """Join a gloo group on loopback as torchrun would set it up, with one torch thread per rank."""
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
-    os.environ.update(MASTER_PORT=str(port), CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
-    return process_group.init_from_env()
-
-
-def spawn(fn: Callable[..., None], world: int, *args: Any) -> list[dict]:
-    """Run fn(rank, port, out_dir, *args) in `world` processes; each writes its result to rank<r>.json.
-    A rank that dies after writing it (gloo can abort a process on its way out while one of its threads
-    still runs) has done its work: its result is kept, with a warning."""
-    with tempfile.TemporaryDirectory(prefix="bench_") as out:
-        files = [Path(out, f"rank{r}.json") for r in range(world)]
-        try:
-            mp.spawn(fn, args=(free_port(), out, *args), nprocs=world)
-        except mp.ProcessExitedException as e:
-            if not all(f.exists() for f in files):
-                raise
-            print(f"bench: {e} after writing its results; keeping them", file=sys.stderr, flush=True)
-        return [json.loads(f.read_text()) for f in files]
+    def cells(self) -> list[tuple[str, int]]:
+        return [(s, m) for s in SCHEDULES for m in self.micro_batches if valid(s, self.pp, m)]
 
 
 class ComputeClock:
@@ -116,6 +83,10 @@ def valid(schedule: str, pp: int, m: int) -> bool:
     return m >= pp and (not SCHEDULES[schedule].multi_stage or m % pp == 0)
 
 
+def stages_per_rank(schedule: str) -> int:
+    return 2 if SCHEDULES[schedule].multi_stage else 1
+
+
 Timing = tuple[float, float, float]  # one step on one rank: compute wall seconds, compute CPU seconds, step seconds
 
 
@@ -123,10 +94,11 @@ def time_schedule(setup: BubbleSetup, schedule: str, m: int, device: torch.devic
     """This rank's timing of each timed step; the step is the pipeline's, its slowest rank's."""
     torch.manual_seed(0)
     model = Transformer(setup.model, setup.seq_len)
-    v = SCHEDULES[schedule].default_stages_per_rank
+    v = stages_per_rank(schedule)
     strategy = StrategyConfig(dp_replicate=1, pp=setup.pp, schedule=schedule, stages_per_rank=v)
+    layout = Layout(setup.pp, 1, 1, 1, micro_batches=m, stages_per_rank=v, schedule=schedule)
     clock = ComputeClock()
-    parallel = ParallelModel(model, strategy, MeshSizes(setup.pp, 1, 1, 1), device, False, m, clock.wrap(cross_entropy))
+    parallel = ParallelModel(model, strategy, layout, device, False, clock.wrap(cross_entropy))
     for stage in parallel.pipeline.stages:
         for name in STAGE_COMPUTE:
             setattr(stage, name, clock.wrap(getattr(stage, name)))
@@ -144,47 +116,58 @@ def time_schedule(setup: BubbleSetup, schedule: str, m: int, device: torch.devic
     return timed
 
 
-def bubble_rank(rank: int, port: int, out: str, setup: BubbleSetup) -> None:
-    """One pipeline rank: every schedule at every micro-batch count; compute and step seconds to a file."""
-    device = join_group(rank, setup.pp, port)
+def bubble_rank(rank: int, device: torch.device, setup: BubbleSetup) -> dict:
+    """One pipeline rank: every schedule at every micro-batch count, in alternating order over the repeats;
+    "schedule/m" → the timed steps of every repeat, and the load before each (on rank 0)."""
     cores = sorted(os.sched_getaffinity(0))
     if setup.pp <= len(cores):
         os.sched_setaffinity(0, {cores[rank]})  # a core of its own: no rank waits for a CPU, only for its peers
-    results = {}
-    for schedule in SCHEDULES:
-        for m in setup.micro_batches:
-            if valid(schedule, setup.pp, m):
-                results[f"{schedule}/{m}"] = time_schedule(setup, schedule, m, device)
-    Path(out, f"rank{rank}.json").write_text(json.dumps(results))
-    process_group.destroy()
+
+    def run(cell: tuple[str, int], repeat: int) -> list[Timing]:
+        if rank == 0:
+            print(f"bench_bubble: pass {repeat}/{setup.repeats}: {cell[0]}, m = {cell[1]}", flush=True)
+        return time_schedule(setup, *cell, device)
+
+    results: dict[str, Any] = {}
+    for trial in harness.alternate(setup.cells(), setup.repeats, run, quiet=True):
+        key = "/".join(map(str, trial.key))
+        results.setdefault(key, {"timings": [], "loads": []})
+        results[key]["timings"] += trial.result
+        results[key]["loads"].append(trial.load)
+    return results
 
 
 def theory(schedule: str, pp: int, m: int) -> float:
     """Bubble of GPipe/1F1B, (p − 1) / (m + p − 1); with v stages per rank (interleaved, looped BFS)
     each stage's work is 1/v as long, so (p − 1) / (v·m + p − 1). Balanced stages assumed; zero-bubble
     schedules aim below it by filling the bubble with deferred weight gradients."""
-    v = SCHEDULES[schedule].default_stages_per_rank
-    return (pp - 1) / (v * m + pp - 1)
+    return (pp - 1) / (stages_per_rank(schedule) * m + pp - 1)
 
 
 def measure_bubble(setup: BubbleSetup) -> dict[str, dict[int, dict[str, Any]]]:
     """schedule → m → idle (median over the timed steps of the mean over ranks), step seconds
     (median), theory; the least CPU share of any rank's compute (below 1 when other processes took the
-    rank's core, which stretches its compute and makes its peers wait: idle that is not bubble); and the
-    balance, the least-computing rank's compute over the most-computing one's (median over steps)."""
-    ranks = spawn(bubble_rank, setup.pp, setup)
+    rank's core, which stretches its compute and makes its peers wait: idle that is not bubble); the
+    balance, the least-computing rank's compute over the most-computing one's (median over steps); and
+    the load before each pass."""
+    ranks = harness.spawn_ranks(bubble_rank, setup.pp, setup)
     results: dict[str, dict[int, dict[str, Any]]] = {}
     for key in ranks[0]:
         schedule, m = key.split("/")
-        steps = [[r[key][i] for r in ranks] for i in range(setup.steps)]  # step → rank → (wall, cpu, step)
+        timings = [r[key]["timings"] for r in ranks]  # rank → step → (wall, cpu, step)
+        steps = [[t[i] for t in timings] for i in range(len(timings[0]))]  # step → rank → ...
         results.setdefault(schedule, {})[int(m)] = {
             "idle": statistics.median(statistics.fmean(1 - wall / step for wall, _, step in s) for s in steps),
             "step_s": statistics.median(s[0][2] for s in steps),
             "theory": theory(schedule, setup.pp, int(m)),
-            "cpu_share": min(sum(cpu for _, cpu, _ in r[key]) / sum(wall for wall, _, _ in r[key]) for r in ranks),
+            "cpu_share": min(sum(cpu for _, cpu, _ in t) / sum(wall for wall, _, _ in t) for t in timings),
             "balance": statistics.median(min(wall for wall, _, _ in s) / max(wall for wall, _, _ in s) for s in steps),
+            "loads": ranks[0][key]["loads"],
         }
     return results
+
+
+# -- the page ----------------------------------------------------------------------------------------
 
 
 def cell(point: dict[str, Any]) -> str:
@@ -194,18 +177,17 @@ def cell(point: dict[str, Any]) -> str:
 
 
 def table(results: dict[str, dict[int, dict[str, Any]]], setup: BubbleSetup) -> list[str]:
-    """Markdown: one row per schedule; per micro-batch count m, the idle fraction 'measured (theory)',
-    then the step's seconds."""
+    """One row per schedule; per micro-batch count m, the idle fraction 'measured (theory)', then the
+    step's seconds, then the load before its runs."""
     ms = setup.micro_batches
-    rows = [
-        "| schedule | v | " + " | ".join([*(f"idle, m = {m}" for m in ms), *(f"step (s), m = {m}" for m in ms)]) + " |",
-        "| --- | ---: | " + " | ".join("---:" for _ in range(2 * len(ms))) + " |",
-    ]
+    head = ["schedule", "v", *(f"idle, m = {m}" for m in ms), *(f"step (s), m = {m}" for m in ms), "load"]
+    rows = []
     for schedule, by_m in results.items():
-        cells = [cell(by_m[m]) if m in by_m else "—" for m in setup.micro_batches]
-        cells += [f"{by_m[m]['step_s']:.2f}" if m in by_m else "—" for m in setup.micro_batches]
-        rows.append(f"| {schedule} | {SCHEDULES[schedule].default_stages_per_rank} | " + " | ".join(cells) + " |")
-    return rows
+        loads = [x for p in by_m.values() for x in p["loads"]]
+        cells = [cell(by_m[m]) if m in by_m else "—" for m in ms]
+        cells += [f"{by_m[m]['step_s']:.2f}" if m in by_m else "—" for m in ms]
+        rows.append([schedule, stages_per_rank(schedule), *cells, f"{min(loads):.2f}–{max(loads):.2f}"])
+    return harness.table(head, rows)
 
 
 def svg(results: dict[str, dict[int, dict[str, Any]]], setup: BubbleSetup) -> str:
@@ -233,14 +215,12 @@ def svg(results: dict[str, dict[int, dict[str, Any]]], setup: BubbleSetup) -> st
         colour, points = COLOURS[schedule], sorted((m, p["idle"]) for m, p in by_m.items())
         ax.curve(points, colour)
         ax.dots(points, colour)
-        legend.append((f"{schedule} (v = {SCHEDULES[schedule].default_stages_per_rank})", colour, None))
+        legend.append((f"{schedule} (v = {stages_per_rank(schedule)})", colour, None))
     canvas.legend(legend, ax.left + ax.width + 15, ax.top + 14, across=False)
     return canvas.render()
 
 
-def section(results: dict[str, dict[int, dict[str, Any]]], setup: BubbleSetup, plot: str) -> list[str]:
-    """The bubble's part of docs/strategies.md: set-up, table, plot and a reading of the numbers."""
-    splits = {v: [len(r) for r in stage_layers(setup.n_layers, setup.pp * v)] for v in (1, 2)}
+def reading(results: dict[str, dict[int, dict[str, Any]]], setup: BubbleSetup) -> str:
     cores = len(os.sched_getaffinity(0))
     points = [p for by_m in results.values() for p in by_m.values()]
     clean = [p["idle"] - p["theory"] for p in points if p["cpu_share"] >= DISTURBED]
@@ -259,29 +239,7 @@ def section(results: dict[str, dict[int, dict[str, Any]]], setup: BubbleSetup, p
         )
     last = {s: by_m[max(by_m)]["idle"] for s, by_m in results.items()}
     m_last = max(max(by_m) for by_m in results.values())
-    placement = (
-        "each pinned to a core of its own"
-        if setup.pp <= cores
-        else f"on {cores} cores: oversubscribed, so a rank waiting for a core counts as computing and the idle "
-        "fraction is not the bubble alone"
-    )
-    return [
-        f"Model dim {setup.dim}, {setup.n_layers} layers, {setup.dim // 64} heads, ffn {3 * setup.dim}, vocab "
-        f"{setup.model.vocab_size}, "
-        f"sequence {setup.seq_len}, micro-batches of {setup.micro_batch_size} sequences, fp32, through "
-        f"`ParallelModel` on pp = {setup.pp} gloo processes with one thread, {placement}. distrain splits the "
-        f"blocks into stages of {splits[1]} blocks (v = 1) and {splits[2]} (v = 2, rank r holding stages r and "
-        f"r + {setup.pp}), counting the embedding and the head as a block each. Each rank times its compute: its "
-        "stages' `forward_one_chunk`, `backward_one_chunk`, `backward_weight_one_chunk` and the loss. Idle = "
-        "1 − compute / step, the step being the slowest rank's wall time of the schedule's `step`, started after "
-        f"a barrier; mean over ranks, median over {setup.steps} timed steps after {setup.warmup} warm-up. Cells: "
-        "measured (theory (p − 1)/(v·m + p − 1), v = stages per rank); * marks a cell where another process "
-        f"held a rank's core for more than {1 - DISTURBED:.0%} of its compute time.",
-        "",
-        *table(results, setup),
-        "",
-        f"![idle fraction against micro-batches per schedule, with theory]({plot})",
-        "",
+    return (
         f"{comparison} At m = {m_last}: "
         + ", ".join(f"{s} {v:.3f}" for s, v in last.items())
         + ". Theory counts only the pipeline's fill and drain, with equal stages. A real step adds unequal "
@@ -294,32 +252,62 @@ def section(results: dict[str, dict[int, dict[str, Any]]], setup: BubbleSetup, p
         + (
             f" pp = {2 * setup.pp} is not measured here: {2 * setup.pp} single-threaded ranks on {cores} cores take "
             "turns, so a rank's compute would include its waits for a core and its idle fraction would not "
-            f"isolate the bubble; `--bubble-pp {2 * setup.pp}` measures it on a machine with as many cores."
+            f"isolate the bubble; `--pp {2 * setup.pp}` measures it on a machine with as many cores."
             if cores < 2 * setup.pp
             else ""
-        ),
-    ]
+        )
+    )
 
 
-def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def body(results: dict[str, dict[int, dict[str, Any]]], setup: BubbleSetup, plot: str) -> str:
+    splits = {v: [len(r) for r in stage_layers(setup.n_layers, setup.pp * v)] for v in (1, 2)}
+    cores = len(os.sched_getaffinity(0))
+    placement = (
+        "each pinned to a core of its own"
+        if setup.pp <= cores
+        else f"on {cores} cores: oversubscribed, so a rank waiting for a core counts as computing and the idle "
+        "fraction is not the bubble alone"
+    )
+    m = setup.model
+    return "\n".join(
+        [
+            f"Model dim {m.dim}, {m.n_layers} layers, {m.n_heads} heads, ffn {m.ffn_dim}, vocab {m.vocab_size}, "
+            f"sequence {setup.seq_len}, micro-batches of {setup.micro_batch_size} sequences, fp32, through "
+            f"`ParallelModel` on pp = {setup.pp} gloo processes with one thread, {placement} (no Ray). distrain "
+            f"splits the blocks into stages of {splits[1]} blocks (v = 1) and {splits[2]} (v = 2, rank r holding "
+            f"stages r and r + {setup.pp}), counting the embedding and the head as a block each. Each rank times "
+            "its compute: its stages' `forward_one_chunk`, `backward_one_chunk`, `backward_weight_one_chunk` and "
+            "the loss. Idle = 1 − compute / step, the step being the slowest rank's wall time of the schedule's "
+            f"`step`, started after a barrier; mean over ranks, median over {setup.steps} timed steps (after "
+            f"{setup.warmup} warm-up) in each of {setup.repeats} pass(es) over every cell, the order of the cells "
+            "reversed on every other pass. Cells: measured (theory (p − 1)/(v·m + p − 1), v = stages per rank); "
+            f"* marks a cell where another process held a rank's core for more than {1 - DISTURBED:.0%} of its "
+            "compute time. Load: the 1-minute load average before the row's runs.",
+            "",
+            *table(results, setup),
+            "",
+            f"![idle fraction against micro-batches per schedule, with theory]({plot})",
+            "",
+            reading(results, setup),
+        ]
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = harness.parser(__doc__, "docs/bubble.md", repeats=2)
     d = BubbleSetup()
     p.add_argument("--pp", type=int, default=d.pp, help="pipeline ranks (processes)")
     p.add_argument("--micro-batches", type=int, nargs="+", default=d.micro_batches, help="micro-batch counts m")
-    p.add_argument("--steps", type=int, default=d.steps, help="timed steps per schedule and m")
-    p.add_argument("--svg", default="", help="write the plot here (e.g. docs/bubble.svg)")
-    return p.parse_args()
-
-
-def main() -> None:
-    args = parse_args()
-    setup = BubbleSetup(pp=args.pp, micro_batches=sorted(args.micro_batches), steps=args.steps)
+    p.add_argument("--steps", type=int, default=d.steps, help="timed steps per schedule, m and pass")
+    args = harness.parse(p, argv)
+    setup = BubbleSetup(args.pp, sorted(args.micro_batches), steps=args.steps, repeats=args.repeats)
+    if args.smoke:
+        setup = BubbleSetup(args.pp, [2], dim=64, n_layers=4, seq_len=32, steps=1, repeats=1)
+    page = harness.Page("Pipeline bubble: measured against theory", args)
     results = measure_bubble(setup)
-    print(json.dumps(asdict(setup)))
+    print(asdict(setup))
     print("\n".join(table(results, setup)))
-    if args.svg:
-        Path(ROOT, args.svg).write_text(svg(results, setup))
-        print(f"wrote {args.svg}")
+    page.write(body(results, setup, page.plot), plot=svg(results, setup))
 
 
 if __name__ == "__main__":

@@ -3,10 +3,11 @@
 Checks a cluster before training on it. The workers are started the way training starts them (distrain's
 Ray layer: one worker per GPU, or a CPU share each with gloo when the cluster has no GPUs) and join the
 same process group, then time broadcast, reduce, all-reduce, all-gather, reduce-scatter and send/recv
-over message sizes from --min-bytes to --max-bytes. Per size it prints nccl-tests' columns: size, element
-count, dtype, time per operation (the max over ranks of each rank's mean), algorithm bandwidth
-(size / time) and bus bandwidth (algbw × nccl-tests' factor for the operation, comparable with the
-link's speed). Writes a markdown report (docs/collectives.md) and, with --json, the raw numbers.
+over message sizes from --min-bytes to --max-bytes, the operations' order reversed on every other repeat.
+Per size it prints nccl-tests' columns: size, element count, dtype, time per operation (the max over ranks
+of each rank's mean, median over the repeats), algorithm bandwidth (size / time) and bus bandwidth (algbw ×
+nccl-tests' factor for the operation, comparable with the link's speed). Writes docs/collectives.md and,
+with --json, the raw numbers.
 """
 
 from __future__ import annotations
@@ -15,26 +16,25 @@ import argparse
 import json
 import os
 import re
-import shlex
+import statistics
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from machine import describe, machine  # jobs/machine.py, beside this script
+import harness  # first: it keeps Ray on loopback
 
 if TYPE_CHECKING:  # torch is imported where it runs: the driver itself never needs it
     import torch
 
-ROOT = Path(__file__).resolve().parent.parent
 OPS = ("broadcast", "reduce", "all_reduce", "all_gather", "reduce_scatter", "sendrecv")
 DTYPES = ("float32", "bfloat16", "float16")
-CPU_MAX_BYTES = 64 << 20  # keeps the default run on 2 CPU cores to about 2 minutes
+CPU_MAX_BYTES = 64 << 20  # keeps the default run on 2 CPU cores to a few minutes
 GPU_MAX_BYTES = 256 << 20
 UNSUPPORTED = re.compile(r"not supported|unsupported|does not support|not implemented", re.IGNORECASE)
 
-Row = dict  # {"op", "bytes", "count", "dtype", "time_us" (None: n/a), "algbw_gbps", "busbw_gbps", "note"}
+Row = dict  # {"op", "bytes", "count", "dtype", "time_us" (None: n/a), "algbw_gbps", "busbw_gbps", "note", "loads"}
 
 
 def bus_factor(op: str, world: int) -> float:
@@ -70,28 +70,23 @@ def sizes(lo: int, hi: int, factor: int) -> list[int]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--address", default=None, help="Ray cluster; default RAY_ADDRESS, else an embedded local one")
+    p = harness.parser(__doc__, "docs/collectives.md", repeats=2)
+    p.add_argument("--address", default=None, help="a Ray cluster to check; default an embedded local one")
     p.add_argument("--num-workers", type=int, default=None, help="ranks; default: every GPU, or 2 on CPUs")
     p.add_argument("--cpu", action="store_true", help="gloo on CPU workers even when the cluster has GPUs")
-    p.add_argument(
-        "--min-bytes", type=parse_bytes, default=parse_bytes("1K"), help="smallest message, e.g. 1K (default)"
-    )
+    p.add_argument("--min-bytes", type=parse_bytes, default=parse_bytes("1K"), help="smallest message (default 1K)")
     p.add_argument("--max-bytes", type=parse_bytes, default=None, help="largest message; default 64M on CPU, 256M GPU")
     p.add_argument("--factor", type=int, choices=(2, 4), default=2, help="ratio between consecutive sizes (default 2)")
     p.add_argument("--iters", type=int, default=20, help="timed operations per size (default 20)")
-    p.add_argument(
-        "--warmup", type=int, default=5, help="untimed operations per size before the timed ones (default 5)"
-    )
+    p.add_argument("--warmup", type=int, default=5, help="untimed operations per size before the timed ones")
     p.add_argument("--ops", default=",".join(OPS), help=f"comma-separated subset of {','.join(OPS)} (default: all)")
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="element type (default float32)")
     p.add_argument("--cpus-per-worker", type=float, default=0.25, help="Ray CPU share per worker (default 0.25)")
     p.add_argument("--threads-per-worker", type=int, default=1, help="torch threads per worker (default 1)")
-    p.add_argument(
-        "--out", default="docs/collectives.md", help="markdown report, '' for none (default docs/collectives.md)"
-    )
     p.add_argument("--json", default=None, metavar="PATH", help="also write the raw numbers as JSON")
-    args = p.parse_args(argv)
+    args = harness.parse(p, argv)
+    if args.smoke:
+        args.max_bytes, args.iters, args.warmup, args.num_workers = 4 << 10, 2, 1, args.num_workers or 2
     args.ops = [op.strip() for op in args.ops.split(",") if op.strip()]
     unknown = sorted(set(args.ops) - set(OPS))
     if unknown or not args.ops:
@@ -109,9 +104,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def bench_rank(plan: dict, channel) -> dict:
-    """One rank's measurements; rank 0 returns the rows and every rank's device, the others {}. Each
-    time is reduced to its max over ranks inside the group, as nccl-tests does, so rank 0 holds the
-    finished row at once and its progress reports let the driver print rows as they come."""
+    """One rank's measurements, every operation once per repeat in alternating order; rank 0 returns the
+    rows (each time the median over the repeats) and every rank's device, the others {}. Each time is
+    reduced to its max over ranks inside the group, as nccl-tests does."""
     import torch
     import torch.distributed as dist
 
@@ -121,37 +116,53 @@ def bench_rank(plan: dict, channel) -> dict:
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
         dtype = getattr(torch, plan["dtype"])
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        rows: list[Row] = []
-        for op in plan["ops"]:
-            note = None  # why the op is n/a, once it is
-            for size in plan["sizes"]:
-                count = size // itemsize
-                if op in ("all_gather", "reduce_scatter"):
-                    count -= count % world  # the large buffer splits evenly over the ranks
-                row = {"op": op, "bytes": count * itemsize, "count": count, "dtype": plan["dtype"], "time_us": None}
-                if count == 0:
-                    row["note"] = f"below one {plan['dtype']} per rank"
-                elif op == "sendrecv" and world == 1:
-                    row["note"] = note = "needs 2 ranks"
-                elif note is None:
-                    call, buffers = make_op(op, count, dtype, device, rank, world)
-                    note = probe(op, call, buffers, device, rank, world)
-                    if note is None:
-                        seconds = time_op(call, plan["warmup"], plan["iters"], device)
-                        worst = torch.tensor([seconds], dtype=torch.float64, device=device)
-                        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-                        row["time_us"] = worst.item() * 1e6
-                    del call, buffers
-                row.setdefault("note", note)
-                rows.append(row)
-                channel.report({"rows": list(rows)})  # a copy: the driver's poll reads it from another thread
+
+        def run(op: str, repeat: int) -> list[Row]:
+            return time_sizes(op, plan, dtype, device, rank, world)
+
+        passes = harness.alternate(plan["ops"], plan["repeats"], run, quiet=True)
+        rows = []
+        for trials in harness.by_key(passes).values():
+            for i, row in enumerate(trials[0].result):
+                times = [t.result[i]["time_us"] for t in trials]
+                rows.append({**row, "time_us": harness.median_of(times), "loads": [t.load for t in trials]})
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         devices: list = [None] * world
         dist.all_gather_object(devices, f"{os.uname().nodename}: {name}")
         return {"rows": rows, "devices": devices} if rank == 0 else {}
     finally:
         process_group.destroy()
+
+
+def time_sizes(op: str, plan: dict, dtype: torch.dtype, device: torch.device, rank: int, world: int) -> list[Row]:
+    """One operation at every size: a row each, its time the max over ranks (None: n/a, with a note)."""
+    import torch
+    import torch.distributed as dist
+
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    rows: list[Row] = []
+    note = None  # why the op is n/a, once it is
+    for size in plan["sizes"]:
+        count = size // itemsize
+        if op in ("all_gather", "reduce_scatter"):
+            count -= count % world  # the large buffer splits evenly over the ranks
+        row = {"op": op, "bytes": count * itemsize, "count": count, "dtype": plan["dtype"], "time_us": None}
+        if count == 0:
+            row["note"] = f"below one {plan['dtype']} per rank"
+        elif op == "sendrecv" and world == 1:
+            row["note"] = note = "needs 2 ranks"
+        elif note is None:
+            call, buffers = make_op(op, count, dtype, device, rank, world)
+            note = probe(op, call, buffers, device, rank, world)
+            if note is None:
+                seconds = time_op(call, plan["warmup"], plan["iters"], device)
+                worst = torch.tensor([seconds], dtype=torch.float64, device=device)
+                dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+                row["time_us"] = worst.item() * 1e6
+            del call, buffers
+        row.setdefault("note", note)
+        rows.append(row)
+    return rows
 
 
 Buffers = dict  # "in" (where present) and "out" of one operation
@@ -316,35 +327,22 @@ def console_row(row: Row) -> str:
     ).rstrip()
 
 
-class Printer:
-    """Prints rank 0's finished rows as its progress reports them, so a long run is not silent."""
-
-    def __init__(self, world: int):
-        self.world, self.printed = world, 0
-        self.op: str | None = None
-
-    def __call__(self, progress: list[dict]) -> None:
-        rows = progress[0].get("rows", []) if progress else []
-        for row in rows[self.printed :]:
-            if row["op"] != self.op:
-                self.op = row["op"]
-                print(("\n" if self.printed else "") + console_header(self.op), flush=True)
-            print(console_row(finish_row(row, self.world)), flush=True)
-        self.printed = max(self.printed, len(rows))
+CONSOLE = "{:>12} {:>12} {:>9} {:>12} {:>10} {:>10}  {}"
 
 
-def run_info(backend: str, world: int, devices: list[str], load: float) -> dict:
-    """The machine, and how this run used it."""
-    info = machine() | {
-        "backend": backend,
-        "world_size": world,
-        "load": load,  # before the run: other work on the machine skews CPU numbers most
-        "ranks": devices,  # "host: device" of each rank, in rank order
-    }
-    gpus = [d.split(": ", 1)[1] for d in devices if not d.endswith(": cpu")]
-    if gpus:
-        info["gpu"] = f"{len(gpus)} × {gpus[0]}" if len(set(gpus)) == 1 else ", ".join(gpus)
-    return info
+def console(rows: list[Row]) -> str:
+    """The rows as nccl-tests prints them, an op at a time."""
+    lines = []
+    for op in dict.fromkeys(r["op"] for r in rows):
+        lines += ["", f"# {op}", CONSOLE.format("size(B)", "count", "type", "time(us)", "algbw", "busbw", "").rstrip()]
+        lines.append(CONSOLE.format("", "(elements)", "", "", "(GB/s)", "(GB/s)", "").rstrip())
+        for r in (r for r in rows if r["op"] == op):
+            if r["time_us"] is None:
+                lines.append(CONSOLE.format(r["bytes"], r["count"], r["dtype"], "n/a", "n/a", "n/a", r["note"] or ""))
+                continue
+            cells = [f"{r['time_us']:.1f}", f"{r['algbw_gbps']:.3f}", f"{r['busbw_gbps']:.3f}"]
+            lines.append(CONSOLE.format(r["bytes"], r["count"], r["dtype"], *cells, "").rstrip())
+    return "\n".join(lines)
 
 
 def summary(rows: list[Row]) -> dict[str, dict]:
@@ -362,31 +360,52 @@ def summary(rows: list[Row]) -> dict[str, dict]:
     return out
 
 
-def markdown(args: argparse.Namespace, info: dict, rows: list[Row], command: str, wall_s: float, reading: str) -> str:
-    world = info["world_size"]
-    hosts = sorted({d.split(": ", 1)[0] for d in info["ranks"]})
+def reading(rows: list[Row], world: int, backend: str) -> str:
+    """What the numbers say, from the numbers."""
+    table = summary(rows)
+    if not table:
+        return "No operation ran: every one is n/a here."
+    best = max(table, key=lambda op: table[op]["peak_busbw_gbps"])
+    fastest = min(table, key=lambda op: table[op]["min_time_us"])
+    text = (
+        f"The highest bus bandwidth is {best}'s, {table[best]['peak_busbw_gbps']:.3f} GB/s at "
+        f"{human(table[best]['peak_at_bytes'])}; the lowest time per operation {fastest}'s, "
+        f"{table[fastest]['min_time_us']:,.1f} µs at {human(table[fastest]['min_at_bytes'])}: what every small "
+        "message pays, whatever its size."
+    )
+    if {"all_reduce", "all_gather", "reduce_scatter"} <= set(table):
+        ar, parts = table["all_reduce"]["peak_busbw_gbps"], [table[op]["peak_busbw_gbps"] for op in OPS[3:5]]
+        text += (
+            f" All-reduce's peak busbw is {ar / statistics.fmean(parts):.2f}× the mean of all-gather's and "
+            "reduce-scatter's: near 1 when all-reduce is implemented as the two (a ring), as nccl-tests' factors "
+            "assume."
+        )
+    if backend == "gloo":
+        text += (
+            f" These are {world} gloo ranks on one machine's CPU cores: each operation is memory copies and "
+            "loopback TCP sockets, run by the same cores that compute, so the figures measure that software path "
+            "(and the load on the machine), not a network."
+        )
+    return text
+
+
+def body(args: argparse.Namespace, run: dict, rows: list[Row]) -> str:
+    world, hosts = run["world_size"], sorted({d.split(": ", 1)[0] for d in run["ranks"]})
     lines = [
-        "# Collectives",
-        "",
         "Bandwidth of torch.distributed collectives between distrain's workers, reported the way",
         "[nccl-tests](https://github.com/NVIDIA/nccl-tests) reports it, so a cluster can be checked before",
         "training on it. `jobs/bench_collectives.py` starts the workers through distrain's own Ray layer",
         "(`WorkerGroup`: one worker per GPU with NCCL, or a CPU share each with gloo) and each rank joins the",
         "process group with `init_from_env`, exactly as training does.",
         "",
-        "```bash",
-        command,
-        "```",
-        "",
-        f"- Machine: {describe(info)}; "
-        f"1-minute load average {info['load']:.2f} before the run and {info['load_after']:.2f} after it "
-        "(other work on the machine inflates CPU times).",
-        f"- {world} rank(s) on {len(hosts)} node(s), {info['backend']}, {args.dtype}; {args.warmup} warm-up and "
-        f"{args.iters} timed operations per size; sizes {human(args.min_bytes)}–{human(args.max_bytes)} in steps "
-        f"of ×{args.factor}; {args.threads_per_worker} torch thread(s) per worker. The whole run took "
-        f"{wall_s:.0f} s, Ray's start included.",
+        f"- {world} rank(s) on {len(hosts)} node(s) ({', '.join(sorted(set(run['ranks'])))}), {run['backend']}, "
+        f"{args.dtype}; {args.warmup} warm-up and {args.iters} timed operations per size; sizes "
+        f"{human(args.min_bytes)}–{human(args.max_bytes)} in steps of ×{args.factor}; "
+        f"{args.threads_per_worker} torch thread(s) per worker; {args.repeats} pass(es) over the operations, "
+        f"the order reversed on every other one. The whole run took {run['wall_s']:.0f} s, Ray's start included.",
         "- **time**: each rank's mean time per operation (CUDA events around the loop on GPUs; wall clock",
-        "  after a barrier on CPUs, where gloo's calls return when done), the max over ranks.",
+        "  after a barrier on CPUs, where gloo's calls return when done), the max over ranks, the median over",
+        "  the passes. **load**: the 1-minute load average before each pass of the operation.",
         "- **size** is the larger buffer, as in nccl-tests: all-gather's output and reduce-scatter's input",
         "  (each rank contributes or keeps size ÷ ranks); **count** is its number of elements.",
         "- **algbw** = size ÷ time (GB/s = 10⁹ B/s); **busbw** = algbw × nccl-tests' factor: all-reduce",
@@ -394,131 +413,102 @@ def markdown(args: argparse.Namespace, info: dict, rows: list[Row], command: str
         "  comparable across world sizes and with the speed of the links themselves.",
         "- broadcast, reduce and all-reduce run in place; send/recv is a ring (each rank sends to the next",
         "  and receives from the previous at once). Each operation's result is checked once before timing.",
-        "- **n/a**: the backend does not implement the operation for this dtype or device (gloo lacks some,",
-        "  depending on the PyTorch version; torch 2.13's gloo has all six for float32 and bfloat16); the",
-        "  benchmark says so and goes on rather than failing.",
+        "- **n/a**: the backend does not implement the operation for this dtype or device; the benchmark",
+        "  says so and goes on rather than failing.",
         "",
         "## Summary",
         "",
-        "| operation | peak busbw (GB/s) | at size | lowest time (µs) | at size |",
-        "| --- | ---: | ---: | ---: | ---: |",
     ]
     table = summary(rows)
+    cells = []
     for op in args.ops:
-        if op in table:
-            s = table[op]
-            lines.append(
-                f"| {op} | {s['peak_busbw_gbps']:.3f} | {human(s['peak_at_bytes'])} "
-                f"| {s['min_time_us']:,.1f} | {human(s['min_at_bytes'])} |"
-            )
-        else:
-            lines.append(f"| {op} | n/a | | n/a | |")
-    lines += ["", "## Reading", "", reading, ""]
+        s = table.get(op)
+        loads = ", ".join(f"{x:.2f}" for x in next(r["loads"] for r in rows if r["op"] == op))
+        if s is None:
+            cells.append([op, "n/a", "", "n/a", "", loads])
+            continue
+        cells.append(
+            [op, f"{s['peak_busbw_gbps']:.3f}", human(s["peak_at_bytes"])]
+            + [f"{s['min_time_us']:,.1f}", human(s["min_at_bytes"]), loads]
+        )
+    head = ["operation", "peak busbw (GB/s)", "at size", "lowest time (µs)", "at size", "load"]
+    lines += [*harness.table(head, cells), "", "## Reading", "", reading(rows, world, run["backend"]), ""]
     for op in args.ops:
         mine = [r for r in rows if r["op"] == op]
-        lines += [
-            f"## {op} (busbw factor {bus_factor(op, world):.3g})",
-            "",
-            "| size | size (B) | count | type | time (µs) | algbw (GB/s) | busbw (GB/s) |",
-            "| ---: | ---: | ---: | --- | ---: | ---: | ---: |",
-        ]
+        out = []
         for r in mine:
-            if r["time_us"] is None:
-                cells = ["n/a", "n/a", "n/a"]
-            else:
-                cells = [f"{r['time_us']:,.1f}", f"{r['algbw_gbps']:.3f}", f"{r['busbw_gbps']:.3f}"]
-            lines.append(f"| {human(r['bytes'])} | {r['bytes']} | {r['count']} | {r['dtype']} | {' | '.join(cells)} |")
+            timed = ["n/a"] * 3
+            if r["time_us"] is not None:
+                timed = [f"{r['time_us']:,.1f}", f"{r['algbw_gbps']:.3f}", f"{r['busbw_gbps']:.3f}"]
+            out.append([human(r["bytes"]), r["bytes"], r["count"], r["dtype"], *timed])
+        head = ["size", "size (B)", "count", "type", "time (µs)", "algbw (GB/s)", "busbw (GB/s)"]
         notes = sorted({r["note"] for r in mine if r.get("note")})
+        lines += [f"## {op} (busbw factor {bus_factor(op, world):.3g})", "", *harness.table(head, out, "rrrlrrr")]
         lines += ["", *(f"n/a: {n}" for n in notes), *([""] if notes else [])]
     return "\n".join(lines)
 
 
-def previous_reading(out: Path) -> str | None:
-    """The hand-written reading of an earlier report, kept when the tables are regenerated (check it
-    still fits the new numbers)."""
-    if out.exists():
-        text = out.read_text()
-        if "\n## Reading\n" in text:
-            return text.split("\n## Reading\n", 1)[1].split("\n## ", 1)[0].strip()
-    return None
-
-
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    if (args.address or os.environ.get("RAY_ADDRESS")) in (None, "", "local"):
-        # An embedded cluster, on loopback only. Ray reads this when it is imported, hence before the imports
-        # below: set later (as distrain.cluster.runtime.connect does), Ray still binds the external interface.
-        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     import ray
 
     from distrain.cluster.placement import GroupSpec, PlacementError, WorkerFailure
-    from distrain.cluster.runtime import CapacityError, check_capacity, connect, has_gpus
+    from distrain.cluster.runtime import CapacityError, check_capacity, has_gpus
     from distrain.cluster.worker_group import WorkerGroup
 
-    exe = os.path.relpath(sys.executable, ROOT) if sys.executable.startswith(str(ROOT)) else sys.executable
-    command = shlex.join([exe, "jobs/bench_collectives.py", *(sys.argv[1:] if argv is None else argv)])
-    started, load = time.time(), os.getloadavg()[0]
-    connect(args.address)
+    page = harness.Page("Collectives", args)
+    started = time.time()
     try:
-        use_gpu = has_gpus() and not args.cpu
-        if args.num_workers is None:
-            args.num_workers = int(ray.cluster_resources().get("GPU", 0)) if use_gpu else 2
-        if args.max_bytes is None:
-            args.max_bytes = max(args.min_bytes, GPU_MAX_BYTES if use_gpu else CPU_MAX_BYTES)
-        spec = GroupSpec(
-            num_workers=args.num_workers,
-            cpus_per_worker=args.cpus_per_worker,
-            gpus_per_worker=1 if use_gpu else 0,
-            threads_per_worker=args.threads_per_worker,
-        )
-        check_capacity(spec.num_workers, spec.cpus_per_worker, spec.gpus_per_worker)
-        backend = "nccl" if use_gpu else "gloo"
-        if args.num_workers == 1:
-            print("bench_collectives: 1 rank: the collectives move no data and send/recv is n/a", file=sys.stderr)
-        plan = {
-            "ops": args.ops,
-            "sizes": sizes(args.min_bytes, args.max_bytes, args.factor),
-            "dtype": args.dtype,
-            "iters": args.iters,
-            "warmup": args.warmup,
-        }
-        print(
-            f"bench_collectives: {args.num_workers} rank(s), {backend}, {args.dtype}, "
-            f"{human(args.min_bytes)}..{human(args.max_bytes)} ×{args.factor}, "
-            f"{args.warmup}+{args.iters} operations per size, ops {','.join(args.ops)}",
-            flush=True,
-        )
-        printer = Printer(args.num_workers)
-        with WorkerGroup(spec) as group:
-            group.start()
-            result = group.run(bench_rank, plan, on_progress=printer)[0]
-        printer([{"rows": result["rows"]}])  # whatever the last poll missed
+        with harness.ray_cluster(args.address):
+            use_gpu = has_gpus() and not args.cpu
+            if args.num_workers is None:
+                args.num_workers = int(ray.cluster_resources().get("GPU", 0)) if use_gpu else 2
+            if args.max_bytes is None:
+                args.max_bytes = max(args.min_bytes, GPU_MAX_BYTES if use_gpu else CPU_MAX_BYTES)
+            spec = GroupSpec(
+                num_workers=args.num_workers,
+                cpus_per_worker=args.cpus_per_worker,
+                gpus_per_worker=1 if use_gpu else 0,
+                threads_per_worker=args.threads_per_worker,
+            )
+            check_capacity(spec.num_workers, spec.cpus_per_worker, spec.gpus_per_worker)
+            backend = "nccl" if use_gpu else "gloo"
+            if args.num_workers == 1:
+                print("bench_collectives: 1 rank: the collectives move no data and send/recv is n/a", file=sys.stderr)
+            plan = {
+                "ops": args.ops,
+                "sizes": sizes(args.min_bytes, args.max_bytes, args.factor),
+                "dtype": args.dtype,
+                "iters": args.iters,
+                "warmup": args.warmup,
+                "repeats": args.repeats,
+            }
+            print(
+                f"bench_collectives: {args.num_workers} rank(s), {backend}, {args.dtype}, "
+                f"{human(args.min_bytes)}..{human(args.max_bytes)} ×{args.factor}, "
+                f"{args.warmup}+{args.iters} operations per size, {args.repeats} pass(es), ops {','.join(args.ops)}",
+                flush=True,
+            )
+            with WorkerGroup(spec) as group:
+                group.start()
+                result = group.run(bench_rank, plan)[0]
     except (CapacityError, PlacementError, WorkerFailure) as e:
         raise SystemExit(f"bench_collectives: error: {e}") from None
-    finally:
-        ray.shutdown()
-    wall_s = time.time() - started
     rows = [finish_row(r, args.num_workers) for r in result["rows"]]
-    info = run_info(backend, args.num_workers, result["devices"], load)
-    info["load_after"] = os.getloadavg()[0]
-    print(f"\nbench_collectives: done in {wall_s:.0f}s")
+    run = {"backend": backend, "world_size": args.num_workers, "ranks": result["devices"]}
+    run["wall_s"] = time.time() - started
+    print(console(rows))
+    print(f"\nbench_collectives: done in {run['wall_s']:.0f}s")
     for op, s in summary(rows).items():
         print(
             f"  {op:15s} peak busbw {s['peak_busbw_gbps']:.3f} GB/s at {human(s['peak_at_bytes'])}; "
             f"lowest time {s['min_time_us']:.1f} µs at {human(s['min_at_bytes'])}"
         )
-    if args.out:
-        out = ROOT / args.out
-        out.parent.mkdir(parents=True, exist_ok=True)
-        reading = previous_reading(out)
-        blank = "(No reading yet: say here what the numbers mean for this cluster.)"
-        out.write_text(markdown(args, info, rows, command, wall_s, reading or blank))
-        print(f"wrote {out}" + ("; it keeps the earlier Reading: check that against these numbers" if reading else ""))
+    page.write(body(args, run, rows))
     if args.json:
-        raw = {"command": command, "machine": info, "settings": vars(args), "wall_s": wall_s, "rows": rows}
-        Path(args.json).write_text(json.dumps(raw, indent=1) + "\n")
-        print(f"wrote {args.json}")
+        raw = {"command": args.command, "run": run, "settings": vars(args), "rows": rows}
+        Path(args.json).write_text(json.dumps(raw, indent=1, default=str) + "\n")
+        print(f"bench_collectives: wrote {args.json}")
 
 
 if __name__ == "__main__":

@@ -2,49 +2,37 @@
 
 Trains one job (model, corpus, workers, steps) under DDP and under every parameter-server mode (sync, sync with
 a backup worker, async, Hogwild, EASGD) through `distrain.launch.train` on one embedded Ray cluster on loopback,
-then all of them again with the last rank --slowdown times slower (`trainer.straggler`). Writes docs/ps.md from
-each run's metrics.jsonl and summary.json, and docs/ps.svg: loss against step and against wall clock.
+then all of them again with the last rank --slowdown times slower (`fault.straggler`), the runs' order reversed
+on every other repeat. Writes docs/ps.md from each run's metrics.jsonl and summary.json, and docs/ps.svg: loss
+against step and against wall clock.
 """
 
 from __future__ import annotations
 
-import _thread
 import argparse
-import json
 import math
-import os
-import shlex
-import shutil
 import statistics
-import sys
-import tempfile
-import threading
-import time
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 
-from bench_mfu import compose  # jobs/bench_mfu.py: the config `python jobs/train.py <overrides>` trains
-from machine import describe, machine, off_loopback  # jobs/machine.py, beside this script
+import harness  # first: it keeps Ray on loopback
 from svgplot import Axes, Canvas, ticks  # jobs/svgplot.py, beside this script
 
 from distrain.config import OptimConfig
-from distrain.tracking import read_metrics
 
-ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = {  # key → (label, overrides, colour)
     "ddp": ("DDP (all-reduce)", "strategy=ddp", "#222222"),
-    "sync": ("PS sync", "strategy=ps strategy.mode=sync", "#1f77b4"),
-    "backup": ("PS sync + 1 backup", "strategy=ps strategy.mode=sync strategy.backup_workers=1", "#17becf"),
-    "async": ("PS async", "strategy=ps strategy.mode=async", "#d62728"),
-    "hogwild": ("PS Hogwild", "strategy=ps strategy.mode=hogwild", "#ff7f0e"),
-    "easgd": ("PS EASGD", "strategy=ps strategy.mode=easgd", "#2ca02c"),
+    "sync": ("PS sync", "strategy=ps", "#1f77b4"),
+    "backup": ("PS sync + 1 backup", "strategy=ps ps.backup_workers=1", "#17becf"),
+    "async": ("PS async", "strategy=ps ps=async", "#d62728"),
+    "hogwild": ("PS Hogwild", "strategy=ps ps=hogwild", "#ff7f0e"),
+    "easgd": ("PS EASGD", "strategy=ps ps=easgd", "#2ca02c"),
 }
 SCENARIOS = {"none": "no straggler", "straggler": "one straggler"}
 
 
-def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = harness.parser(__doc__, "docs/ps.md", repeats=1)
     p.add_argument("--steps", type=int, default=120, help="training steps per run (default 120)")
     p.add_argument("--workers", type=int, default=4, help="workers of every run (default 4)")
     p.add_argument("--eval-interval", type=int, default=20, help="validation every this many steps (default 20)")
@@ -52,28 +40,38 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--target", type=float, default=2.5, help="the smoothed train loss to time (default 2.5)")
     p.add_argument("--smooth", type=int, default=5, help="steps of the moving mean of the loss (default 5)")
     p.add_argument("--timeout", type=float, default=900, help="seconds a run may take before it is stopped")
-    p.add_argument("--storage", default="", help="where the runs go (default: a temporary directory, removed)")
-    p.add_argument("--out", default="docs/ps.md", help="the page, '' for none (its plot: .svg beside it)")
-    args = p.parse_args()
-    if args.workers < 2 or args.steps < 2:
-        p.error("need --workers ≥ 2 and --steps ≥ 2")
-    exe = os.path.relpath(sys.executable, ROOT) if sys.executable.startswith(str(ROOT)) else sys.executable
-    args.command = shlex.join([exe, "jobs/bench_ps.py", *sys.argv[1:]])
+    p.add_argument("--configs", default=",".join(CONFIGS), help=f"a subset of {','.join(CONFIGS)}")
+    p.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"a subset of {','.join(SCENARIOS)}")
+    args = harness.parse(p, argv)
+    args.configs, args.scenarios = args.configs.split(","), args.scenarios.split(",")
+    if args.smoke:
+        args.steps, args.workers, args.eval_interval, args.smooth = 6, 2, 3, 2
+        args.configs, args.scenarios = ["sync"], ["straggler"]
+    if args.workers < 2 or args.steps < 2 or not set(args.configs) <= set(CONFIGS):
+        p.error(f"need --workers ≥ 2, --steps ≥ 2 and --configs from {','.join(CONFIGS)}")
+    if not set(args.scenarios) <= set(SCENARIOS):
+        p.error(f"--scenarios: choose from {','.join(SCENARIOS)}")
     return args
 
 
-def overrides(args: argparse.Namespace, config: str, scenario: str, storage: Path) -> list[str]:
+def overrides(args: argparse.Namespace, config: str, scenario: str, storage: Path, name: str) -> list[str]:
     """The Hydra overrides of one run: `python jobs/train.py <these>` trains the same job."""
-    slow = f"trainer.straggler={args.workers - 1} trainer.straggler_slowdown={args.slowdown:g}"
+    slow = f"fault.straggler={args.workers - 1} fault.straggler_slowdown={args.slowdown:g}"
     common = (
-        f"model=nano cluster.num_workers={args.workers} cluster.use_gpu=false trainer.precision=fp32 "
-        f"trainer.max_steps={args.steps} trainer.eval_interval={args.eval_interval} checkpoint.interval=0 "
-        f"logger.wandb.mode=disabled logger.progress_interval_s=60 run.storage={storage} run.name={scenario}-{config}"
+        f"model=nano cluster.num_workers={args.workers} trainer.max_steps={args.steps} "
+        f"trainer.eval_interval={args.eval_interval} checkpoint.interval=0 run.storage={storage} run.name={name}"
     )
     # async and Hogwild apply every worker's gradient as its own update: the learning rate per update is
     # scaled down by the workers, as the README advises, for the step size per global batch of the others.
     lr = [f"optim.lr={OptimConfig().lr / args.workers:g}"] if config in ("async", "hogwild") else []
-    return [*CONFIGS[config][1].split(), *common.split(), *lr, *(slow.split() if scenario == "straggler" else [])]
+    return [
+        *CONFIGS[config][1].split(),
+        *common.split(),
+        *harness.CPU_RUN,
+        *(harness.TINY if args.smoke else []),
+        *lr,
+        *(slow.split() if scenario == "straggler" else []),
+    ]
 
 
 def agg(fn: Callable[[list], float], values: list) -> float | None:
@@ -81,42 +79,13 @@ def agg(fn: Callable[[list], float], values: list) -> float | None:
     return fn(values) if values else None
 
 
-def read_json(path: Path, default: object) -> object:
-    return json.loads(path.read_text()) if path.exists() else default
-
-
-def measure(args: argparse.Namespace, config: str, scenario: str, storage: Path) -> dict:
+def measure(args: argparse.Namespace, scenario: str, config: str, repeat: int, storage: Path) -> dict:
     """Train one configuration (stopped past --timeout s); what its metrics.jsonl and summary.json say."""
-    from distrain.launch import train
-
-    cfg = compose(overrides(args, config, scenario, storage))
-    run = {"config": config, "scenario": scenario, "load": os.getloadavg()[0], "error": None}
-    fired = threading.Event()
-
-    def stop() -> None:  # the first asks distrain for a clean stop, the second interrupts it
-        fired.set()
-        _thread.interrupt_main()
-
-    stopper = [threading.Timer(t, stop) for t in (args.timeout, args.timeout + 120)]
-    for timer in stopper:
-        timer.start()
-    try:
-        train(cfg)
-    except BaseException as e:  # on the page, the traceback on the console; the other runs go on
-        if isinstance(e, KeyboardInterrupt) and not fired.is_set():
-            raise  # the user's Ctrl-C
-        traceback.print_exc()
-        run["error"] = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
-    finally:
-        for timer in stopper:
-            timer.cancel()
-    run_dir = Path(cfg.run_dir)
-    summary, placement = read_json(run_dir / "summary.json", {}), read_json(run_dir / "placement.json", [])
-    if summary.get("status") not in (None, "completed") and not run["error"]:
-        run["error"] = f"status {summary['status']}"
-    if off := off_loopback(placement):
-        run["error"] = f"ran off loopback: {off}"
-    if len(lines := read_metrics(str(run_dir))) < 2:
+    run_overrides = overrides(args, config, scenario, storage, f"{scenario}-{config}-{repeat}")
+    trained = harness.train(run_overrides, args.timeout)
+    run = {"config": config, "scenario": scenario, "error": trained.error}
+    lines, summary = trained.metrics, trained.summary
+    if len(lines) < 2:
         return run | {"error": run["error"] or "fewer than 2 metrics lines"}
     loss = [m["loss"] for m in lines]
     for i, m in enumerate(lines):
@@ -143,6 +112,22 @@ def measure(args: argparse.Namespace, config: str, scenario: str, storage: Path)
     }  # fmt: skip
 
 
+def merge(trials: list[harness.Trial]) -> dict:
+    """One configuration's runs as one: each figure's median over the runs that have it, the first finished
+    run's loss curve, the errors and restarts of any, and the load before each run."""
+    runs = [t.result for t in trials]
+    base = next((r for r in runs if "train_s" in r), runs[0])
+    out = dict(base) | {"loads": [t.load for t in trials], "runs": len(runs)}
+    for key, value in base.items():
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            out[key] = harness.median_of([r.get(key) for r in runs])
+    if rates := [r["worker_rates"] for r in runs if r.get("worker_rates")]:
+        out["worker_rates"] = (harness.median_of([a for a, _ in rates]), harness.median_of([b for _, b in rates]))
+    out["error"] = "; ".join(dict.fromkeys(r["error"] for r in runs if r["error"])) or None
+    out["restarts"] = sum(r.get("restarts", 0) for r in runs)
+    return out
+
+
 # -- the page ----------------------------------------------------------------------------------------
 
 
@@ -158,13 +143,13 @@ def table(runs: list[dict], target: float) -> list[str]:
     head = [
         "configuration", "final train loss", "final val loss", "train s (first → last line)", "wall s (total)",
         "steps/s", "steps/s ÷ DDP", f"s to loss < {target:g}", "speed to target vs DDP", "staleness mean / max",
-        "updates/s", "dropped grads", "MB pushed+pulled / step", "worker steps/s (slowest–fastest)", "load",
+        "updates/s", "dropped grads", "MB pushed+pulled / step", "worker steps/s (slowest–fastest)", "load before",
     ]  # fmt: skip
-    rows = ["| " + " | ".join(head) + " |", "| --- |" + " ---: |" * (len(head) - 1)]
+    rows = []
     ddp = next((r for r in runs if r["config"] == "ddp" and "train_s" in r), {})
     for r in runs:
         if "train_s" not in r:
-            rows.append(f"| {name(r)} | failed: {r['error']} |" + " |" * (len(head) - 2))
+            rows.append([name(r), f"failed: {r['error']}", *[""] * (len(head) - 2)])
             continue
         ratio = r["steps_per_s"] / ddp["steps_per_s"] if ddp.get("steps_per_s") and r["steps_per_s"] else None
         speed = ddp["to_target_s"] / r["to_target_s"] if ddp.get("to_target_s") and r["to_target_s"] else None
@@ -174,18 +159,20 @@ def table(runs: list[dict], target: float) -> list[str]:
             name(r) + "".join(f" ({n})" for n in notes), num(r["final_loss"], ".4f"), num(r["final_val_loss"], ".4f"),
             num(r["train_s"], ".1f"), num(r["wall_s"], ".1f"), num(r["steps_per_s"]), num(ratio, ".2f", "×"),
             num(r["to_target_s"], ".1f"), num(speed, ".2f", "×"), stale, num(r["updates_per_s"], ".1f"),
-            num(r["dropped"], "d"), num(r["mb_per_step"]),
-            "{:.2f}–{:.2f}".format(*r["worker_rates"]) if r["worker_rates"] else "—", f"{r['load']:.2f}",
+            num(r["dropped"], ".0f"), num(r["mb_per_step"]),
+            "{:.2f}–{:.2f}".format(*r["worker_rates"]) if r["worker_rates"] else "—",
+            ", ".join(f"{x:.2f}" for x in r["loads"]),
         ]  # fmt: skip
-        rows.append("| " + " | ".join(cells) + " |")
-    return rows
+        rows.append(cells)
+    return harness.table(head, rows)
 
 
 def reading(runs: list[dict], target: float, steps: int, workers: int) -> str:
     """What the numbers say, from the numbers."""
     out, by = [], {(r["scenario"], r["config"]): r for r in runs if "train_s" in r}
     for scenario, title in SCENARIOS.items():
-        done = [r for (s, _), r in by.items() if s == scenario]
+        if not (done := [r for (s, _), r in by.items() if s == scenario]):
+            continue
         reached = sorted((r for r in done if r["to_target_s"] is not None), key=lambda r: r["to_target_s"])
         vals = sorted((r for r in done if r["final_val_loss"] is not None), key=lambda r: r["final_val_loss"])
         text = f"- **{title.capitalize()}.** "
@@ -228,13 +215,14 @@ def reading(runs: list[dict], target: float, steps: int, workers: int) -> str:
 
 
 def svg(runs: list[dict], target: float, smooth: int) -> str:
-    """A 2×2 grid: smoothed loss against step and against wall clock, a row per scenario."""
+    """Smoothed loss against step and against wall clock, a row per scenario."""
     curves = [r for r in runs if "curve" in r]
     losses = [p[2] for r in curves for p in r["curve"]] or [0.0, 1.0]
     lo, hi = math.floor(min(losses) * 2) / 2, math.ceil(max(losses) * 2) / 2
-    canvas = Canvas(960, 710, font_size=11)
+    scenarios = {s: title for s, title in SCENARIOS.items() if any(r["scenario"] == s for r in runs)}
+    canvas = Canvas(960, 70 + 320 * len(scenarios), font_size=11)
     canvas.text(60, 20, f"Train loss ({smooth}-step moving mean) per configuration", font_size=15)
-    for row, (scenario, title) in enumerate(SCENARIOS.items()):
+    for row, (scenario, title) in enumerate(scenarios.items()):
         for col, (axis, unit) in enumerate(((0, "step"), (1, "wall-clock s since the first step"))):
             mine = [r for r in curves if r["scenario"] == scenario]
             xmax = max([p[axis] for r in mine for p in r["curve"]] or [1]) or 1
@@ -248,47 +236,41 @@ def svg(runs: list[dict], target: float, smooth: int) -> str:
             for r in mine:
                 ax.curve([(p[axis], p[2]) for p in r["curve"]], CONFIGS[r["config"]][2], width=1.5)
     legend = [(label, colour, None) for label, _, colour in CONFIGS.values()]
-    canvas.legend([*legend, (f"target {target:g}", "#888", "4 3")], 60, 694, across=True)
+    canvas.legend([*legend, (f"target {target:g}", "#888", "4 3")], 60, 54 + 320 * len(scenarios), across=True)
     return canvas.render()
 
 
-def markdown(args: argparse.Namespace, info: dict, runs: list[dict], plot: str) -> str:
+def body(args: argparse.Namespace, runs: list[dict], plot: str) -> str:
+    from distrain.cli import compose
     from distrain.model.size import num_params
 
-    cfg = compose(overrides(args, "easgd", "none", Path(tempfile.gettempdir())))
-    t, o, c, nl, sections = cfg.trainer, cfg.optim, cfg.cluster, "\n", ""
+    cfg = compose(overrides(args, "easgd", "none", Path("/tmp"), "plan"))
+    t, o, c, p, nl, sections = cfg.trainer, cfg.optim, cfg.cluster, cfg.ps, "\n", ""
     summary = reading(runs, args.target, args.steps, args.workers)
-    for scenario, title in SCENARIOS.items():
+    for scenario, title in ((s, SCENARIOS[s]) for s in args.scenarios):
         extra = f" (rank {args.workers - 1} at {args.slowdown:g}× its compute time per step)" * (scenario != "none")
         rows = table([r for r in runs if r["scenario"] == scenario], args.target)
         sections += f"## {title.capitalize()}{extra}\n\n{nl.join(rows)}\n\n"
-    return f"""# Parameter server beside all-reduce
+    return f"""DDP (all-reduce) and each parameter-server mode (`strategy=ps`, `distrain/ps/`) train one job, one run
+after the other through `distrain.launch.train` on one embedded Ray cluster (loopback only), first with every worker at
+full speed, then with one simulated straggler (`fault.straggler`); {args.repeats} run(s) of each, the order
+reversed on every other repeat (a cell is the median over them, a curve the first run's).
 
-`jobs/bench_ps.py` trains one job under DDP (all-reduce) and under each parameter-server mode (`strategy=ps`,
-`distrain/ps/`), one run after the other through `distrain.launch.train` on one embedded Ray cluster (loopback
-only), first with every worker at full speed, then with one simulated straggler (`trainer.straggler`).
-
-```bash
-{args.command}
-```
-
-- Date: {time.strftime("%Y-%m-%d %H:%M %Z")}.
-- Machine: {describe(info)}; 1-minute load average at the start {info["load"]:.2f}, before each run in the
-  tables' last column (the machine is shared: other work on its cores slows the runs down).
-- Job: `model=nano` ({num_params(cfg.model) / 1e6:.2f} M parameters), the default corpus (`data={cfg.data.name}`),
-  {args.workers} CPU workers ({c.cpus_per_worker:g} CPU, {c.threads_per_worker} torch thread each), global batch
-  {t.global_batch_size} × {t.seq_len} tokens, micro-batch {t.micro_batch_size}, fp32, {o.name} lr {o.lr:g}
-  (async and Hogwild: {o.lr / args.workers:g}: one update per worker's gradient, so the lr per update is
-  ÷ workers; {o.warmup_steps} warm-up steps, grad clip {o.grad_clip:g}), {t.max_steps} steps, validation every
-  {t.eval_interval} steps ({t.eval_batches} batches) and after the last; `checkpoint.interval=0
-  logger.wandb.mode=disabled`. PS: one server (`strategy.num_servers=1`), the preset's defaults otherwise
-  (EASGD τ = {cfg.strategy.tau}, α = 0.9 / workers = {cfg.strategy.alpha:g}).
+- Job: `model={cfg.model.name}` ({num_params(cfg.model) / 1e6:.2f} M parameters), the default corpus
+  (`data={cfg.data.name}`), {args.workers} CPU workers ({c.cpus_per_worker:g} CPU, {c.threads_per_worker} torch
+  thread each), global batch {t.global_batch_size} × {t.seq_len} tokens, micro-batch {t.micro_batch_size}, fp32,
+  {o.name} lr {o.lr:g} (async and Hogwild: {o.lr / args.workers:g}: one update per worker's gradient, so the lr per
+  update is ÷ workers; {o.warmup_steps} warm-up steps, grad clip {o.grad_clip:g}), {t.max_steps} steps, validation
+  every {t.eval_interval} steps ({t.eval_batches} batches) and after the last; `checkpoint.interval=0
+  logger.wandb.mode=disabled`. PS: {p.num_servers} server (`ps.num_servers`), the presets' defaults otherwise
+  (EASGD τ = {p.tau}, α = 0.9 / workers = {p.elastic_alpha(args.workers):g}).
 - Columns: train s from the first to the last metrics line's `time`; wall s is `summary.json`'s `wall_s` (call
   → return: start-up, final validation and checkpoint included); steps/s over the train s; s to loss <
   {args.target:g}: the first line whose {args.smooth}-step trailing mean of the train loss is below it, from the
   first line; speed to target vs DDP: DDP's time ÷ this one's (> 1: sooner). PS figures from the metrics lines:
   mean `staleness_mean` / max `staleness_max`, median `updates_per_s` of the server, gradients `dropped` by the
-  backup rounds, `bytes_pushed` + `bytes_pulled` per line, each worker's median `worker_steps_per_s`.
+  backup rounds, `bytes_pushed` + `bytes_pulled` per line, each worker's median `worker_steps_per_s`. Load before:
+  the 1-minute load average before each run.
 - A PS metrics line's `time` is when its step ended (the latest of the workers' records of that step); DDP's
   rank 0 writes each line as its step ends.
 
@@ -296,43 +278,32 @@ only), first with every worker at full speed, then with one simulated straggler 
 
 ## Reading
 
-{summary}- This is CPU/gloo on loopback on a {info["cores"]}-core shared machine: {args.workers}
+{summary}- This is CPU/gloo on loopback on a {harness.machine()["cores"]}-core machine: {args.workers}
   single-threaded workers, the server and the driver share the cores, so it measures orchestration and staleness
   effects (who waits for whom, what stale gradients do to the loss), not GPU performance: a sleeping straggler
   frees its core for the others, and every push and pull is a copy through Ray's object store.
 """
 
 
-def main() -> None:
-    args = parse_args()
-    # Loopback only: Ray reads this when it is first imported (see /work/shared/DESIGN.md, Pitfalls).
-    os.environ.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0")
-    os.environ.pop("RAY_ADDRESS", None)
-    info = machine()
-    import ray
-
-    from distrain.cluster.runtime import connect
-
-    storage, runs = Path(args.storage or tempfile.mkdtemp(prefix="bench_ps_")).resolve(), []
-    try:
-        connect(None)  # one embedded cluster for every run: ray.init(address="local") on 127.0.0.1
-        for scenario, title in SCENARIOS.items():
-            for config, (label, _, _) in CONFIGS.items():
-                print(f"bench_ps: {title}: {label} ...", flush=True)
-                runs.append(r := measure(args, config, scenario, storage))
-                print("\n".join(table([r], args.target)[2:]), flush=True)
-    finally:
-        ray.shutdown()
-        if not args.storage:
-            shutil.rmtree(storage, ignore_errors=True)
-    for scenario in SCENARIOS:
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    page = harness.Page("Parameter server beside all-reduce", args)
+    keys = [(scenario, config) for scenario in args.scenarios for config in args.configs]
+    with harness.storage(args) as storage, harness.ray_cluster():
+        trials = harness.alternate(
+            keys,
+            args.repeats,
+            lambda key, k: measure(args, *key, k, storage),
+            lambda key: f"{SCENARIOS[key[0]]}: {CONFIGS[key[1]][0]}",
+        )
+    runs = [merge(mine) for mine in harness.by_key(trials).values()]
+    order = {key: i for i, key in enumerate(keys)}
+    runs.sort(key=lambda r: order[r["scenario"], r["config"]])
+    for scenario in args.scenarios:
         print("\n" + "\n".join(table([r for r in runs if r["scenario"] == scenario], args.target)))
-    if args.out:
-        out = ROOT / args.out
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.with_suffix(".svg").write_text(svg(runs, args.target, args.smooth))
-        out.write_text(markdown(args, info, runs, out.with_suffix(".svg").name))
-        print(f"wrote {out} and {out.with_suffix('.svg')}")
+    page.write(body(args, runs, page.plot), trials, plot=svg(runs, args.target, args.smooth))
+    if failed := [r for r in runs if r["error"]]:
+        raise SystemExit(f"bench_ps: {len(failed)} configuration(s) had problems: {failed[0]['error']}")
 
 
 if __name__ == "__main__":

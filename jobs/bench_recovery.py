@@ -1,51 +1,43 @@
-"""Recovery after a worker is killed, distrain beside Ray Train:  python jobs/bench_recovery.py
+"""Recovery after a worker is killed: distrain, distrain with a hot spare, Ray Train:  python jobs/bench_recovery.py
 
-Both systems train the same job on one embedded Ray cluster while a killer thread SIGKILLs a random worker
---kills times: distrain under its supervisor, timed by the supervisor's own record of each attempt
-(summary.json → attempts); Ray Train's `TorchTrainer` with `FailureConfig` around distrain's trainer, timed
-by rank 0's marks written to a file and by when the old workers' processes exit. What is measured and how
-is on the page this writes (docs/recovery.md, its plot beside it).
+The same job trains on one embedded Ray cluster while a killer thread SIGKILLs a random worker: under
+distrain's supervisor (`cluster.spares=0`, and `cluster.spares=1`: a warm worker takes the dead rank at
+once), timed by the supervisor's own record of each attempt (summary.json → attempts); and under Ray
+Train's `TorchTrainer` with `FailureConfig` around distrain's trainer, timed by rank 0's marks written to a
+file and by when the old workers' processes exit. Every configuration runs --repeats times on 2 and 4
+workers, the order reversed on every other repeat. What is measured and how is on the page this writes
+(docs/recovery.md, its plot beside it).
 """
 
 from __future__ import annotations
 
-import _thread
-import argparse
 import contextlib
 import json
 import os
 import random
-import shlex
-import shutil
 import signal
-import socket
-import statistics
-import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from bench_mfu import compose  # jobs/bench_mfu.py: the config `python jobs/train.py <overrides>` trains
-from machine import describe, machine  # jobs/machine.py, beside this script
+import harness  # first: it keeps Ray on loopback
 from svgplot import Canvas  # jobs/svgplot.py, beside this script
 
 from distrain.tracking import read_metrics
 
-ROOT = Path(__file__).resolve().parent.parent
-GOAL_S = 10.0  # distrain's median recovery on the embedded cluster
-SYSTEMS = {"distrain": "distrain", "raytrain": "Ray Train"}
+GOAL_S = 2.0  # distrain's median recovery with a hot spare, on the embedded cluster
+SYSTEMS = {"distrain": "distrain", "spare": "distrain + 1 hot spare", "raytrain": "Ray Train"}
 INTERVAL, FIRST, GAP, TAIL = 5, 12, 10, 5  # a checkpoint every 5 steps; kill i after step FIRST + GAP·(i−1)
-TIMEOUT_S = 900.0  # for the kills of one run
+SPARE_WAIT_S = 120.0  # the longest the killer holds a run for its spares to be warm; then it kills anyway
 MARKS = ("joined_at", "loaded_at", "first_step_at")  # the trainer's own timestamps
-PHASES = {  # the table's rows: label, and the colour of the phases both systems have (the plot's segments)
+PHASES = {  # the table's rows: label, and the colour of the phases all systems have (the plot's segments)
     "detect_teardown": ("detect + tear down", "#d62728"),
     "detection": ("· distrain: detection (kill → failure seen)", None),
     "teardown": ("· distrain: teardown (dead actor released)", None),
     "restart": ("place + start workers + process group", "#ff7f0e"),
-    "placement": ("· distrain: placement (replacement up in its bundle)", None),
+    "placement": ("· distrain: placement (a spare, or a new actor, in the bundle)", None),
     "process_group": ("· distrain: process group (→ all ranks joined)", None),
     "load": ("model + checkpoint load", "#1f77b4"),
     "first_step": ("first step", "#2ca02c"),
@@ -62,8 +54,9 @@ class Kill:
     pid: int
     step: int  # the last step logged before the kill
     at: float  # wall clock, just before the signal
+    spares_warm: int = 0  # warm hot spares when the kill came
     gone_at: float | None = None  # when the other ranks' processes had all exited
-    replaced: int | None = None  # worker processes of the next attempt that were not there before
+    took_spare: bool | None = None  # whether a warm spare took the dead rank (None: no spare there)
     phases: dict[str, float] = field(default_factory=dict)  # PHASES keys
 
 
@@ -71,20 +64,22 @@ class Kill:
 class Run:
     system: str
     workers: int
+    repeat: int
     kills: list[Kill]
     startup_s: float | None  # train() / fit() → first completed step
-    load: float  # 1-minute load average when the run began
     error: str | None = None
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--workers", default="2,4", help="comma-separated worker counts, each a run per system")
-    p.add_argument("--kills", type=int, default=5, help="SIGKILLs per run (default 5)")
-    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"subset of {','.join(SYSTEMS)}")
-    p.add_argument("--out", default="docs/recovery.md", help="the page, '' for none (its plot: .svg beside it)")
+def parse_args(argv: list[str] | None = None):
+    p = harness.parser(__doc__, "docs/recovery.md", repeats=3)
+    p.add_argument("--workers", help="comma-separated worker counts, each a run per system (default 2,4; smoke 2)")
+    p.add_argument("--kills", type=int, default=1, help="SIGKILLs per run (default 1)")
+    p.add_argument("--systems", help=f"a subset of {','.join(SYSTEMS)} (default all; smoke spare)")
+    p.add_argument("--timeout", type=float, default=900, help="seconds a run may take before it is stopped")
     p.add_argument("--json", default="", help="also write every kill's measurements to this JSON file")
-    args = p.parse_args(argv)
+    args = harness.parse(p, argv)
+    args.workers = args.workers or ("2" if args.smoke else "2,4")
+    args.systems = args.systems or ("spare" if args.smoke else ",".join(SYSTEMS))
     args.workers = [int(n) for n in args.workers.split(",")]
     args.systems = [s for s in args.systems.split(",") if s]
     if not set(args.systems) <= set(SYSTEMS) or args.kills < 1 or min(args.workers) < 2:
@@ -92,15 +87,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def overrides(kills: int, workers: int, storage: Path, name: str) -> list[str]:
-    """The Hydra overrides of one run: `python jobs/train.py <these>` trains the same job."""
-    return (
-        f"model=nano strategy=ddp cluster.num_workers={workers} cluster.use_gpu=false trainer.precision=fp32 "
-        f"cluster.max_failures={kills + 1} cluster.restart_backoff_s=0 checkpoint.interval={INTERVAL} "
-        f"trainer.max_steps={FIRST + (kills - 1) * GAP + TAIL} trainer.global_batch_size=32 "
-        "trainer.micro_batch_size=8 trainer.seq_len=128 trainer.eval_interval=0 trainer.eval_batches=1 "
-        f"logger.wandb.mode=disabled run.storage={storage} run.name={name}"
-    ).split()
+def overrides(args, system: str, workers: int, storage: Path, name: str) -> list[str]:
+    """The Hydra overrides of one run: `python jobs/train.py <these>` trains the same job. fault.hold_file is
+    how the killer pins the run down at a step boundary while it waits for a spare to be warm."""
+    size, tail = "trainer.global_batch_size=32 trainer.micro_batch_size=8 trainer.seq_len=128", TAIL
+    if args.smoke:  # its steps take milliseconds: a longer tail, or the run may end before the killer sees step FIRST
+        tail = 4 * TAIL
+        size = " ".join(harness.TINY)
+    return [
+        *harness.CPU_RUN,
+        *(
+            f"model=nano strategy=ddp cluster.num_workers={workers} cluster.spares={int(system == 'spare')} "
+            f"cluster.max_failures={args.kills + 1} cluster.restart_backoff_s=0 checkpoint.interval={INTERVAL} "
+            f"trainer.max_steps={FIRST + (args.kills - 1) * GAP + tail} {size} trainer.eval_interval=0 "
+            f"trainer.eval_batches=1 fault.hold_file={storage / name}.hold run.storage={storage} run.name={name}"
+        ).split(),
+    ]
 
 
 # -- the killer --------------------------------------------------------------------------------------
@@ -122,16 +124,17 @@ def alive(pid: int) -> bool:
 
 
 class Killer(threading.Thread):
-    """Kill i comes once an attempt begun after kill i−1 has logged step FIRST + GAP·(i−1), at a
-    random moment within the next step, on a random rank (`pids()`: rank → PID of the attempt now).
-    Past TIMEOUT_S it interrupts the main thread (to distrain, a request to stop)."""
+    """Kill i comes once an attempt begun after kill i−1 has logged step FIRST + GAP·(i−1): the run is held
+    before its next step (fault.hold_file) until `spares` hot spares are warm, then let go and a random rank
+    (`pids()`: rank → PID of the attempt now) is killed at a random moment within that step."""
 
-    def __init__(self, label: str, run_dir: Path, pids: Callable[[], dict[int, int]], count: int):
+    def __init__(self, label: str, run_dir: Path, pids: Callable[[], dict[int, int]], count: int, spares: int):
         super().__init__(daemon=True)
-        self.label, self.run_dir, self.pids, self.count = label, run_dir, pids, count
+        self.label, self.run_dir, self.pids, self.count, self.spares = label, run_dir, pids, count, spares
+        self.placement = run_dir / "placement.json"  # distrain lists its warm spares there
+        self.hold = Path(f"{run_dir}.hold")
         self.rng, self.kills, self.error = random.Random(label), [], None
         self.done = threading.Event()  # set by the main thread when the run has returned
-        self.deadline = time.time() + TIMEOUT_S
 
     def run(self) -> None:
         after: float | None = 0.0
@@ -140,17 +143,19 @@ class Killer(threading.Thread):
                 after = self.kill(FIRST + len(self.kills) * GAP, after)
         except Exception as e:  # reported with the run
             self.error = f"the killer failed: {e!r}"
+        finally:
+            self.hold.unlink(missing_ok=True)
         if self.error is None and len(self.kills) < self.count:
             self.error = f"only {len(self.kills)} of {self.count} kills happened"
+
+    def warm(self) -> set[int]:
+        """The PIDs of the hot spares that are warm now."""
+        return {e["pid"] for e in harness.read_json(self.placement, []) if "spare" in e} if self.spares else set()
 
     def wait(self, ready: Callable[[], object]) -> object | None:
         while not self.done.is_set():
             if value := ready():
                 return value
-            if time.time() > self.deadline:
-                self.error = f"interrupted after {TIMEOUT_S:g} s"
-                _thread.interrupt_main()
-                return None
             time.sleep(0.02)
         return None
 
@@ -162,10 +167,16 @@ class Killer(threading.Thread):
         )
         if line is None:
             return None
-        time.sleep(self.rng.uniform(0.0, line.get("step_time_s", 0.1)))  # anywhere within a step
-        pids = self.pids()
+        self.hold.touch()
+        pids, deadline = self.pids(), time.time() + SPARE_WAIT_S
+        ready = self.wait(lambda: self.spares == 0 or time.time() > deadline or len(self.warm()) >= self.spares)
+        warm = self.warm()
+        self.hold.unlink()
+        if ready is None:
+            return None
+        time.sleep(self.rng.uniform(0.0, line.get("step_time_s", 0.1)))  # anywhere within the next step
         rank = self.rng.randrange(len(pids))
-        kill = Kill(len(self.kills) + 1, rank, pids[rank], line["step"], time.time())
+        kill = Kill(len(self.kills) + 1, rank, pids[rank], line["step"], time.time(), len(warm))
         os.kill(kill.pid, signal.SIGKILL)
         self.kills.append(kill)
         print(f"bench_recovery: {self.label}: kill {kill.number}: rank {rank} (pid {kill.pid}) after step {kill.step}")
@@ -180,46 +191,44 @@ class Killer(threading.Thread):
 
         if (first := self.wait(recovered)) is None:
             return None
-        kill.replaced = len(set(self.pids().values()) - old)
+        kill.took_spare = bool(set(self.pids().values()) & warm) if self.spares else None
         print(f"  next step logged {first['time'] - kill.at:.1f} s after the kill (step {first['step']})", flush=True)
         return first["time"]
 
 
-# -- the two systems ---------------------------------------------------------------------------------
-
-
-def under_fire(label: str, run_dir: Path, pids: Callable[[], dict[int, int]], kills: int, call: Callable) -> tuple:
-    """call() in the main thread (distrain installs its signal handlers there), the killer beside it:
-    (the kills, when call() was called, what went wrong or None)."""
-    killer, called_at, error = Killer(label, run_dir, pids, kills), time.time(), None
+def under_fire(label: str, run_dir: Path, pids: Callable, args, spares: int, call: Callable) -> tuple:
+    """call() in the main thread (distrain installs its signal handlers there), bounded by --timeout, the
+    killer beside it: (the kills, when call() was called, what went wrong or None)."""
+    killer, called_at = Killer(label, run_dir, pids, args.kills, spares), time.time()
     killer.start()
     try:
-        call()
-    except KeyboardInterrupt:
-        if killer.error is None:  # the user's, not the killer's at TIMEOUT_S
-            raise
-    except Exception as e:  # WorkerFailure, TrainingFailedError: reported, and the other runs go on
-        error = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
+        _, error = harness.interrupt_after(args.timeout, call)
     finally:
         killer.done.set()
         killer.join(timeout=10)
     return killer.kills, called_at, error or killer.error
 
 
-def run_distrain(kills: int, workers: int, storage: Path) -> Run:
+# -- the three systems -------------------------------------------------------------------------------
+
+
+def run_distrain(system: str, workers: int, repeat: int, args, storage: Path) -> Run:
     """distrain.launch.train; its phases from the supervisor's record of the attempt after each kill."""
+    from distrain.cli import compose
     from distrain.launch import train
 
-    cfg = compose(overrides(kills, workers, storage, f"distrain-{workers}w"))
-    run_dir, load = Path(cfg.run_dir), os.getloadavg()[0]
+    cfg = compose(overrides(args, system, workers, storage, f"{system}-{workers}w-{repeat}"))
+    run_dir = Path(cfg.run_dir)
 
-    def pids() -> dict[int, int]:  # placement.json: the current attempt's, rewritten before it starts
-        with contextlib.suppress(FileNotFoundError, ValueError):
-            return {e["rank"]: e["pid"] for e in json.loads((run_dir / "placement.json").read_text())}
-        return {}
+    def pids() -> dict[int, int]:  # placement.json: the current attempt's ranks (and warm spares), rewritten
+        placement = harness.read_json(run_dir / "placement.json", [])
+        return {e["rank"]: e["pid"] for e in placement if "rank" in e}
 
-    done, called_at, error = under_fire(f"distrain, {workers} workers", run_dir, pids, kills, lambda: train(cfg))
-    attempts = json.loads((run_dir / "summary.json").read_text())["attempts"]
+    label, spares = f"{SYSTEMS[system]}, {workers} workers", cfg.cluster.spares
+    done, called_at, error = under_fire(label, run_dir, pids, args, spares, lambda: train(cfg))
+    if off := harness.off_loopback(harness.read_json(run_dir / "placement.json", [])):
+        error = f"ran off loopback: {off}"
+    attempts = harness.read_json(run_dir / "summary.json", {}).get("attempts", [])
     for kill in done:
         attempt = next((a for a in attempts if a["timings"]["since"] >= kill.at), {"timings": {}})
         t, r = attempt["timings"], attempt.get("recovery", {})
@@ -237,8 +246,8 @@ def run_distrain(kills: int, workers: int, storage: Path) -> Run:
             "total": t["first_step_at"] - kill.at,
         }
         p |= {"detect_teardown": p["detection"] + p["teardown"], "restart": p["placement"] + p["process_group"]}
-    first = attempts[0]["timings"].get("first_step_at")
-    return Run("distrain", workers, done, first and first - called_at, load, error)
+    first = attempts[0]["timings"].get("first_step_at") if attempts else None
+    return Run(system, workers, repeat, done, first and first - called_at, error)
 
 
 class Recorder:
@@ -275,18 +284,22 @@ def raytrain_loop(job: dict) -> None:
     run_rank({**job, "resume_from": str(latest) if latest else None}, Recorder(run_dir, dist.get_rank()))
 
 
-def run_raytrain(kills: int, workers: int, storage: Path) -> Run:
+def run_raytrain(system: str, workers: int, repeat: int, args, storage: Path) -> Run:
     """TorchTrainer on the same config, CPU share and threads per worker; gloo on loopback. Detection +
     teardown end when the other ranks' processes have exited, the restart when rank 0 has joined."""
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
+    from distrain.cli import compose
     from distrain.config import to_plain
+    from distrain.validation import validate
 
-    cfg = compose(overrides(kills, workers, storage, f"raytrain-{workers}w"))
-    run_dir, load = Path(cfg.run_dir), os.getloadavg()[0]
+    name = f"raytrain-{workers}w-{repeat}"
+    cfg = compose(overrides(args, system, workers, storage, name))
+    run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True)
-    job = {"config": to_plain(cfg), "run_dir": str(run_dir), "wandb_run_id": None, "started_at": time.time()}
+    job = {"config": to_plain(cfg), "layout": validate(cfg).as_dict(), "run_dir": str(run_dir)}
+    job |= {"wandb_run_id": None, "started_at": time.time()}
     cpus, threads = cfg.cluster.cpus_per_worker, cfg.cluster.threads_per_worker
     env = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": str(threads)}
     trainer = TorchTrainer(
@@ -294,9 +307,9 @@ def run_raytrain(kills: int, workers: int, storage: Path) -> Run:
         train_loop_config=job,
         scaling_config=ScalingConfig(num_workers=workers, use_gpu=False, resources_per_worker={"CPU": cpus}),
         run_config=RunConfig(
-            name=f"raytrain-{workers}w",
+            name=name,
             storage_path=str(storage / "ray_train"),
-            failure_config=FailureConfig(max_failures=kills + 1),
+            failure_config=FailureConfig(max_failures=args.kills + 1),
             worker_runtime_env={"env_vars": env},
         ),
     )
@@ -305,7 +318,7 @@ def run_raytrain(kills: int, workers: int, storage: Path) -> Run:
         found = {int(p.name): int(p.read_text()) for p in (run_dir / "pids").glob("[0-9]*")}
         return found if len(found) == workers else {}
 
-    done, called_at, error = under_fire(f"Ray Train, {workers} workers", run_dir, pids, kills, trainer.fit)
+    done, called_at, error = under_fire(f"Ray Train, {workers} workers", run_dir, pids, args, 0, trainer.fit)
     lines = (run_dir / "marks.jsonl").read_text().splitlines() if (run_dir / "marks.jsonl").exists() else []
     by_entry = {m["entered_at"]: m for m in map(json.loads, lines)}  # the last, fullest line of each attempt
     marks = [by_entry[k] for k in sorted(by_entry)]
@@ -320,129 +333,160 @@ def run_raytrain(kills: int, workers: int, storage: Path) -> Run:
                 "total": m["first_step_at"] - kill.at,
             }
     startup = marks[0]["first_step_at"] - called_at if marks and "first_step_at" in marks[0] else None
-    return Run("raytrain", workers, done, startup, load, error)
+    return Run(system, workers, repeat, done, startup, error)
 
 
 # -- the page ----------------------------------------------------------------------------------------
 
 
-def stats(run: Run, key: str) -> tuple[float, float, float] | None:
-    """(median, min, max) over the kills of a PHASES key ("startup": the one start-up); None if not measured."""
+def values(trials: list[harness.Trial], key: str) -> list[float]:
+    """A PHASES key over the kills of some runs ("startup": each run's one start-up)."""
     if key == "startup":
-        return (run.startup_s,) * 3 if run.startup_s else None
-    have = [k.phases[key] for k in run.kills if key in k.phases]
-    return (statistics.median(have), min(have), max(have)) if have else None
+        return [t.result.startup_s for t in trials if t.result.startup_s]
+    return [k.phases[key] for t in trials for k in t.result.kills if key in k.phases]
 
 
-def median(run: Run, key: str) -> float:
-    return s[0] if (s := stats(run, key)) else 0.0
+def median(trials: list[harness.Trial], key: str) -> float:
+    return harness.median_of(values(trials, key)) or 0.0
 
 
-def pairs(runs: list[Run]) -> dict[int, dict[str, Run]]:
-    """worker count → system → run, for the counts both systems ran."""
-    by = {n: {r.system: r for r in runs if r.workers == n} for n in sorted({r.workers for r in runs})}
-    return {n: pair for n, pair in by.items() if len(pair) == 2}
+def configs(trials: list[harness.Trial]) -> dict[int, dict[str, list[harness.Trial]]]:
+    """worker count → system → its runs."""
+    out: dict[int, dict[str, list[harness.Trial]]] = {}
+    for (system, workers), mine in sorted(harness.by_key(trials).items(), key=lambda kv: kv[0][1]):
+        out.setdefault(workers, {})[system] = mine
+    return {n: {s: by[s] for s in SYSTEMS if s in by} for n, by in out.items()}
 
 
-def cell(s: tuple[float, float, float] | None) -> str:
-    return "—" if s is None else f"{s[0]:.2f}" + (f" ({s[1]:.2f}–{s[2]:.2f})" if s[1] < s[2] else "")
+def tables(trials: list[harness.Trial]) -> list[str]:
+    """Per worker count: a row per phase, a column per system (median over every kill of its runs, min–max),
+    then Ray Train's median over distrain-with-a-spare's."""
+    lines = []
+    for n, by in configs(trials).items():
+        ratio = "raytrain" in by and "spare" in by
+        head = ["median s (min–max)", *(SYSTEMS[s] for s in by)] + ["Ray Train ÷ distrain + spare"] * ratio
+        rows = []
+        for key, (label, _) in PHASES.items():
+            cells = [harness.spread(values(mine, key)) for mine in by.values()]
+            if ratio:
+                t, d = median(by["raytrain"], key), median(by["spare"], key)
+                cells.append(f"{t / d:.1f}×" if t and d else "—")
+            rows.append([label, *cells])
+        kills = {s: sum(len(t.result.kills) for t in mine) for s, mine in by.items()}
+        rows.append(["kills (runs)", *(f"{kills[s]} ({len(mine)})" for s, mine in by.items()), *[""] * ratio])
+        lines += [f"### {n} workers", "", *harness.table(head, rows), ""]
+    return lines
 
 
-def table(runs: list[Run]) -> list[str]:
-    """A row per phase, a column per run, then Ray Train's median over distrain's per worker count."""
-    both = pairs(runs)
-    head = [f"{SYSTEMS[r.system]}, {r.workers} workers" for r in runs]
-    head += [f"Ray Train / distrain, {n} workers" for n in both]
-    rows = ["| median s (min–max) | " + " | ".join(head) + " |", "| --- |" + " ---: |" * len(head)]
-    for key, (label, _) in PHASES.items():
-        ratios = [(median(p["raytrain"], key), median(p["distrain"], key)) for p in both.values()]
-        cells = [cell(stats(r, key)) for r in runs] + [f"{t / d:.1f}×" if t and d else "—" for t, d in ratios]
-        rows.append(f"| {label} | " + " | ".join(cells) + " |")
-    return rows
-
-
-def kill_rows(runs: list[Run]) -> list[str]:
-    head = ["run", "kill", "rank", "after step", "workers replaced", *(name for name, _ in STACK.values()), "total"]
-    rows = ["| " + " | ".join(head) + " |", "| --- |" + " ---: |" * (len(head) - 1)]
-    for r in runs:
+def kill_rows(trials: list[harness.Trial]) -> list[str]:
+    head = ["run", "repeat", "load before", "kill", "rank", "after step", "spare took it"]
+    head += [*(name for name, _ in STACK.values()), "total"]
+    rows = []
+    for t in sorted(trials, key=lambda t: (t.result.workers, list(SYSTEMS).index(t.result.system), t.repeat)):
+        r = t.result
         for k in r.kills:
-            values = [f"{k.phases[key]:.2f}" if key in k.phases else "—" for key in [*STACK, "total"]]
-            cells = [f"{SYSTEMS[r.system]}, {r.workers} workers", k.number, k.rank, k.step, k.replaced, *values]
-            rows.append("| " + " | ".join(map(str, cells)) + " |")
-    return rows
+            spare = "—" if k.took_spare is None else ("yes" if k.took_spare else f"no ({k.spares_warm} warm)")
+            cells = [f"{SYSTEMS[r.system]}, {r.workers} workers", r.repeat, f"{t.load:.2f}", k.number, k.rank]
+            cells += [k.step, spare, *(f"{k.phases[key]:.2f}" if key in k.phases else "—" for key in [*STACK, "total"])]
+            rows.append(cells)
+        if r.error:
+            rows.append([f"{SYSTEMS[r.system]}, {r.workers} workers", r.repeat, f"{t.load:.2f}", f"problem: {r.error}"])
+            rows[-1] += [""] * (len(head) - len(rows[-1]))
+    return harness.table(head, rows, "lrrrrrl" + "r" * (len(STACK) + 1))
 
 
-def svg(runs: list[Run]) -> str:
-    """A bar per run, stacked from the median of each phase, the goal marked."""
-    left, top = 160, 44
-    longest = max([GOAL_S, *(sum(median(r, key) for key in STACK) for r in runs)])
-    scale, axis = 560 / longest, top + len(runs) * 38
+def svg(trials: list[harness.Trial]) -> str:
+    """A bar per configuration, stacked from the median of each phase, the goal marked."""
+    bars = [(f"{SYSTEMS[s]}, {n} workers", mine) for n, by in configs(trials).items() for s, mine in by.items()]
+    left, top = 230, 44
+    longest = max([GOAL_S, *(sum(median(mine, key) for key in STACK) for _, mine in bars)])
+    scale, axis = 540 / longest, top + len(bars) * 38
     canvas = Canvas(800, axis + 60)
     canvas.text(left, 20, "Recovery after a SIGKILL: median s per phase", font_size=14)
-    for i, r in enumerate(runs):
+    for i, (label, mine) in enumerate(bars):
         y, x = top + i * 38, float(left)
-        canvas.text(left - 8, y + 17, f"{SYSTEMS[r.system]}, {r.workers} workers", "end")
+        canvas.text(left - 8, y + 17, label, "end")
         for key, (name, colour) in STACK.items():
-            m = median(r, key)
+            m = median(mine, key)
             canvas.add("rect", f"<title>{name}: {m:.2f} s</title>", x=x, y=y, width=m * scale, height=26, fill=colour)
             x += m * scale
-        canvas.text(x + 6, y + 17, f"{median(r, 'total'):.1f} s")
-    for t in range(0, int(longest) + 1, 5 if longest > 12 else 1):
-        canvas.text(left + t * scale, axis + 12, str(t), "middle")
+        canvas.text(x + 6, y + 17, f"{median(mine, 'total'):.1f} s")
+    step = next(s for s in (0.5, 1, 2, 5, 10, 20, 50) if longest / s <= 12)
+    for i in range(int(longest / step) + 1):
+        canvas.text(left + i * step * scale, axis + 12, f"{i * step:g}", "middle")
     g = left + GOAL_S * scale
     canvas.line(g, top - 6, g, axis, "#555", dash="4 3")
-    canvas.text(g + 4, top - 8, f"goal {GOAL_S:g} s", fill="#555")
+    canvas.text(g + 4, top - 8, f"goal {GOAL_S:g} s with a spare", fill="#555")
     canvas.legend([(name, colour, None) for name, colour in STACK.values()], 20, axis + 40, across=True, box=True)
     return canvas.render()
 
 
-def reading(runs: list[Run]) -> str:
+def reading(trials: list[harness.Trial]) -> str:
     """What the numbers say, from the numbers."""
     lines = []
-    for n, pair in pairs(runs).items():
-        d = {key: median(pair["distrain"], key) for key in PHASES}
-        t = {key: median(pair["raytrain"], key) for key in PHASES}
-        if d["total"] and t["total"]:
-            lines.append(
-                f"- **{n} workers.** distrain recovers in a median {d['total']:.1f} s "
-                f"({'under' if d['total'] < GOAL_S else 'over'} the {GOAL_S:g} s goal): detection "
-                f"{d['detection']:.2f} s, teardown {d['teardown']:.2f} s, placement {d['placement']:.2f} s, process "
-                f"group {d['process_group']:.2f} s. Ray Train takes {t['total']:.1f} s, {t['total'] / d['total']:.1f}× "
-                f"as long: {t['detect_teardown']:.1f} s until its old workers are gone, {t['restart']:.1f} s more "
-                "until its new group has formed the process group."
+    for n, by in configs(trials).items():
+        m = {s: {key: median(mine, key) for key in PHASES} for s, mine in by.items()}
+        parts = []
+        if (s := m.get("spare")) and s["total"]:
+            took = [k.took_spare for t in by["spare"] for k in t.result.kills]
+            parts.append(
+                f"With a hot spare distrain recovers in a median {s['total']:.2f} s "
+                f"({'within' if s['total'] <= GOAL_S else 'over'} the {GOAL_S:g} s goal; the spare took the dead "
+                f"rank in {sum(map(bool, took))} of {len(took)} kills): detection {s['detection']:.2f} s, teardown "
+                f"{s['teardown']:.2f} s, placement {s['placement']:.2f} s, process group {s['process_group']:.2f} s, "
+                f"load {s['load']:.2f} s, first step {s['first_step']:.2f} s."
             )
-    return "".join(line + "\n" for line in lines)
+        if (d := m.get("distrain")) and d["total"]:
+            gain = f", {d['total'] - s['total']:.2f} s more than with the spare" if s and s["total"] else ""
+            parts.append(
+                f"Without one it takes {d['total']:.2f} s{gain}: its placement ({d['placement']:.2f} s) starts a "
+                "new worker process in the dead rank's bundle, which then imports torch and the trainer before it "
+                f"can join (process group {d['process_group']:.2f} s)."
+            )
+        if (t := m.get("raytrain")) and t["total"]:
+            best = min((v["total"] for k, v in m.items() if k != "raytrain" and v["total"]), default=None)
+            vs = f", {t['total'] / best:.1f}× distrain's best" if best else ""
+            parts.append(
+                f"Ray Train takes {t['total']:.2f} s{vs}: {t['detect_teardown']:.2f} s until its old workers are "
+                f"gone, {t['restart']:.2f} s more until its new group has formed the process group."
+            )
+        lines.append(f"- **{n} workers.** " + " ".join(parts))
+    return "\n".join(lines)
 
 
-def markdown(kills: int, workers: list[int], command: str, info: dict, runs: list[Run], plot: str) -> str:
+def body(args, trials: list[harness.Trial], plot: str) -> str:
+    from distrain.cli import compose
     from distrain.model.size import num_params
 
-    cfg = compose(overrides(kills, workers[0], Path(tempfile.gettempdir()), "plan"))
-    cpus, threads, params = cfg.cluster.cpus_per_worker, cfg.cluster.threads_per_worker, num_params(cfg.model) / 1e6
-    loads = "".join(f", before {SYSTEMS[r.system]} on {r.workers} workers {r.load:.2f}" for r in runs)
-    failed = "".join(f"- {SYSTEMS[r.system]}, {r.workers} workers: {r.error}\n" for r in runs if r.error)
+    cfg = compose(overrides(args, "spare", args.workers[0], Path("/tmp"), "plan"))
+    t, c, workers = cfg.trainer, cfg.cluster, " and ".join(map(str, args.workers))
+    failed = [
+        f"- {SYSTEMS[x.result.system]}, {x.result.workers} workers, repeat {x.repeat}: {x.result.error}"
+        for x in trials
+        if x.result.error
+    ]
     nl = "\n"
-    return f"""# Recovery after a worker is killed: distrain vs Ray Train
+    return f"""The same job trains under distrain's supervisor (`cluster.spares=0`, and `cluster.spares=1`: one hot
+spare, a started and warmed-up worker that takes a dead rank at once) and under Ray Train's `TorchTrainer` with
+`FailureConfig`, one run after the other on one embedded Ray cluster (loopback only); a random worker process is
+SIGKILLed {args.kills} time(s) in each run. Recovery is the time from the kill to the first completed training
+step after it. Under Ray Train the train loop is distrain's own trainer (`distrain.train.loop.run_rank`) on the
+same config, in the gloo process group Ray Train forms, resuming from the same checkpoints on the same disk:
+model, data, checkpoint format and step are identical, so **the comparison is of the orchestration alone**.
+The goal: a median of ≤ {GOAL_S:g} s with a spare.
 
-`jobs/bench_recovery.py` trains the same job under distrain's supervisor and under Ray Train's `TorchTrainer` with
-`FailureConfig`, one after the other on one embedded Ray cluster (loopback only), and SIGKILLs a random worker
-process {kills} time(s) during each run. Recovery is the time from the kill to the first completed training step
-after it. Under Ray Train the train loop is distrain's own trainer (`distrain.train.loop.run_rank`) on the same
-config, in the gloo process group Ray Train forms, resuming from the same checkpoints on the same disk: model,
-data, checkpoint format and step are identical, so **the comparison is of the orchestration alone**.
-
-```bash
-{command}
-```
-
-- Machine: {describe(info)}; 1-minute load average at the start {info["load"]:.2f}{loads} (other work on the
-  machine shares the cores and shows up as slower phases).
-- Job: `model=nano` ({params:.2f} M parameters), DDP on {" and ".join(map(str, workers))} CPU workers ({cpus:g} CPU
-  and {threads} torch thread each, gloo), global batch 32 × 128 tokens, micro-batch 8, fp32, {cfg.trainer.max_steps}
-  steps, a checkpoint every {INTERVAL} steps; kill i comes after step {FIRST} + {GAP}·(i−1), at a random moment
-  within the next step, on a random rank. distrain: `cluster.max_failures={kills + 1} cluster.restart_backoff_s=0`;
-  Ray Train: `FailureConfig(max_failures={kills + 1})`, `ScalingConfig(use_gpu=False, resources_per_worker={{'CPU':
-  {cpus:g}}})`, its defaults otherwise (a health check every 2 s).
+- Job: `model={cfg.model.name}` ({num_params(cfg.model) / 1e6:.2f} M parameters), DDP on {workers} CPU workers \
+({c.cpus_per_worker:g} CPU and {c.threads_per_worker} torch thread each, gloo), global batch {t.global_batch_size} × \
+{t.seq_len} tokens, micro-batch {t.micro_batch_size}, fp32, {t.max_steps} steps, a checkpoint every {INTERVAL} \
+steps. Each configuration (system × workers) runs {args.repeats} time(s), the order of all of them reversed on \
+every other repeat; the 1-minute load average before each run is in the last table.
+- The kill: once the run has logged step {FIRST} (kill i: {FIRST} + {GAP}·(i−1)), the killer holds it before its \
+next step (`fault.hold_file`) until the run's hot spares are warm (an idle `ray::Worker` process under this \
+driver holding no rank; at most {SPARE_WAIT_S:g} s), lets it go, and SIGKILLs a random rank at a random moment \
+within that step. "Spare took it": the dead rank's successor was one of the spares warm at the kill. distrain: \
+`cluster.max_failures={args.kills + 1} cluster.restart_backoff_s=0`; Ray Train: `FailureConfig(max_failures=\
+{args.kills + 1})`, `ScalingConfig(use_gpu=False, resources_per_worker={{'CPU': {c.cpus_per_worker:g}}})`, its \
+defaults otherwise (a health check every 2 s).
 - How each phase is timed (wall clock). distrain: from the supervisor's record of the attempt after the kill
   (`summary.json` → `attempts`): detection = `since` (the failure seen) − kill; teardown, placement, process
   group, model + checkpoint load and first step = its `recovery` phases, between `since`, `torn_down_at`,
@@ -455,73 +499,48 @@ data, checkpoint format and step are identical, so **the comparison is of the or
 
 ## Side by side
 
-{nl.join(table(runs))}
-
-![median phases of each run]({plot})
+{nl.join(tables(trials))}
+![median phases of each configuration]({plot})
 
 ## Reading
 
-{reading(runs)}- distrain's recovery is short because little has to happen: the supervisor waits on the ranks'
-  calls with `ray.wait`, so a death is seen at once; the healthy actors are kept, torch and the trainer already
-  imported; only the dead one is replaced, in the bundle it held. Most of what is left is the replacement's
-  start: a Python process that imports Ray (placement), then torch and the trainer before it joins.
+{reading(trials)}
+- A spare saves what a new worker costs: a Python process that imports Ray, then torch and the trainer, and
+  loads the corpus, all before it can join. The healthy actors are kept either way, their imports warm; the
+  supervisor waits on the ranks' calls with `ray.wait`, so a death is seen at once.
 - Ray Train sees the death at its controller's next poll (at most 2 s later), shuts the whole worker group down
-  and starts a new one: a placement group and processes that each import torch and the trainer. On a small
-  machine those imports compete for the cores, so the more workers, the longer; about a fresh start's time.
-- Load and first step are the same code in both. GPU recovery (NCCL, CUDA contexts, larger checkpoints) is not
-  measured here: this is the CPU/gloo path on one machine.
-{f"{nl}Problems during the runs:{nl}{nl}{failed}" if failed else ""}
+  and starts a new one: a placement group and processes that each import torch and the trainer.
+- GPU recovery (NCCL, CUDA contexts, larger checkpoints) is not measured here: this is the CPU/gloo path on one
+  machine.
+{f"{nl}Problems during the runs:{nl}{nl}{nl.join(failed)}{nl}" if failed else ""}
 ## Every kill
 
-{nl.join(kill_rows(runs))}
+{nl.join(kill_rows(trials))}
 """
-
-
-def start_cluster() -> None:
-    """One embedded cluster for every run, with the dashboard on 127.0.0.1 (see the page's note on it):
-    RAY_API_SERVER_ADDRESS, inherited by every worker, names it to Ray Train's placement-group cleaner."""
-    import ray
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{port}"
-    ray.init(address="local", include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=port)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    exe = os.path.relpath(sys.executable, ROOT) if sys.executable.startswith(str(ROOT)) else sys.executable
-    command = shlex.join([exe, "jobs/bench_recovery.py", *(sys.argv[1:] if argv is None else argv)])
-    os.environ.pop("RAY_ADDRESS", None)  # the killer signals worker PIDs: the cluster must be this machine's
-    # Loopback only: Ray reads this when it is first imported (see jobs/bench_collectives.py).
-    os.environ.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0")
-    info = machine()
     if "raytrain" in args.systems:
         import ray.train.torch  # noqa: F401  (now, not after distrain's runs; the extra: pip install -e ".[bench]")
-    import ray
-
-    storage, runs = Path(tempfile.mkdtemp(prefix="bench_recovery_")), []
-    try:
-        start_cluster()
-        for workers in args.workers:
-            for system in args.systems:
-                print(f"bench_recovery: {SYSTEMS[system]}, {workers} workers, {args.kills} kill(s) ...", flush=True)
-                runs.append((run_distrain if system == "distrain" else run_raytrain)(args.kills, workers, storage))
-                print("\n".join(table(runs[-1:])) + (f"\nproblem: {runs[-1].error}" if runs[-1].error else ""))
-    finally:
-        ray.shutdown()
-        shutil.rmtree(storage, ignore_errors=True)
-    print("\n" + "\n".join(table(runs)))
-    if args.out:
-        out = ROOT / args.out
-        out.with_suffix(".svg").write_text(svg(runs))
-        out.write_text(markdown(args.kills, args.workers, command, info, runs, out.with_suffix(".svg").name))
-        print(f"wrote {out} and {out.with_suffix('.svg')}")
+    page = harness.Page("Recovery after a worker is killed: distrain, with a hot spare, and Ray Train", args)
+    keys = [(system, n) for n in args.workers for system in args.systems]
+    runners = {"distrain": run_distrain, "spare": run_distrain, "raytrain": run_raytrain}
+    with harness.storage(args) as storage, harness.ray_cluster(dashboard="raytrain" in args.systems):
+        trials = harness.alternate(
+            keys,
+            args.repeats,
+            lambda key, k: runners[key[0]](*key, k, args, storage),
+            lambda key: f"{SYSTEMS[key[0]]}, {key[1]} workers, {args.kills} kill(s)",
+        )
+    print("\n" + "\n".join(tables(trials)))
+    page.write(body(args, trials, page.plot), trials, plot=svg(trials))
     if args.json:
-        record = {"machine": info, "command": command, "runs": [asdict(r) for r in runs]}
+        record = {"command": args.command, "trials": [asdict(t) for t in trials]}
         Path(args.json).write_text(json.dumps(record, indent=1))
-        print(f"wrote {args.json}")
+        print(f"bench_recovery: wrote {args.json}")
+    if errors := [t.result.error for t in trials if t.result.error]:
+        raise SystemExit(f"bench_recovery: {len(errors)} run(s) had problems: {errors[0]}")
 
 
 if __name__ == "__main__":

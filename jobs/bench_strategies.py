@@ -1,227 +1,113 @@
-"""Every strategy side by side, in one invocation:  python jobs/bench_strategies.py [--quick]
+"""Memory per rank and step time of every strategy, side by side:  python jobs/bench_strategies.py
 
-1. Memory per rank of ZeRO-0/1/2/3 and CPU offload on 4 gloo processes (no Ray), counted from the
-   tensors by `distrain.parallel.memory.state_bytes` and set beside ZeRO's arithmetic.
-2. The pipeline bubble of each schedule against theory (jobs/bench_bubble.py) and its plot.
-3. The step time of each strategy preset through the product path, `distrain.launch.train` on an
-   embedded Ray cluster, on the same model, batch and worker count.
+1. Memory per rank of ZeRO-0/1/2/3 and CPU offload on gloo processes (no Ray), counted from the tensors
+   by `distrain.parallel.memory.state_bytes` and set beside ZeRO's arithmetic.
+2. The step time of each strategy preset through the product path, `distrain.launch.train` on one
+   embedded Ray cluster, on the same model, batch and worker count, the presets' order reversed on every
+   other repeat.
 
-It prints each table and writes them, with the command, machine and date, to docs/strategies.md.
+Writes docs/strategies.md. The pipeline schedules' bubble is jobs/bench_bubble.py's (docs/bubble.md).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import shlex
 import statistics
-import sys
-import tempfile
-import time
 from pathlib import Path
 
+import harness  # first: it keeps Ray on loopback
 import torch
-from bench_bubble import BubbleSetup, join_group, measure_bubble, spawn, svg
-from bench_bubble import section as bubble_section
-from bench_bubble import table as bubble_table
-from hydra import compose as hydra_compose
-from hydra import initialize_config_dir
-from machine import describe, machine, off_loopback  # jobs/machine.py, beside this script
-from omegaconf import OmegaConf
 
-from distrain.config import ModelConfig, OptimConfig, StrategyConfig, TrainConfig
-from distrain.layout import MeshSizes
+from distrain.cli import compose
+from distrain.config import ModelConfig, OptimConfig, StrategyConfig
+from distrain.layout import Layout
 from distrain.model.llama import Transformer
-from distrain.parallel import process_group
+from distrain.model.size import num_params
 from distrain.parallel.memory import state_bytes
 from distrain.parallel.parallelize import ParallelModel
-from distrain.tracking import read_metrics
-from distrain.train.loop import cross_entropy
+from distrain.train.learner import cross_entropy
 from distrain.train.optim import build_optimizer, local_optimizer
 
-ROOT = Path(__file__).resolve().parent.parent
-WORLD = 4  # ranks of the memory table, workers of the step-time table
 ADAMW_STATES = 2  # exp_avg and exp_avg_sq, each the size of the parameters
 MEMORY_CASES = {"zero0": (0, False), "zero1": (1, False), "zero2": (2, False), "zero3": (3, False)}  # (zero, offload)
 MEMORY_CASES["offload"] = (3, True)
 STRATEGIES = ["ddp", "zero1", "zero2", "zero3", "hsdp", "offload", "tp", "pp", "fsdp_tp"]
-OVERSUBSCRIBED = {"3d": 8}  # presets that need more workers than WORLD: run with this many, and labelled
+OVERSUBSCRIBED = {"3d": 8}  # presets that need more workers than --workers: run with this many, and labelled
 KINDS = ("params", "grads", "optimizer")
-# The tests' CPU settings (gloo, fp32, no W&B), no checkpoint or validation but the final ones, quiet progress.
-CPU_RUN = ["cluster.use_gpu=false", "trainer.precision=fp32", "logger.wandb.mode=disabled", "checkpoint.interval=0"]
-CPU_RUN += ["trainer.eval_interval=0", "trainer.eval_batches=1", "logger.progress_interval_s=600"]
 
 
-def nano() -> ModelConfig:
-    """The model preset itself, conf/model/nano.yaml, on top of the schema's defaults."""
-    preset = OmegaConf.load(ROOT / "conf" / "model" / "nano.yaml")
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), preset))
+def model(smoke: bool) -> ModelConfig:
+    """conf/model/nano.yaml, or the smoke run's tiny model."""
+    return compose(["model=nano", *(harness.TINY_MODEL if smoke else [])]).model
 
 
 # -- 1. memory ----------------------------------------------------------------------------------
 
 
-def memory_rank(rank: int, port: int, out: str, seq_len: int) -> None:
-    """One rank: one training step of nano under each case; its bytes of state to a file."""
-    device = join_group(rank, WORLD, port)
+def memory_rank(rank: int, device: torch.device, world: int, cfg: ModelConfig, seq_len: int) -> dict:
+    """One rank: one training step under each case; its bytes of state."""
     results = {}
     for name, (zero, offload) in MEMORY_CASES.items():
         torch.manual_seed(0)
-        model = Transformer(nano(), seq_len)
-        replicate, shard = (1, WORLD) if zero else (WORLD, 1)
+        net = Transformer(cfg, seq_len)
+        replicate, shard = (1, world) if zero else (world, 1)
         strategy = StrategyConfig(zero=zero, offload=offload, dp_replicate=replicate, dp_shard=shard)
-        parallel = ParallelModel(model, strategy, MeshSizes(1, replicate, shard, 1), device, False, 1, cross_entropy)
+        layout = Layout(1, replicate, shard, 1, micro_batches=2)
+        parallel = ParallelModel(net, strategy, layout, device, False, cross_entropy)
         optimizer = build_optimizer(parallel.module, OptimConfig(), parallel.zero1_group)
-        batch = torch.randint(0, model.cfg.vocab_size, (2, seq_len))
+        batch = torch.randint(0, cfg.vocab_size, (2, seq_len))
 
         def step(  # the loop's values bound now, not at the loop's end
             parallel: ParallelModel = parallel,
             optimizer: torch.optim.Optimizer = optimizer,
             batch: torch.Tensor = batch,
         ) -> None:
-            parallel.forward_backward(batch, batch, 2)
+            parallel.forward_backward(batch, batch)
             optimizer.step()
 
         results[name] = state_bytes(parallel.module, local_optimizer(optimizer), step)
-    Path(out, f"rank{rank}.json").write_text(json.dumps(results))
-    process_group.destroy()
+    return results
 
 
-def measure_memory(seq_len: int) -> tuple[dict[str, dict[str, list[int]]], int]:
-    """case → kind → bytes on each rank, and the model's parameter count."""
-    ranks = spawn(memory_rank, WORLD, seq_len)
-    params = sum(p.numel() for p in Transformer(nano(), seq_len).parameters())
-    return {case: {k: [r[case][k] for r in ranks] for k in KINDS} for case in MEMORY_CASES}, params
+def measure_memory(world: int, cfg: ModelConfig, seq_len: int) -> dict[str, dict[str, list[int]]]:
+    """case → kind → bytes on each rank."""
+    ranks = harness.spawn_ranks(memory_rank, world, world, cfg, seq_len)
+    return {case: {k: [r[case][k] for r in ranks] for k in KINDS} for case in MEMORY_CASES}
 
 
-def memory_theory(case: str, params: int) -> list[float]:
+def memory_theory(case: str, params: int, world: int) -> list[float]:
     """Bytes per rank of params, grads and optimizer state: P, P, K·P (P = params in fp32), each
     divided by the rank count from the ZeRO level that shards it (optimizer 1, grads 2, params 3)."""
     p, zero = params * 4, MEMORY_CASES[case][0]
     full = {3: p, 2: p, 1: ADAMW_STATES * p}
-    return [b / (WORLD if zero >= level else 1) for level, b in full.items()]
+    return [b / (world if zero >= level else 1) for level, b in full.items()]
 
 
-def memory_table(measured: dict[str, dict[str, list[int]]], params: int) -> list[str]:
+def memory_table(measured: dict[str, dict[str, list[int]]], params: int, world: int) -> list[str]:
     """Per case and kind: the largest rank's bytes (what must fit), theory, and measured/theory over the ranks."""
-    rows = [
-        "| case | params (MiB): measured / theory | grads (MiB) | optimizer state (MiB) | total (MiB) "
-        "| measured ÷ theory: params, grads, optimizer |",
-        "| --- | ---: | ---: | ---: | ---: | --- |",
-    ]
+    rows = []
     for case, kinds in measured.items():
-        theory = memory_theory(case, params)
+        theory = memory_theory(case, params, world)
         cells = [f"{max(kinds[k]) / 2**20:.3f} / {t / 2**20:.3f}" for k, t in zip(KINDS, theory, strict=True)]
-        total = max(sum(kinds[k][r] for k in KINDS) for r in range(WORLD))
+        total = max(sum(kinds[k][r] for k in KINDS) for r in range(world))
         cells.append(f"{total / 2**20:.3f} / {sum(theory) / 2**20:.3f}")
         ratios = []
         for k, t in zip(KINDS, theory, strict=True):
             lo, hi = min(kinds[k]) / t, max(kinds[k]) / t
             ratios.append(f"{hi:.4f}" if f"{lo:.4f}" == f"{hi:.4f}" else f"{lo:.4f}–{hi:.4f}")
-        rows.append(f"| {case} | " + " | ".join(cells) + " | " + ", ".join(ratios) + " |")
-    return rows
+        rows.append([case, *cells, ", ".join(ratios)])
+    head = ["case", "params (MiB): measured / theory", "grads (MiB)", "optimizer state (MiB)", "total (MiB)"]
+    return harness.table([*head, "measured ÷ theory: params, grads, optimizer"], rows, "lrrrrl")
 
 
-# -- 3. step time -------------------------------------------------------------------------------
-
-
-def compose(overrides: list[str]) -> TrainConfig:
-    """The config `python jobs/train.py overrides...` would train."""
-    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
-        return OmegaConf.to_object(hydra_compose("train", overrides=overrides))
-
-
-def layout(cfg: TrainConfig) -> str:
-    """The mesh a validated config resolved to, e.g. 'dp_replicate 2 × tp 2', with its ZeRO level."""
-    s = cfg.strategy
-    sizes = {name: getattr(s, name) for name in ("pp", "dp_replicate", "dp_shard", "tp")}
-    parts = [" × ".join(f"{name} {size}" for name, size in sizes.items() if size > 1)]
-    parts += [f"ZeRO-{s.zero}"] if s.zero else []
-    parts += ["offload"] if s.offload else []
-    parts += [s.schedule] if s.pp > 1 else []
-    return ", ".join(parts)
-
-
-def run_strategy(name: str, workers: int, args: argparse.Namespace, run_dir: Path) -> tuple[dict, list[float]]:
-    """Train preset `name` for args.steps through distrain.launch.train; its layout and the trainer's own
-    `step_time_s` of each step after the warm-up."""
-    from distrain.launch import train  # here: Ray stays out of the spawned ranks of parts 1 and 2
-
-    run = [f"run.storage={run_dir.parent}", f"run.name={run_dir.name}", f"trainer.max_steps={args.steps}"]
-    cfg = compose(["model=nano", f"strategy={name}", f"cluster.num_workers={workers}", *run, *CPU_RUN])
-    train(cfg)  # validates cfg in place: the layout's open sizes are filled in
-    placement = json.loads(Path(cfg.run_dir, "placement.json").read_text())
-    if off := off_loopback(placement):
-        raise SystemExit(f"bench_strategies: workers ran off loopback: {off}")
-    t, s = cfg.trainer, cfg.strategy
-    info = {
-        "strategy": name,
-        "workers": workers,
-        "layout": layout(cfg),
-        "micro_batches": t.global_batch_size // (t.micro_batch_size * s.dp_replicate * s.dp_shard),
-        "batch": (t.global_batch_size, t.seq_len, t.micro_batch_size),
-    }
-    return info, [m["step_time_s"] for m in read_metrics(cfg.run_dir) if m["step"] > args.warmup]
-
-
-def measure_steps(args: argparse.Namespace) -> list[dict]:
-    """Every preset, args.repeats times, the order reversed on every other pass so that a spell of load from
-    other processes falls on different presets; per preset the median step of each run, and the least of
-    those (other processes only ever add time, as `timeit` takes the minimum)."""
-    # An embedded cluster, started once and reused by every run, on loopback: Ray reads this variable when
-    # first imported (distrain's connect sets it only after importing Ray), else it binds the external NIC.
-    os.environ.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0")
-    os.environ.pop("RAY_ADDRESS", None)
-    import ray
-
-    plan = [(name, WORLD) for name in STRATEGIES] + list(OVERSUBSCRIBED.items())
-    runs: dict[tuple[str, int], tuple[dict, list[float]]] = {}
-    try:
-        with tempfile.TemporaryDirectory(prefix="bench_strategies_") as storage:
-            for repeat in range(args.repeats):
-                for name, workers in plan if repeat % 2 == 0 else plan[::-1]:
-                    info, steps = run_strategy(name, workers, args, Path(storage, f"{name}-{workers}-{repeat}"))
-                    median = statistics.median(steps)
-                    runs.setdefault((name, workers), (info, []))[1].append(median)  # in pass order
-                    print(f"{name} ×{workers} (pass {repeat + 1}): step {median:.3f}s", flush=True)
-    finally:
-        ray.shutdown()
-    results = []
-    for info, passes in (runs[key] for key in plan):
-        tokens = info["batch"][0] * info["batch"][1]
-        results.append({**info, "passes": passes, "step_s": min(passes), "tokens_per_s": tokens / min(passes)})
-    return results
-
-
-def step_table(results: list[dict]) -> list[str]:
-    ddp = next(r["step_s"] for r in results if r["strategy"] == "ddp" and r["workers"] == WORLD)
-    rows = [
-        "| strategy | workers | layout | micro-batches per rank | step time (s) | tokens/s | step time / ddp "
-        "| each pass (s) |",
-        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |",
-    ]
-    for r in results:
-        label = r["strategy"] + (" (oversubscribed)" if r["workers"] > WORLD else "")
-        rows.append(
-            f"| {label} | {r['workers']} | {r['layout']} | {r['micro_batches']} | {r['step_s']:.3f} "
-            f"| {r['tokens_per_s']:,.0f} | {r['step_s'] / ddp:.2f} | {', '.join(f'{p:.3f}' for p in r['passes'])} |"
-        )
-    return rows
-
-
-# -- the report ---------------------------------------------------------------------------------
-
-
-def memory_reading(measured: dict[str, dict[str, list[int]]], params: int) -> str:
+def memory_reading(measured: dict[str, dict[str, list[int]]], params: int, world: int) -> str:
     worst = max(
         (abs(b / theory - 1), case, kind)
         for case, kinds in measured.items()
-        for kind, theory in zip(KINDS, memory_theory(case, params), strict=True)
+        for kind, theory in zip(KINDS, memory_theory(case, params, world), strict=True)
         for b in kinds[kind]
     )
-    total = {case: max(sum(k[r] for k in kinds.values()) for r in range(WORLD)) for case, kinds in measured.items()}
-    theory = {case: sum(memory_theory(case, params)) for case in measured}
+    total = {case: max(sum(k[r] for k in kinds.values()) for r in range(world)) for case, kinds in measured.items()}
+    theory = {case: sum(memory_theory(case, params, world)) for case in measured}
     share = {
         case: (total[case] / total["zero0"], theory[case] / theory["zero0"]) for case in ("zero1", "zero2", "zero3")
     }
@@ -238,123 +124,168 @@ def memory_reading(measured: dict[str, dict[str, list[int]]], params: int) -> st
     )
 
 
-def step_reading(results: list[dict]) -> str:
-    ddp = next(r["step_s"] for r in results if r["strategy"] == "ddp")
-    ranked = sorted((r for r in results if r["workers"] == WORLD), key=lambda r: r["step_s"])
+# -- 2. step time -------------------------------------------------------------------------------
+
+
+def describe_layout(layout: Layout, s: StrategyConfig) -> str:
+    """The mesh a config resolved to, e.g. 'dp_replicate 2 × tp 2', with its ZeRO level."""
+    parts = [" × ".join(f"{name} {size}" for name, size in layout.sizes().items() if size > 1)]
+    parts += [f"ZeRO-{s.zero}"] if s.zero else []
+    parts += ["offload"] if s.offload else []
+    parts += [layout.schedule] if layout.pp > 1 else []
+    return ", ".join(parts)
+
+
+def run_strategy(name: str, workers: int, repeat: int, args, storage: Path) -> dict:
+    """Train preset `name` for args.steps; its layout and the median of the trainer's own `step_time_s`
+    over the steps after the warm-up. Workers are kept between runs of the same shape (their start is
+    not what this measures)."""
+    run = [f"run.storage={storage}", f"run.name={name}-{workers}-{repeat}", f"trainer.max_steps={args.steps}"]
+    quiet = ["checkpoint.interval=0", "trainer.eval_interval=0", "trainer.eval_batches=1", "cluster.reuse_workers=true"]
+    size = harness.TINY if args.smoke else []
+    trained = harness.train(
+        ["model=nano", f"strategy={name}", f"cluster.num_workers={workers}", *size, *run, *quiet, *harness.CPU_RUN]
+    )
+    if trained.error:
+        raise SystemExit(f"bench_strategies: {name} on {workers} workers: {trained.error}")
+    steps = [m["step_time_s"] for m in trained.metrics if m["step"] > args.warmup]
+    t = trained.cfg.trainer
+    print(f"  step {statistics.median(steps):.3f}s", flush=True)
+    return {
+        "layout": describe_layout(trained.layout, trained.cfg.strategy),
+        "micro_batches": trained.layout.micro_batches,
+        "batch": (t.global_batch_size, t.seq_len, t.micro_batch_size),
+        "step_s": statistics.median(steps),
+    }
+
+
+def step_rows(trials: list[harness.Trial]) -> list[dict]:
+    """Per preset: its layout, each run's median step in pass order, and the least of them (other
+    processes only ever add time, as `timeit` takes the minimum)."""
+    rows = []
+    for (name, workers), mine in harness.by_key(trials).items():
+        passes = [t.result["step_s"] for t in mine]
+        first = mine[0].result
+        rows.append(
+            {**first, "strategy": name, "workers": workers, "passes": passes, "loads": [t.load for t in mine]}
+            | {"step_s": min(passes), "tokens_per_s": first["batch"][0] * first["batch"][1] / min(passes)}
+        )
+    return rows
+
+
+def step_table(rows: list[dict], world: int) -> list[str]:
+    ddp = next(r["step_s"] for r in rows if r["strategy"] == "ddp" and r["workers"] == world)
+    head = ["strategy", "workers", "layout", "micro-batches per rank", "step time (s)", "tokens/s", "step time / ddp"]
+    cells = [
+        [
+            r["strategy"] + (" (oversubscribed)" if r["workers"] > world else ""),
+            r["workers"],
+            r["layout"],
+            r["micro_batches"],
+            f"{r['step_s']:.3f}",
+            f"{r['tokens_per_s']:,.0f}",
+            f"{r['step_s'] / ddp:.2f}",
+            ", ".join(f"{p:.3f}" for p in r["passes"]),
+            ", ".join(f"{x:.2f}" for x in r["loads"]),
+        ]
+        for r in rows
+    ]
+    return harness.table([*head, "each pass (s)", "load before each pass"], cells, "lrlrrrrrr")
+
+
+def step_reading(rows: list[dict], world: int) -> str:
+    ddp = next(r["step_s"] for r in rows if r["strategy"] == "ddp")
+    ranked = sorted((r for r in rows if r["workers"] == world), key=lambda r: r["step_s"])
     order = ", ".join(f"{r['strategy']} {r['step_s'] / ddp:.2f}" for r in ranked)
+    cores = harness.machine()["cores"]
     return (
-        f"Fastest first, relative to ddp: {order}. These are CPU/gloo numbers on an oversubscribed 2-core machine "
-        f"({WORLD} single-threaded workers share 2 cores): the workers' compute does not run in parallel, and every "
+        f"Fastest first, relative to ddp: {order}. These are CPU/gloo numbers on {cores} cores ({world} "
+        "single-threaded workers share them): the workers' compute does not all run in parallel, and every "
         "collective is a copy through loopback sockets that needs a core too. So the table ranks the strategies by "
         "how much and how often they communicate, not by how they perform on GPUs with NCCL, where communication "
         "overlaps compute. DDP all-reduces the gradients once per step, in buckets; ZeRO-1 adds a broadcast of the "
         "updated parameters; FSDP (ZeRO-2/3, HSDP) all-gathers parameters and reduce-scatters gradients block by "
         "block, ZeRO-3 gathering again for the backward; offload is ZeRO-3 plus the offload policy's moves, which "
         "on a CPU save nothing; TP all-gathers and reduce-scatters activations in every block, forward and "
-        "backward; PP sends activations between its 2 stages and all-reduces half of the gradients over 2 "
-        "replicas, and its bubble costs little here, since an idle rank's core goes to another worker."
+        "backward; PP sends activations between its stages and all-reduces its share of the gradients over the "
+        "replicas, and its bubble ([bubble.md](bubble.md)) costs little here, since an idle rank's core goes to "
+        "another worker."
     )
 
 
-def markdown(args: argparse.Namespace, info: dict, sections: dict) -> str:
-    memory, params = sections["memory"]
-    bubble, setup = sections["bubble"]
-    steps = sections["steps"]
-    batch, seq, micro = steps[0]["batch"]
-    loads = ", ".join(f"{part} {load:.2f}" for part, load in sections["load"].items())
+# -- the page -----------------------------------------------------------------------------------
+
+
+def body(args, cfg: ModelConfig, memory: dict, rows: list[dict]) -> str:
+    params, world = num_params(cfg), args.workers
+    batch, seq, micro = rows[0]["batch"]
+    oversubscribed = [f"{name} needs {n} workers" for name, n in args.oversubscribed.items()]
     return "\n".join(
         [
-            "# Strategies: memory, pipeline bubble, step time",
-            "",
-            "```bash",
-            args.command,
-            "```",
-            "",
-            f"- Date: {time.strftime('%Y-%m-%d %H:%M %Z')}.",
-            f"- Machine: {describe(info)}.",
-            f"- 1-minute load average at the start of each part: {loads} (the machine is shared; other "
-            "processes on its 2 cores slow the runs down and add noise, most to the step times).",
-            "",
             "## 1. Memory per rank",
             "",
-            f"Model `nano` ({params:,} parameters: P = {params * 4 / 2**20:.3f} MiB in fp32) on {WORLD} ranks "
+            f"Model `{cfg.name}` ({params:,} parameters: P = {params * 4 / 2**20:.3f} MiB in fp32) on {world} ranks "
             "(gloo processes on 127.0.0.1, no Ray), AdamW (K = 2 states per parameter), one training step per "
             "case. `distrain.parallel.memory.state_bytes` counts each rank's tensors (a DTensor its local shard): "
             "parameters as held when the forward pass ends, gradients before the optimizer step, optimizer state "
-            "after it. Theory per rank, N = 4: ZeRO-0 P, P, KP; ZeRO-1 P, P, KP/N; ZeRO-2 P, P/N, KP/N; ZeRO-3 and "
-            "offload P/N, P/N, KP/N. Cells give the largest rank; the last column the range over the ranks.",
+            f"after it. Theory per rank, N = {world}: ZeRO-0 P, P, KP; ZeRO-1 P, P, KP/N; ZeRO-2 P, P/N, KP/N; "
+            "ZeRO-3 and offload P/N, P/N, KP/N. Cells give the largest rank; the last column the range over the "
+            "ranks.",
             "",
-            *memory_table(memory, params),
+            *memory_table(memory, params, world),
             "",
-            memory_reading(memory, params),
+            memory_reading(memory, params, world),
             "",
-            "## 2. Pipeline bubble",
-            "",
-            *bubble_section(bubble, setup, os.path.relpath(ROOT / args.svg, (ROOT / args.out).parent)),
-            "",
-            "## 3. Step time per strategy",
+            "## 2. Step time per strategy",
             "",
             "Each preset through `distrain.launch.train`, the product's own path (one embedded Ray cluster on "
-            "loopback, started once; workers with `cluster.cpus_per_worker=0.25` and one thread each): model "
-            f"`nano`, {WORLD} workers, global batch {batch} × {seq} tokens, micro-batch {micro}, fp32, AdamW; "
-            f"{args.repeats} run(s) of {args.steps} steps per preset, the order reversed on every other pass; each "
-            f"run's median of the trainer's own `step_time_s` over steps {args.warmup + 1}–{args.steps} is in the "
-            "last column, and step time is the least of them (other processes on the machine only add time); "
-            f"tokens/s = {batch * seq:,} / step time. Where TP or PP take workers, fewer are left for data "
-            "parallelism, so each data-parallel rank runs more micro-batches of the same global batch. "
-            + ", ".join(f"{name} needs {n} workers" for name, n in OVERSUBSCRIBED.items())
-            + " and runs with them, labelled oversubscribed (8 processes on 2 cores); its ratio is still to "
-            f"ddp on {WORLD}.",
+            "loopback, started once; workers with `cluster.cpus_per_worker=0.25` and one thread each, kept warm "
+            f"between runs of the same shape with `cluster.reuse_workers=true`): model `{cfg.name}`, {world} "
+            f"workers, global batch {batch} × {seq} tokens, micro-batch {micro}, fp32, AdamW; {args.repeats} run(s) "
+            f"of {args.steps} steps per preset, the order reversed on every other pass; each run's median of the "
+            f"trainer's own `step_time_s` over steps {args.warmup + 1}–{args.steps} is in the 'each pass' column, "
+            "and step time is the least of them (other processes on the machine only add time); tokens/s = "
+            f"{batch * seq:,} / step time. Where TP or PP take workers, fewer are left for data parallelism, so "
+            "each data-parallel rank runs more micro-batches of the same global batch. "
+            + (
+                ", ".join(oversubscribed) + " and runs with them, labelled oversubscribed; its ratio is still to "
+                f"ddp on {world}."
+                if oversubscribed
+                else ""
+            ),
             "",
-            *step_table(steps),
+            *step_table(rows, world),
             "",
-            step_reading(steps),
+            step_reading(rows, world),
             "",
+            "The pipeline schedules' idle time against theory is measured apart: [bubble.md](bubble.md).",
         ]
     )
 
 
-def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="smaller bubble model, fewer steps: a few minutes")
-    p.add_argument("--steps", type=int, help="training steps per run of a strategy (default 20, quick 8)")
-    p.add_argument("--repeats", type=int, help="runs of each strategy, in alternating order (default 2, quick 1)")
-    p.add_argument("--bubble-pp", type=int, default=2, help="pipeline ranks of the bubble measurement")
-    p.add_argument("--out", default="docs/strategies.md", help="markdown to write ('' for none)")
-    p.add_argument("--svg", default="docs/bubble.svg", help="bubble plot, beside the markdown")
-    args = p.parse_args()
-    args.steps = args.steps or (8 if args.quick else 20)
-    args.repeats = args.repeats or (1 if args.quick else 2)
-    args.warmup = 3 if args.quick else 5
-    exe = os.path.relpath(sys.executable, ROOT) if sys.executable.startswith(str(ROOT)) else sys.executable
-    args.command = shlex.join([exe, "jobs/bench_strategies.py", *sys.argv[1:]])
-    return args
+def main(argv: list[str] | None = None) -> None:
+    p = harness.parser(__doc__, "docs/strategies.md", repeats=2)
+    p.add_argument("--workers", type=int, default=4, help="ranks of the memory table, workers of the step times")
+    p.add_argument("--steps", type=int, default=20, help="training steps per run of a strategy")
+    p.add_argument("--warmup", type=int, default=5, help="first steps left out of the step time")
+    p.add_argument("--strategies", default=",".join(STRATEGIES), help="presets to time (3d is added, on 8 workers)")
+    args = harness.parse(p, argv)
+    args.strategies, args.oversubscribed = args.strategies.split(","), OVERSUBSCRIBED
+    if args.smoke:
+        args.workers, args.steps, args.warmup, args.strategies, args.oversubscribed = 2, 4, 1, ["ddp", "zero2"], {}
+    page = harness.Page("Strategies: memory per rank and step time", args)
+    cfg = model(args.smoke)
+    memory = measure_memory(args.workers, cfg, 32 if args.smoke else 64)
+    print("\n".join(memory_table(memory, num_params(cfg), args.workers)), flush=True)
 
-
-def main() -> None:
-    args = parse_args()
-    info = machine()
-    load: dict[str, float] = {}
-    load["memory"] = os.getloadavg()[0]
-    memory, params = measure_memory(seq_len=64)
-    print("\n".join(memory_table(memory, params)), flush=True)
-
-    setup = BubbleSetup(pp=args.bubble_pp)
-    if args.quick:
-        setup = BubbleSetup(pp=args.bubble_pp, micro_batches=[2, 4, 8], dim=128, n_layers=8, steps=3)
-    load["bubble"] = os.getloadavg()[0]
-    bubble = measure_bubble(setup)
-    print("\n".join(bubble_table(bubble, setup)), flush=True)
-
-    load["step time"] = os.getloadavg()[0]
-    steps = measure_steps(args)
-    print("\n".join(step_table(steps)), flush=True)
-
-    if args.out:
-        sections = {"memory": (memory, params), "bubble": (bubble, setup), "steps": steps, "load": load}
-        Path(ROOT, args.out).write_text(markdown(args, info, sections))
-        Path(ROOT, args.svg).write_text(svg(bubble, setup))
-        print(f"wrote {args.out} and {args.svg}")
+    plan = [(name, args.workers) for name in args.strategies] + list(args.oversubscribed.items())
+    with harness.storage(args) as storage, harness.ray_cluster():
+        trials = harness.alternate(
+            plan, args.repeats, lambda key, k: run_strategy(*key, k, args, storage), lambda key: f"{key[0]} ×{key[1]}"
+        )
+    rows = step_rows(trials)
+    print("\n".join(step_table(rows, args.workers)), flush=True)
+    page.write(body(args, cfg, memory, rows), trials)
 
 
 if __name__ == "__main__":

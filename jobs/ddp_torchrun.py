@@ -13,15 +13,13 @@ import json
 import math
 import os
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from omegaconf import OmegaConf
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distrain.config import ModelConfig
+from distrain.cli import compose
 from distrain.data.corpus import load_tokens
 from distrain.data.loader import TRAIN, Batches, split
 from distrain.model.llama import Transformer
@@ -54,9 +52,9 @@ rank, world = dist.get_rank(), dist.get_world_size()
 accum = args.global_batch // (args.micro_batch * world)
 assert accum * args.micro_batch * world == args.global_batch, "global batch must split into micro-batches"
 
-conf = Path(__file__).resolve().parent.parent / "conf" / "model" / f"{args.model}.yaml"
+model_cfg = compose([f"model={args.model}"]).model  # the preset, as `python jobs/train.py model=...` reads it
 torch.manual_seed(args.seed)  # the same initial weights on every rank (and as distrain's)
-model = Transformer(ModelConfig(**OmegaConf.to_container(OmegaConf.load(conf))), args.seq_len).to(device)
+model = Transformer(model_cfg, args.seq_len).to(device)
 # The same DDP options as distrain: the only buffers are constant rotary tables, so no forward sync.
 model = DDP(
     model,

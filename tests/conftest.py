@@ -15,7 +15,7 @@ os.environ["RAY_USAGE_STATS_ENABLED"] = "0"  # and send nothing anywhere else
 os.environ.pop("RAY_ADDRESS", None)
 os.environ.pop("WANDB_API_KEY", None)
 
-from distrain.cli import CONF_DIR, compose  # noqa: E402
+from distrain.cli import CONF_DIR, compose  # noqa: E402, F401  (CONF_DIR: for test modules)
 from distrain.config import TrainConfig  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -36,6 +36,9 @@ TINY = [
     "logger.wandb.mode=disabled",
     "cluster.use_gpu=false",  # the same CPU/gloo/fp32 training on a GPU machine
     "trainer.precision=fp32",
+    # Runs of the same shape reuse their warm workers (a worker's start, torch's import included, takes
+    # seconds on 2 cores); the fresh start is what the main-job, CLI and job-submit tests exercise.
+    "cluster.reuse_workers=true",
 ]
 
 

@@ -105,11 +105,15 @@ def report_steps(channel):
 
 @pytest.mark.usefixtures("ray_cluster")
 def test_progress_reaches_the_driver_while_ranks_run():
-    seen = []
+    seen, results = [], {}
     with WorkerGroup(spec(2)) as group:
         group.start()
-        results = group.run(report_steps, on_progress=lambda ranks: seen.append(ranks[0].get("step")))
-    assert results == ["0", "1"]
+        group.launch(report_steps)
+        deadline = time.monotonic() + 60
+        while group.calls and time.monotonic() < deadline:
+            results.update((rank, value) for rank, value, _ in group.poll(timeout_s=0.2))
+            seen.append(group.progress()[0].get("step"))
+    assert results == {0: "0", 1: "1"}
     assert {1, 2} & set(seen)  # polled mid-run, while `run` held the actors' other thread
 
 
@@ -119,6 +123,8 @@ def test_capacity_check_refuses_what_can_never_be_placed():
     with pytest.raises(CapacityError, match="cluster.num_workers=3"):
         check_capacity(3, cpus / 2, 0)
     check_capacity(4, cpus / 4, 0)
-    # Parameter servers take a worker's CPUs each, and the message names them.
-    with pytest.raises(CapacityError, match=r"cluster.num_workers=3 with strategy.num_servers=2 needs"):
+    # Hot spares and parameter servers take a worker's CPUs each, and the message names them.
+    with pytest.raises(CapacityError, match=r"cluster.num_workers=3 with ps.num_servers=2 needs"):
         check_capacity(3, cpus / 4, 0, num_servers=2)
+    with pytest.raises(CapacityError, match=r"cluster.num_workers=4 with cluster.spares=1 needs 5 CPU"):
+        check_capacity(4, cpus / 4, 0, spares=1)

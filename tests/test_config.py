@@ -11,7 +11,8 @@ import pytest
 from conftest import REPO, make_config
 
 from distrain.config import ConfigError
-from distrain.validation import smaller_layouts, validate
+from distrain.layout import Layout
+from distrain.validation import validate
 
 
 @pytest.mark.parametrize(
@@ -80,18 +81,21 @@ from distrain.validation import smaller_layouts, validate
         (["cluster.setup_timeout_s=0"], "cluster.setup_timeout_s"),
         (["cluster.node_check_s=0"], "cluster.node_check_s"),
         (["cluster.restart_backoff_s=-1"], "cluster.restart_backoff_s"),
-        (["strategy=ps", "strategy.mode=gossip"], "strategy.mode"),
-        (["strategy=ps", "strategy.num_servers=0"], "strategy.num_servers"),
-        (["strategy=ps", "strategy.mode=easgd", "strategy.tau=0"], "strategy.tau"),
-        (["strategy=ps", "strategy.mode=easgd", "strategy.alpha=1.0"], "strategy.alpha"),
-        (["strategy=ps", "strategy.mode=easgd", "strategy.alpha=0"], "strategy.alpha"),
-        (["strategy=ps", "strategy.backup_workers=2", "cluster.num_workers=2"], "strategy.backup_workers"),
-        (["strategy=ps", "strategy.mode=async", "strategy.backup_workers=1"], "strategy.backup_workers"),
-        (["strategy=ps", "strategy.max_staleness=2"], "strategy.max_staleness"),
-        (["strategy=ps", "strategy.mode=async", "strategy.max_staleness=-1"], "strategy.max_staleness"),
+        (["strategy=ps", "ps.mode=gossip"], "ps.mode"),
+        (["strategy=ps", "ps.num_servers=0"], "ps.num_servers"),
+        (["strategy=ps", "ps=easgd", "ps.tau=0"], "ps.tau"),
+        (["strategy=ps", "ps=easgd", "ps.alpha=1.0"], "ps.alpha"),
+        (["strategy=ps", "ps=easgd", "ps.alpha=0"], "ps.alpha"),
+        (["strategy=ps", "ps.backup_workers=2", "cluster.num_workers=2"], "ps.backup_workers"),
+        (["strategy=ps", "ps=async", "ps.backup_workers=1"], "ps.backup_workers"),
+        (["strategy=ps", "ps.max_staleness=2"], "ps.max_staleness"),
+        (["strategy=ps", "ps=async", "ps.max_staleness=-1"], "ps.max_staleness"),
         (["strategy=ps", "strategy.tp=2", "cluster.num_workers=2"], "data-parallel only"),
         (["strategy=ps", "cluster.min_workers=1"], "cluster.min_workers"),
-        (["trainer.straggler=2"], "trainer.straggler"),
+        (["fault.straggler=2"], "fault.straggler"),
+        (["fault.straggler_slowdown=0.5"], "fault.straggler_slowdown"),
+        (["cluster.spares=-1"], "cluster.spares"),
+        (["cluster.local_cpus=-1"], "cluster.local_cpus"),
     ],
 )
 def test_validate_names_the_key(tmp_path: Path, overrides: list[str], key: str):
@@ -100,8 +104,11 @@ def test_validate_names_the_key(tmp_path: Path, overrides: list[str], key: str):
     assert "\n" not in str(err.value)
 
 
-def test_defaults_are_valid(tmp_path: Path):
-    validate(make_config(tmp_path, "run.name=ok"))
+def test_defaults_are_valid_and_validation_changes_nothing(tmp_path: Path):
+    cfg = make_config(tmp_path, "run.name=ok", "strategy=3d", "cluster.num_workers=8")
+    before = repr(cfg)
+    assert validate(cfg) == Layout(pp=2, dp_replicate=1, dp_shard=2, tp=2, micro_batches=2)
+    assert repr(cfg) == before  # the -1 dims and the open stages_per_rank stay as the user wrote them
 
 
 @pytest.mark.parametrize(
@@ -115,17 +122,17 @@ def test_defaults_are_valid(tmp_path: Path):
     ],
 )
 def test_a_run_shrinks_only_to_valid_layouts_with_the_same_global_batch(tmp_path, overrides, sizes):
-    layouts = smaller_layouts(make_config(tmp_path, "run.name=ok", *overrides))
+    cfg = make_config(tmp_path, "run.name=ok", *overrides)
+    layouts = validate(cfg).smaller(cfg)
     assert list(layouts) == sizes
-    for n, cfg in layouts.items():
-        assert cfg.cluster.num_workers == n and cfg.trainer.global_batch_size == 8  # validated, layout filled
-        assert cfg.strategy.dp_replicate * cfg.strategy.dp_shard * cfg.strategy.tp * cfg.strategy.pp == n
+    for n, layout in layouts.items():
+        assert layout.world_size == n and layout.micro_batches * layout.dp * cfg.trainer.micro_batch_size == 8
 
 
 def test_min_workers_that_allow_no_smaller_layout_are_refused(tmp_path: Path):
     cfg = make_config(tmp_path, "run.name=bad", "strategy=tp", "strategy.dp_replicate=1", "cluster.min_workers=1")
     with pytest.raises(ConfigError, match=r"cluster\.min_workers=1 allows no layout smaller than 2 workers"):
-        smaller_layouts(cfg)
+        validate(cfg)
 
 
 @pytest.mark.parametrize(
@@ -138,18 +145,25 @@ def test_min_workers_that_allow_no_smaller_layout_are_refused(tmp_path: Path):
         (["strategy=3d", "cluster.num_workers=8"], (2, 1, 2, 2)),
     ],
 )
-def test_validate_fills_the_open_mesh_dims(tmp_path: Path, overrides: list[str], sizes: tuple[int, ...]):
-    cfg = make_config(tmp_path, "run.name=ok", *overrides)
-    validate(cfg)
-    s = cfg.strategy
-    assert (s.pp, s.dp_replicate, s.dp_shard, s.tp) == sizes
+def test_the_layout_fills_the_open_mesh_dims(tmp_path: Path, overrides: list[str], sizes: tuple[int, ...]):
+    layout = validate(make_config(tmp_path, "run.name=ok", *overrides))
+    assert (layout.pp, layout.dp_replicate, layout.dp_shard, layout.tp) == sizes
 
 
 def run_cli(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
+    """The entrypoint on an embedded cluster of 2 CPUs and no GPU, whatever this machine has."""
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
     env.pop("RAY_ADDRESS", None)
+    cluster = ["cluster.local_cpus=2", "cluster.local_gpus=0"]
     return subprocess.run(
-        [sys.executable, str(REPO / "jobs" / "train.py"), f"run.storage={tmp_path}", "run.name=bad", *overrides],
+        [
+            sys.executable,
+            str(REPO / "jobs" / "train.py"),
+            f"run.storage={tmp_path}",
+            "run.name=bad",
+            *cluster,
+            *overrides,
+        ],
         capture_output=True,
         text=True,
         timeout=300,
@@ -168,7 +182,7 @@ def run_cli(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
         (["cluster.num_workers=0"], "cluster.num_workers=0"),
         (["trainer.global_batch_size=30"], "trainer.global_batch_size=30"),
         (["data.path=/nonexistent/corpus"], "data.path='/nonexistent/corpus'"),
-        # The embedded cluster has 2 CPUs: 9 workers × 0.25 CPU, or 3 × 1 CPU, can never be placed.
+        # The embedded cluster has 2 CPUs (run_cli says so): 3 workers × 1 CPU can never be placed.
         (
             ["cluster.num_workers=3", "cluster.cpus_per_worker=1", "trainer.global_batch_size=24"],
             "cluster.num_workers=3 needs 3 CPU",

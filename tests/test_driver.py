@@ -15,6 +15,7 @@ from distrain.config import ConfigError, OptimConfig, to_plain
 from distrain.fsutil import LockedError, exclusive_lock
 from distrain.launch import check_resumable, group_spec, train
 from distrain.train.optim import lr_at
+from distrain.validation import validate
 
 
 def test_lr_schedule_warms_up_then_decays_to_the_floor():
@@ -61,5 +62,6 @@ def test_relative_storage_is_refused_on_an_existing_cluster(tmp_path: Path, monk
 def test_workers_get_the_users_wandb_settings(tmp_path: Path, monkeypatch):
     monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
     monkeypatch.setenv("WANDB_ENTITY", "team")
-    env = dict(group_spec(make_config(tmp_path, "run.name=r")).env)
+    cfg = make_config(tmp_path, "run.name=r")
+    env = dict(group_spec(cfg, validate(cfg)).env)
     assert env["WANDB_API_KEY"] == "k" * 40 and env["WANDB_ENTITY"] == "team"

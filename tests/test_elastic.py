@@ -40,10 +40,8 @@ COMMON = (
     "cluster.cpus_per_worker=1",  # one 2-CPU node holds 2 workers
     "cluster.placement_timeout_s=3",
     "cluster.restart_backoff_s=0",
-    # The shrunk and the grown attempts train for a second or two after a start-up of 3-10 s; the
-    # room to grow and the drain must be seen before they end (CI once saw the shrunk attempt finish
-    # between two looks 5 s apart).
     "cluster.node_check_s=1",
+    "cluster.reuse_workers=false",  # the point is new placements
     f"checkpoint.interval={CHECKPOINT_EVERY}",
     f"trainer.max_steps={STEPS}",
 )
@@ -62,10 +60,11 @@ FAST_HEALTH_CHECKS = {
 TOLERANCE = 1e-4
 
 
+@pytest.mark.timeout(480)
 def test_a_run_shrinks_on_node_loss_grows_back_and_moves_off_a_draining_node(tmp_path: Path):
     code, out, err = run_script(__file__, str(tmp_path), timeout_s=420)
-    reference = make_config(tmp_path, "run.name=reference", *COMMON)
-    elastic = make_config(tmp_path, "run.name=elastic", *COMMON)
+    reference = make_config(tmp_path, "run.name=reference", *COMMON, *_held(tmp_path))
+    elastic = make_config(tmp_path, "run.name=elastic", *COMMON, *_held(tmp_path))
     run_dir = Path(elastic.run_dir)
     assert code == 0, _diagnosis(run_dir, out, err)
     results = json.loads((tmp_path / "results.json").read_text())
@@ -173,6 +172,13 @@ def _diagnosis(run_dir: Path, out: str, err: str) -> str:
 # -- the scenario, run as a script ----------------------------------------------------------------
 
 
+def _held(storage: Path) -> list[str]:
+    """While this file exists, every rank waits before its next step: the scenario holds the run at
+    each attempt's first step until it has made the change the attempt is to notice (a grow, a drain),
+    so no attempt can end before the supervisor sees it, whatever the machine's speed."""
+    return [f"fault.hold_file={storage / 'hold'}"]
+
+
 def _wait_for(what: str, predicate, trainer: threading.Thread, timeout_s: float = 180.0):
     """predicate()'s first true value; an error if the training thread ends first, or time runs out."""
     deadline = time.monotonic() + timeout_s
@@ -237,11 +243,12 @@ def main(storage: Path) -> None:
         log("2 nodes of 2 CPUs")
 
         _free_cpus(4)  # every node's resources reported, so the run starts on all 4 workers
-        results["reference"] = train(make_config(storage, "run.name=reference", *COMMON))
+        results["reference"] = train(make_config(storage, "run.name=reference", *COMMON, *_held(storage)))
         log("reference run done")
         _free_cpus(4)  # the reference's workers have given their CPUs back
 
-        cfg = make_config(storage, "run.name=elastic", *COMMON)
+        cfg = make_config(storage, "run.name=elastic", *COMMON, *_held(storage))
+        hold = storage / "hold"
         run_dir, events, outcome = Path(cfg.run_dir), {}, {}
 
         def run() -> None:  # the cluster changes come from this (the main) thread: Ray's node start needs it
@@ -255,6 +262,7 @@ def main(storage: Path) -> None:
         try:
             # A node goes, without notice, mid-run: the one holding rank 0 (and the rendezvous).
             _wait_for(f"step {REMOVE_AT}", lambda: _logged_step(run_dir) >= REMOVE_AT, trainer)
+            hold.write_text("")  # from here on every attempt waits at its first step until released
             pids.update(_descendants(os.getpid()))
             victim = next(n for n in nodes if n.node_id == _placement(run_dir, 1)[0]["node_id"])
             events.update(removed_node=victim.node_id, removed_step=_logged_step(run_dir), removed_at=time.time())
@@ -275,8 +283,13 @@ def main(storage: Path) -> None:
             accepted, _ = gcs.drain_node(drained, reason, "spot preemption", int(time.time() * 1000) + 60_000)
             events.update(drained_node=drained, drain_accepted=accepted, drained_at=time.time())
             log(f"draining node {drained[:8]}: accepted={accepted}")
+
+            # Once it has moved off the draining node, the run may finish.
+            _wait_for("the attempt after the drain", lambda: _placement(run_dir, 4), trainer)
+            hold.unlink()
         finally:
-            trainer.join()  # the run ends on its own, also when a step above failed
+            hold.unlink(missing_ok=True)  # also when a step above failed: the run then ends on its own
+            trainer.join()
         if "error" in outcome:
             raise RuntimeError(outcome["error"])
         results.update(elastic=outcome["summary"], events=events)

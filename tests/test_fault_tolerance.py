@@ -64,7 +64,8 @@ def when(condition: Callable[[], bool], timeout_s: float = 120.0) -> None:
 
 
 def workers(run_dir: Path) -> list[dict]:
-    return json.loads((run_dir / "placement.json").read_text())
+    """The ranks of the current attempt (placement.json also lists hot spares and servers)."""
+    return [e for e in json.loads((run_dir / "placement.json").read_text()) if "rank" in e]
 
 
 def in_background(fn: Callable[[], None]) -> threading.Thread:
@@ -83,8 +84,12 @@ def in_background(fn: Callable[[], None]) -> threading.Thread:
     return thread
 
 
+@pytest.mark.timeout(300)
 def test_random_kills_end_bitwise_identical_to_an_uninterrupted_run(tmp_path: Path, reference):
-    cfg = make_config(tmp_path, "run.name=chaos", *COMMON)
+    # A hot spare: the first kill's rank goes to it (later ones to it or to a new worker, as the
+    # restocked spare is warm or not yet); the arithmetic must not notice who holds a rank.
+    hold = tmp_path / "hold"
+    cfg = make_config(tmp_path, "run.name=chaos", *COMMON, "cluster.spares=1", f"fault.hold_file={hold}")
     run_dir = Path(cfg.run_dir)
     seed = random.randrange(10**6)
     rng = random.Random(seed)
@@ -92,12 +97,19 @@ def test_random_kills_end_bitwise_identical_to_an_uninterrupted_run(tmp_path: Pa
     kills = []
 
     def chaos() -> None:
+        # A spare starts once the run has made a step; the run waits for it to be warm (listed in
+        # placement.json), so that the first kill's rank has one to go to.
+        placed = run_dir / "placement.json"
+        when(lambda: last_step(run_dir) >= 1)
+        hold.write_text("")
+        when(lambda: placed.exists() and any("spare" in e for e in json.loads(placed.read_text())))
+        hold.unlink()
         for attempt, target in enumerate(targets, start=1):
             started = attempt_started(run_dir, attempt)
             when(lambda t=target, s=started: last_step(run_dir, since=s) >= t)
             victim = rng.choice(workers(run_dir))
             os.kill(victim["pid"], signal.SIGKILL)
-            kills.append(victim)
+            kills.append({**victim, "at": time.time()})
 
     helper = in_background(chaos)
     summary = train(cfg)
@@ -111,23 +123,32 @@ def test_random_kills_end_bitwise_identical_to_an_uninterrupted_run(tmp_path: Pa
         assert f"pid {victim['pid']}" in attempt["cause"] and "ActorDiedError" in attempt["cause"], context
     for attempt in attempts[1:]:  # each resumed from a committed checkpoint
         assert attempt["info"]["resumed_from_step"] % 3 == 0, context
-    # Every phase of a recovery is timed (the failed attempts' records lack the later phases when the
-    # kill came before the driver's next look at rank 0, or took rank 0).
-    phases = ["teardown_s", "placement_s", "process_group_s", "checkpoint_load_s", "first_step_s", "total_s"]
-    assert sorted(attempts[-1]["recovery"]) == sorted(phases)
-    assert sum(attempts[-1]["recovery"][p] for p in phases[:-1]) == pytest.approx(
-        attempts[-1]["recovery"]["total_s"], abs=0.01
-    )
+    # Each recovery is timed from the failure the supervisor saw, which came after the kill this test
+    # made, to rank 0's first step, which came before that step's metrics line was written.
+    lines = read_metrics(str(run_dir))  # the surviving lines: those of the last attempt that wrote each step
+    for attempt, victim in zip(attempts[1:], kills, strict=True):
+        t = attempt["timings"]
+        assert victim["at"] <= t["since"] < victim["at"] + 5, context  # seen within seconds of the kill
+        assert t["since"] <= t["torn_down_at"] <= t["placed_at"] <= t["joined_at"] <= t["loaded_at"], context
+        first = attempt["info"]["resumed_from_step"] + 1
+        if attempt is attempts[-1]:  # its lines are all kept
+            logged_at = next(m["time"] for m in lines if m["step"] == first)
+            assert t["loaded_at"] <= t["first_step_at"] <= logged_at, context
     assert_same_training(cfg, reference)
-    # Nothing of the failed attempts is lost: the steps they logged and then redid are set aside
-    # (at least one kill came between checkpoints: 4, 8, 16 and 20 are not multiples of 3).
+    # Nothing of the failed attempts is lost: the steps they logged and then redid are set aside (at least
+    # one kill came between checkpoints: 4, 8, 16 and 20 are not multiples of 3), and no more than that.
     superseded = [json.loads(line) for line in (run_dir / "metrics.superseded.jsonl").read_text().splitlines()]
-    assert superseded and all(m["step"] <= max(t for t in targets) for m in superseded), context
+    last_failure = max(a["timings"]["ended_at"] for a in attempts if a["outcome"] == "failed")
+    assert superseded and all(m["time"] <= last_failure for m in superseded), context  # none of the last attempt's
     assert sorted(p.name for p in (run_dir / "attempts").glob("*-placement.json")) == [
         f"{n:03d}-placement.json" for n in range(1, 5)
     ]
+    spare = [e["pid"] for e in json.loads((run_dir / "attempts" / "001-placement.json").read_text()) if "spare" in e]
+    after = [e["pid"] for e in json.loads((run_dir / "attempts" / "002-placement.json").read_text()) if "rank" in e]
+    assert spare and spare[0] in after, context  # the first kill's rank went to the hot spare
 
 
+@pytest.mark.timeout(240)
 def test_a_kill_while_a_checkpoint_is_written_never_loads_it(tmp_path: Path, reference):
     cfg = make_config(tmp_path, "run.name=torn", *COMMON)
     run_dir = Path(cfg.run_dir)
@@ -136,7 +157,9 @@ def test_a_kill_while_a_checkpoint_is_written_never_loads_it(tmp_path: Path, ref
     def kill_mid_save() -> None:
         when(lambda: last_step(run_dir) >= 4)
         checkpoints = run_dir / "checkpoints"
+        deadline = time.monotonic() + 120
         while not torn:  # catch a step directory whose save has begun but not committed
+            assert time.monotonic() < deadline, "no checkpoint save was seen in progress"
             for path in checkpoints.glob("step_*"):
                 if int(path.name[5:]) > 4 and not (path / COMMIT_MARKER).exists():
                     victim = random.choice(workers(run_dir))
@@ -155,6 +178,7 @@ def test_a_kill_while_a_checkpoint_is_written_never_loads_it(tmp_path: Path, ref
     assert_same_training(cfg, reference)
 
 
+@pytest.mark.timeout(240)
 def test_a_hung_worker_is_detected_its_stacks_saved_and_the_run_finishes(tmp_path: Path, reference):
     cfg = make_config(tmp_path, "run.name=hung", *COMMON, "cluster.hang_timeout_s=3", "logger.wandb.mode=offline")
     run_dir = Path(cfg.run_dir)
@@ -187,6 +211,7 @@ def test_a_hung_worker_is_detected_its_stacks_saved_and_the_run_finishes(tmp_pat
     assert_same_training(cfg, reference)
 
 
+@pytest.mark.timeout(240)
 def test_sigterm_checkpoints_and_stops_and_a_rerun_resumes_exactly(tmp_path: Path, reference):
     cfg = make_config(tmp_path, "run.name=preempted", *COMMON)
     run_dir = Path(cfg.run_dir)

@@ -67,6 +67,7 @@ def ray_head():
         "--block",
         "--node-ip-address=127.0.0.1",
         "--num-cpus=2",
+        "--num-gpus=0",  # CPU workers, whatever the machine has
         "--include-dashboard=true",
         "--dashboard-host=127.0.0.1",
         f"--dashboard-port={dashboard}",
@@ -123,6 +124,7 @@ def submit(env: dict, submission_id: str, *overrides: str) -> str:
     return status.stdout + status.stderr
 
 
+@pytest.mark.timeout(400)
 def test_ray_job_submit_trains_and_reports_status(ray_head, tmp_path: Path):
     common = [*TINY, f"run.storage={tmp_path}", "cluster.num_workers=2"]
     out = submit(ray_head, "distrain-ok", *common, "run.name=submitted", "trainer.max_steps=8")
@@ -137,6 +139,7 @@ def test_ray_job_submit_trains_and_reports_status(ray_head, tmp_path: Path):
     assert "trainer.global_batch_size=7" in logs.stdout
 
 
+@pytest.mark.timeout(400)
 def test_ray_job_stop_checkpoints_before_the_job_ends(ray_head, tmp_path: Path):
     """`ray job stop` sends the driver SIGTERM, and SIGKILL RAY_JOB_STOP_WAIT_TIME_S later: in
     between, every rank stops at one step and a checkpoint is committed."""

@@ -8,19 +8,22 @@ import torch
 from torch import nn
 
 from distrain.config import ModelConfig, StrategyConfig
-from distrain.layout import MeshSizes, stage_indices, stage_layers
+from distrain.layout import Layout, stage_layers
 from distrain.model.llama import Transformer
 from distrain.parallel.parallelize import ParallelModel
-from distrain.train.loop import cross_entropy
+from distrain.train.learner import cross_entropy
 
 
-def test_mesh_sizes_fill_the_open_dim_and_lay_ranks_out_row_major():
-    sizes = MeshSizes.fill(8, pp=2, dp_replicate=-1, dp_shard=1, tp=2)
-    assert sizes == MeshSizes(pp=2, dp_replicate=2, dp_shard=1, tp=2)
-    assert sizes.coordinate(5) == {"pp": 1, "dp_replicate": 0, "dp_shard": 0, "tp": 1}
-    assert [sizes.data_shard(r) for r in (0, 2, 5, 6)] == [(0, 2), (1, 2), (0, 2), (1, 2)]
-    assert sizes.groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]  # neighbours: one node each
-    assert sizes.groups("pp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+def test_a_layout_fills_the_open_dim_and_lays_ranks_out_row_major(tmp_path):
+    from conftest import make_config
+
+    cfg = make_config(tmp_path, "strategy=pp", "strategy.tp=2", "cluster.num_workers=8", "trainer.global_batch_size=16")
+    layout = Layout.resolve(cfg)
+    assert layout == Layout(pp=2, dp_replicate=2, dp_shard=1, tp=2, micro_batches=4)
+    assert layout.coordinate(5) == {"pp": 1, "dp_replicate": 0, "dp_shard": 0, "tp": 1}
+    assert [layout.data_shard(r) for r in (0, 2, 5, 6)] == [(0, 2), (1, 2), (0, 2), (1, 2)]
+    assert layout.groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]  # neighbours: one node each
+    assert layout.groups("pp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
 
 
 @pytest.mark.parametrize(
@@ -45,14 +48,14 @@ def test_more_stages_than_layers_is_refused():
 
 
 def test_interleaved_stages_loop_over_the_ranks():
-    assert stage_indices(1, pp=2, stages_per_rank=2) == [1, 3]
+    assert Layout(pp=2, dp_replicate=1, dp_shard=1, tp=1, stages_per_rank=2).stages(1) == [1, 3]
 
 
 @pytest.fixture
 def ddp(process_group) -> ParallelModel:
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
-    sizes = MeshSizes(pp=1, dp_replicate=1, dp_shard=1, tp=1)
-    return ParallelModel(model, StrategyConfig(), sizes, torch.device("cpu"), False, 3, nn.functional.mse_loss)
+    layout = Layout.single(micro_batches=3)
+    return ParallelModel(model, StrategyConfig(), layout, torch.device("cpu"), False, nn.functional.mse_loss)
 
 
 def test_no_sync_skips_the_all_reduce_until_the_last_micro_batch(ddp: ParallelModel):
@@ -69,7 +72,6 @@ def test_no_sync_skips_the_all_reduce_until_the_last_micro_batch(ddp: ParallelMo
         with ddp.no_sync(last=i == 2):
             ddp.module(torch.randn(4, 8)).sum().backward()
         assert bool(reductions) == (i == 2), f"micro-batch {i}"
-    assert ddp.data_shard() == (0, 1)
 
 
 def test_clip_grad_norm_reports_the_norm_before_clipping(ddp: ParallelModel):
@@ -90,8 +92,7 @@ def test_micro_batches_average_to_the_whole_batch_gradient(process_group):
     split.load_state_dict(whole.state_dict())
     x = torch.randint(0, 256, (8, 8))
     cross_entropy(whole(x), x).backward()
-    sizes = MeshSizes(pp=1, dp_replicate=1, dp_shard=1, tp=1)
-    parallel = ParallelModel(split, StrategyConfig(), sizes, torch.device("cpu"), False, 4, cross_entropy)
+    parallel = ParallelModel(split, StrategyConfig(), Layout.single(4), torch.device("cpu"), False, cross_entropy)
     loss_sum = parallel.forward_backward(x, x)
     assert loss_sum / 4 == pytest.approx(cross_entropy(whole(x), x).item(), rel=1e-5)
     for (name, a), b in zip(whole.named_parameters(), parallel.module.parameters(), strict=True):
@@ -105,8 +106,7 @@ def test_fsdp_reduces_gradients_only_after_the_last_micro_batch(process_group):
     torch.manual_seed(0)
     reference, model = Transformer(cfg, 8), Transformer(cfg, 8)
     model.load_state_dict(reference.state_dict())
-    sizes = MeshSizes(pp=1, dp_replicate=1, dp_shard=1, tp=1)
-    fsdp = ParallelModel(model, StrategyConfig(zero=3), sizes, torch.device("cpu"), False, 2, cross_entropy)
+    fsdp = ParallelModel(model, StrategyConfig(zero=3), Layout.single(2), torch.device("cpu"), False, cross_entropy)
     x1, x2 = torch.randint(0, 256, (2, 8)), torch.randint(0, 256, (2, 8))
     with fsdp.no_sync(last=False):
         cross_entropy(fsdp.module(x1), x1).backward()

@@ -1,4 +1,5 @@
-"""`--plan`: the layout text from fake rank tables (no Ray), then the entrypoint end to end."""
+"""`--plan`: the layout text from fake rank tables (no Ray), then the entrypoint end to end. The memory
+estimate's numbers are checked against a measured training step in test_memory.py, not here."""
 
 from __future__ import annotations
 
@@ -12,16 +13,16 @@ from conftest import REPO, TINY, make_config
 
 from distrain.cli import PLAN_HYDRA_OVERRIDES, plan_overrides
 from distrain.config import TrainConfig
-from distrain.layout import MESH_DIMS
+from distrain.layout import MESH_DIMS, Layout
+from distrain.model.llama import Transformer
 from distrain.model.size import num_params
 from distrain.plan import describe, rank_memory, stage_params
 from distrain.validation import validate
 
 
-def planned(tmp_path: Path, *overrides: str) -> TrainConfig:
+def planned(tmp_path: Path, *overrides: str) -> tuple[TrainConfig, Layout]:
     cfg = make_config(tmp_path, *overrides)
-    validate(cfg)
-    return cfg
+    return cfg, validate(cfg)
 
 
 def fake_table(n: int, per_node: int, gpus: bool) -> list[dict]:
@@ -40,9 +41,11 @@ def fake_table(n: int, per_node: int, gpus: bool) -> list[dict]:
     ]
 
 
+@pytest.mark.timeout(30)
 def test_3d_mesh_coordinates_and_groups(tmp_path: Path):
-    cfg = planned(tmp_path, "cluster.num_workers=8", "strategy=3d", "model.n_layers=4", "trainer.precision=auto")
-    text = describe(cfg, fake_table(8, per_node=4, gpus=True))
+    overrides = ("cluster.num_workers=8", "strategy=3d", "model.n_layers=4", "trainer.precision=auto")
+    cfg, layout = planned(tmp_path, *overrides)
+    text = describe(cfg, layout, fake_table(8, per_node=4, gpus=True))
     lines = text.splitlines()
 
     header = lines.index("mesh:") + 1
@@ -58,48 +61,33 @@ def test_3d_mesh_coordinates_and_groups(tmp_path: Path):
     assert "  tp: [0,1] [2,3] [4,5] [6,7]" in lines
     assert not any(line.startswith("  dp_replicate:") for line in lines)  # size 1: no groups
     assert "2 nodes, GPU, bf16" in lines[0]  # precision auto on GPUs
-
-    # 1F1B: stage 0 holds 2 micro-batches in flight, the last stage 1; both stages have 2 layers.
-    stage0, stage1 = (rank_memory(cfg, pp_rank, "bf16") for pp_rank in (0, 1))
-    assert stage0.activations == 2 * stage1.activations
+    assert len([line for line in lines if line.startswith("  pp rank ")]) == 2  # memory for each stage
 
 
-@pytest.mark.parametrize(
-    ("strategy", "shards"),  # which of (params, grads, optimizer) are divided over dp_shard
-    [
-        ("ddp", (False, False, False)),
-        ("zero1", (False, False, True)),
-        ("zero2", (False, True, True)),
-        ("zero3", (True, True, True)),
-    ],
-)
-def test_memory_per_zero_level(tmp_path: Path, strategy: str, shards: tuple[bool, bool, bool]):
-    cfg = planned(tmp_path, "cluster.num_workers=4", f"strategy={strategy}")
-    p, n = num_params(cfg.model), 4
-    assert p % n == 0  # so the theory's P/N is exact
-    expected = [4 * k * (p // n if sharded else p) for k, sharded in zip((1, 1, 2), shards, strict=True)]
-    mem = rank_memory(cfg, 0, "fp32")
-    assert [mem.params, mem.grads, mem.optimizer] == expected
-
-    # Korthikanti et al.: s·b·h·34 + 5·a·s²·b bytes per layer in 16-bit, doubled in fp32, one micro-batch.
-    m, t = cfg.model, cfg.trainer
-    s, b = t.seq_len, t.micro_batch_size
-    assert mem.activations == m.n_layers * 2 * (34 * s * b * m.dim + 5 * m.n_heads * s * s * b)
-    assert mem.device_total == sum(expected) + mem.activations
-    assert f"strategy {strategy} (zero {cfg.strategy.zero})" in describe(cfg, fake_table(4, 4, gpus=False))
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "zero3"])
+def test_the_plan_names_the_strategy_and_its_memory(tmp_path: Path, strategy: str):
+    cfg, layout = planned(tmp_path, "cluster.num_workers=4", f"strategy={strategy}")
+    text = describe(cfg, layout, fake_table(4, 4, gpus=False))
+    assert f"strategy {strategy} (zero {cfg.strategy.zero})" in text
+    assert "4 ranks on 1 node, CPU, fp32" in text
+    memory = [line for line in text.splitlines() if line.startswith("  every rank: params ")]
+    assert len(memory) == 1 and "(1 micro-batch in flight)" in memory[0]
 
 
+@pytest.mark.timeout(30)
 def test_offload_says_where_the_state_lives(tmp_path: Path):
-    cfg = planned(tmp_path, "cluster.num_workers=4", "strategy=offload")
-    mem = rank_memory(cfg, 0, "fp32")
-    assert mem.params == 4 * (num_params(cfg.model) // 4)  # fp32, ZeRO-3 over 4
+    cfg, layout = planned(tmp_path, "cluster.num_workers=4", "strategy=offload")
+    mem = rank_memory(cfg, layout, 0, "fp32")
+    assert mem.offloaded and mem.params > 0
     assert mem.device_total == mem.activations  # the model state is not on the device
-    assert "sit in CPU memory" in describe(cfg, fake_table(4, 4, gpus=True))
+    assert "sit in CPU memory" in describe(cfg, layout, fake_table(4, 4, gpus=True))
 
 
+@pytest.mark.timeout(30)
 def test_a_parameter_server_plan_shows_the_servers_not_process_groups(tmp_path: Path):
-    cfg = planned(tmp_path, "strategy=ps", "strategy.num_servers=2", "strategy.mode=async", "cluster.num_workers=4")
-    text = describe(cfg, fake_table(4, 4, gpus=False))
+    cfg, layout = planned(tmp_path, "strategy=ps", "ps=async", "ps.num_servers=2", "cluster.num_workers=4")
+    text = describe(cfg, layout, fake_table(4, 4, gpus=False))
     assert "process groups" not in text
     assert "parameter servers: 2, mode async" in text
     per_server = num_params(cfg.model) * 4 / 2 / 1024  # KiB of fp32 weights each
@@ -107,11 +95,12 @@ def test_a_parameter_server_plan_shows_the_servers_not_process_groups(tmp_path: 
     assert "optimizer 0 B" in text  # the workers hold none
 
 
+@pytest.mark.timeout(30)
 def test_pipeline_stages_list_their_layers(tmp_path: Path):
-    cfg = planned(
+    cfg, layout = planned(
         tmp_path, "cluster.num_workers=2", "strategy=pp", "strategy.schedule=interleaved_1f1b", "model.n_layers=6"
     )
-    text = describe(cfg, fake_table(2, 2, gpus=False))
+    text = describe(cfg, layout, fake_table(2, 2, gpus=False))
     assert "pipeline (interleaved_1f1b, 4 stages, 4 micro-batches per step):" in text
     stages = [line.strip() for line in text.splitlines() if line.startswith("  stage ")]
     assert stages == [
@@ -120,21 +109,36 @@ def test_pipeline_stages_list_their_layers(tmp_path: Path):
         "stage 1 on pp rank 1: layers 1-2",
         "stage 3 on pp rank 1: layer 5, norm, output",
     ]
-    # The stages' parameters add up to the model's, and each rank holds its own stages' share.
-    counts = [stage_params(cfg.model, i, 4, 1) for i in range(4)]
-    assert sum(counts) == num_params(cfg.model)
-    assert rank_memory(cfg, 1, "fp32").params == 4 * (counts[1] + counts[3])
+    # Each stage's parameter count is that of the real model's parts the listing names.
+    model = Transformer(cfg.model, cfg.trainer.seq_len)
+    owned = {
+        0: ("tok_embeddings.", "layers.0."),
+        1: ("layers.1.", "layers.2."),
+        2: ("layers.3.", "layers.4."),
+        3: ("layers.5.", "norm.", "output."),
+    }
+    for stage, prefixes in owned.items():
+        counted = sum(p.numel() for name, p in model.named_parameters() if name.startswith(prefixes))
+        assert stage_params(cfg.model, stage, 4, 1) == counted, f"stage {stage}"
+    # pp rank 1 holds stages 1 and 3: its fp32 parameters are theirs.
+    assert rank_memory(cfg, layout, 1, "fp32").params == 4 * sum(
+        p.numel() for name, p in model.named_parameters() if name.startswith(owned[1] + owned[3])
+    )
 
 
+@pytest.mark.timeout(30)
 def test_plan_switch_becomes_an_override():
     assert plan_overrides(["--plan", "strategy=tp"]) == ["plan=true", "strategy=tp", *PLAN_HYDRA_OVERRIDES]
     assert plan_overrides(["strategy=tp"]) == ["strategy=tp"]
 
 
 def run_plan(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
+    """`jobs/train.py --plan` in a fresh process, on an embedded cluster of a stated size (2 CPUs,
+    no GPU) whatever the machine has: 4 workers of 0.25 CPU fit."""
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
     env.pop("RAY_ADDRESS", None)
-    args = [*TINY, f"run.storage={tmp_path}", "cluster.num_workers=4", *overrides]
+    cluster = ["cluster.local_cpus=2", "cluster.local_gpus=0"]
+    args = [*TINY, *cluster, f"run.storage={tmp_path}", "cluster.num_workers=4", *overrides]
     return subprocess.run(
         [sys.executable, str(REPO / "jobs" / "train.py"), "--plan", *args],
         capture_output=True,
@@ -145,6 +149,7 @@ def run_plan(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.timeout(200)
 def test_plan_end_to_end_writes_nothing(tmp_path: Path):
     result = run_plan(tmp_path, "strategy=fsdp_tp")
     assert result.returncode == 0, result.stderr[-3000:]
@@ -154,6 +159,7 @@ def test_plan_end_to_end_writes_nothing(tmp_path: Path):
     assert list(tmp_path.iterdir()) == []  # no run directory, lock, Hydra record or log
 
 
+@pytest.mark.timeout(200)
 def test_plan_of_an_impossible_layout_fails_in_one_line(tmp_path: Path):
     result = run_plan(tmp_path, "strategy.tp=3")
     assert result.returncode == 2, result.stderr[-3000:]

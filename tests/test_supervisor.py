@@ -1,8 +1,12 @@
-"""The supervisor on its own, with plain functions for ranks (no model, no torch.distributed):
-hang detection with stacks, reuse of healthy workers, fail-fast on a repeated error, the budget."""
+"""The supervisor on its own, with plain functions for ranks (no model, no torch.distributed): the
+state machine's transition table, the policy's decisions, hang detection with stacks, reuse of
+healthy workers, hot spares, replacing one worker while the others go on, fail-fast on a repeated
+error, the budget, stop requests, and groups kept warm between runs."""
 
 from __future__ import annotations
 
+import itertools
+import json
 import os
 import sys
 import threading
@@ -13,21 +17,65 @@ from pathlib import Path
 import pytest
 import ray.cloudpickle
 
-from distrain.cluster.attempt import Attempt
+from distrain.cluster.attempt import Attempt, Failure, FailureKind, Heartbeats, Outcome
 from distrain.cluster.placement import GroupSpec, WorkerFailure
-from distrain.cluster.policy import Policy
+from distrain.cluster.policy import Decision, Policy
+from distrain.cluster.states import (
+    TRANSITIONS,
+    Failed,
+    Finished,
+    InvalidTransition,
+    Placing,
+    Recovering,
+    Resizing,
+    Running,
+    Stopping,
+    Work,
+    check_transition,
+)
 from distrain.cluster.supervisor import Supervisor
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests/
 
-pytestmark = pytest.mark.usefixtures("ray_cluster")
 FAST = Policy(max_failures=3, hang_timeout_s=2.0, setup_timeout_s=30.0, restart_backoff_s=0.0, poll_s=0.1)
 
 
-def supervisor(tmp_path: Path, fn, n: int = 3, policy: Policy = FAST) -> Supervisor:
-    spec = GroupSpec(num_workers=n, cpus_per_worker=0.25, gpus_per_worker=0, threads_per_worker=1)
-    attempts = iter(range(1, 100))
-    return Supervisor(spec, policy, fn, lambda world: ((next(attempts), str(tmp_path)), {}), [n], tmp_path)
+class Steps:
+    """An engine whose ranks run a plain function: fn(attempt number, folder, channel)."""
+
+    def __init__(self, fn, folder: Path, replaces_workers: bool = False):
+        self.fn, self.folder, self.replaces_workers = fn, str(folder), replaces_workers
+
+    def warm_up(self):
+        return _nothing, ()
+
+    def begin(self, group, attempt: Attempt) -> Work:
+        return Work(self.fn, (attempt.number, self.folder))
+
+    def tick(self, suspect: bool) -> None:
+        pass
+
+    def replaced(self, rank: int) -> None:
+        pass
+
+    def request_stop(self, deadline: float) -> None:
+        pass
+
+    def finish(self, results: list) -> dict:
+        return {"ranks": results, "stopped": any(r.get("stopped") for r in results)}
+
+    def end(self) -> None:
+        pass
+
+
+def _nothing() -> None:
+    pass
+
+
+def supervisor(tmp_path: Path, fn, n: int = 3, policy: Policy = FAST, **options) -> Supervisor:
+    spares, replaces, reuse = options.get("spares", 0), options.get("replaces", False), options.get("reuse", False)
+    spec = GroupSpec(num_workers=n, cpus_per_worker=0.25, gpus_per_worker=0, threads_per_worker=1, spares=spares)
+    return Supervisor(spec, policy, Steps(fn, tmp_path, replaces), [n], tmp_path, reuse_workers=reuse)
 
 
 def steps(attempt: int, folder: str, channel, until: int = 6, stall=lambda rank, step: None) -> dict:
@@ -39,6 +87,91 @@ def steps(attempt: int, folder: str, channel, until: int = 6, stall=lambda rank,
     return {"rank": rank, "attempt": attempt, "pid": os.getpid()}
 
 
+# -- the state machine and the policy, without Ray --------------------------------------------------
+
+
+def sample_states() -> dict[type, object]:
+    attempt = Attempt(1, 2, {}, {"placed_at": 0.0})
+    beats = Heartbeats(2, [])
+    running = Running(attempt, beats)
+    return {
+        Placing: Placing(since=0.0),
+        Running: running,
+        Stopping: Stopping(attempt, beats, deadline=1.0),
+        Resizing: Resizing(attempt, beats, why="draining"),
+        Recovering: Recovering(running, [Failure(FailureKind.DIED, "rank 0 died", 0)]),
+        Finished: Finished({}, stopped=False),
+        Failed: Failed(RuntimeError("x")),
+    }
+
+
+@pytest.mark.parametrize(("old", "new"), list(itertools.product(sample_states(), repeat=2)), ids=lambda t: t.__name__)
+def test_every_transition_is_allowed_or_raises_as_the_table_says(old: type, new: type):
+    states = sample_states()
+    if new in TRANSITIONS[old]:
+        check_transition(states[old], states[new])
+    else:
+        with pytest.raises(InvalidTransition, match=f"{old.__name__} → {new.__name__}"):
+            check_transition(states[old], states[new])
+
+
+def test_the_table_has_the_runs_paths_and_final_states_lead_nowhere():
+    assert TRANSITIONS[Finished] == TRANSITIONS[Failed] == set()
+    for path in [
+        (Placing, Running, Finished),  # a run that completes
+        (Placing, Running, Recovering, Placing, Running, Finished),  # a restart
+        (Placing, Running, Recovering, Running, Finished),  # one worker replaced
+        (Placing, Running, Resizing, Placing, Running, Finished),  # a drain or growing back
+        (Placing, Running, Stopping, Finished),  # SIGTERM
+    ]:
+        assert all(b in TRANSITIONS[a] for a, b in zip(path, path[1:], strict=False)), path
+
+
+def failure(kind: FailureKind, rank: int | None = 0, signature: tuple | None = None) -> Failure:
+    return Failure(kind, f"{kind} of rank {rank}", rank, "Traceback ...", signature)
+
+
+@pytest.mark.parametrize(
+    ("kind", "rank", "replaces", "decision"),
+    [
+        (FailureKind.DIED, 0, False, Decision.RESTART),  # a process group restarts together
+        (FailureKind.RAISED, 1, False, Decision.RESTART),
+        (FailureKind.HUNG, None, False, Decision.RESTART),
+        (FailureKind.DIED, 0, True, Decision.REPLACE),  # a parameter server's worker is replaced alone
+        (FailureKind.RAISED, 2, True, Decision.REPLACE),
+        (FailureKind.HUNG, 1, True, Decision.REPLACE),
+        (FailureKind.LOST, None, True, Decision.RESTART),  # a lost server: only a restore helps
+    ],
+)
+def test_the_policy_decides_by_the_failure_and_the_engine(kind, rank, replaces, decision):
+    assert Policy().decide(failure(kind, rank), [], replaces).decision == decision
+
+
+def test_the_policy_gives_up_on_the_budget_and_on_the_same_error_twice():
+    policy = Policy(max_failures=2)
+    died = failure(FailureKind.DIED)
+    assert policy.decide(died, [died], False).decision == Decision.RESTART
+    verdict = policy.decide(died, [died, died], False)
+    assert verdict.decision == Decision.GIVE_UP and "failure 3, over cluster.max_failures=2" in verdict.reason
+    assert Policy(max_failures=-1).decide(died, [died] * 50, False).decision == Decision.RESTART
+    bug = failure(FailureKind.RAISED, signature=("ValueError", "bad batch", 3))
+    assert Policy(max_failures=10).decide(bug, [bug], True).decision == Decision.GIVE_UP
+    other_step = failure(FailureKind.RAISED, signature=("ValueError", "bad batch", 4))
+    assert Policy(max_failures=10).decide(bug, [other_step], True).decision == Decision.REPLACE
+    assert policy.size(4, [2]).size == 2 and policy.size(4, []).decision == Decision.GIVE_UP
+
+
+def test_backoff_grows_only_while_attempts_make_no_progress():
+    policy = Policy(restart_backoff_s=1.0)
+    assert policy.backoff([10]) == 0.0 and policy.backoff([10, 20]) == 0.0  # each got further: at once
+    assert [policy.backoff([10, 20] + [15] * k) for k in (1, 2, 3)] == [1.0, 2.0, 4.0]  # stuck: doubling
+
+
+# -- with Ray ---------------------------------------------------------------------------------------
+
+pytestmark = pytest.mark.usefixtures("ray_cluster")
+
+
 def sleepy_rank(attempt: int, folder: str, channel) -> dict:
     def stall(rank: int, step: int) -> None:
         if attempt == 1 and rank == 1 and step == 3:
@@ -48,12 +181,13 @@ def sleepy_rank(attempt: int, folder: str, channel) -> dict:
     return steps(attempt, folder, channel, stall=stall)
 
 
+@pytest.mark.timeout(120)
 def test_a_rank_that_stops_progressing_is_detected_with_stacks_and_the_run_recovers(tmp_path: Path):
     sup = supervisor(tmp_path, sleepy_rank)
-    results = sup.run()
+    results = sup.run().results["ranks"]
     assert [r["attempt"] for r in results] == [2, 2, 2]
     first, second = sup.attempts
-    assert (first.outcome, second.outcome) == ("hung", "completed")
+    assert (first.outcome, second.outcome) == (Outcome.HUNG, Outcome.COMPLETED)
     assert "rank 1 made no progress" in first.cause and "step 3" in first.cause
     # Detected once hang_timeout_s had passed without progress, and not long after.
     silent = first.timings["ended_at"] - float((tmp_path / "stalled_at").read_text())
@@ -75,16 +209,88 @@ def dies_once(attempt: int, folder: str, channel) -> dict:
     return steps(attempt, folder, channel, stall=stall)
 
 
+@pytest.mark.timeout(120)
 def test_healthy_workers_are_kept_and_only_the_dead_one_is_replaced(tmp_path: Path):
     sup = supervisor(tmp_path, dies_once)
-    results = sup.run()
+    results = sup.run().results["ranks"]
     first, second = sup.attempts
-    assert first.outcome == "failed" and "rank 2" in first.cause and "ActorDiedError" in first.cause
+    assert first.outcome == Outcome.FAILED and "rank 2" in first.cause and "ActorDiedError" in first.cause
     before, after = _placement(tmp_path, 1), _placement(tmp_path, 2)
     dead = before[2]["pid"]
     assert {e["pid"] for e in before} - {dead} < {e["pid"] for e in after}  # the two survivors, warm
     assert dead not in {r["pid"] for r in results} and len({r["pid"] for r in results}) == 3
     assert {"teardown_s", "placement_s"} <= set(second.record()["recovery"])
+
+
+def dies_then_waits(attempt: int, folder: str, channel) -> dict:
+    """Every rank steps until a file says otherwise: in attempt 1, `die` kills rank 2; in attempt 2,
+    `release` ends the run."""
+    rank, step = int(os.environ["RANK"]), 0
+    while not Path(folder, "release" if attempt > 1 else "never").exists():
+        if attempt == 1 and rank == 2 and Path(folder, "die").exists():
+            os._exit(1)
+        step += 1
+        channel.report({"phase": "train", "step": step})
+        time.sleep(0.05)
+    return {"rank": rank, "attempt": attempt, "pid": os.getpid()}
+
+
+@pytest.mark.timeout(120)
+def test_a_hot_spare_takes_the_dead_rank_and_a_new_spare_is_started(tmp_path: Path):
+    sup = supervisor(tmp_path, dies_then_waits, spares=1)
+    finished = []
+    runner = threading.Thread(target=lambda: finished.append(sup.run()))
+    runner.start()
+
+    def new_spares() -> list[dict]:  # warm spares that were no worker of the first attempt
+        first = (tmp_path / "attempts" / "001-placement.json").exists() and {e["pid"] for e in _placement(tmp_path, 1)}
+        group = sup.group
+        return [e for e in (group.placement() if group else []) if "spare" in e and first and e["pid"] not in first]
+
+    try:
+        placed = tmp_path / "placement.json"  # the first spare is warm (listed there): rank 2 may die
+        deadline = time.monotonic() + 90
+        while not (placed.exists() and "spare" in placed.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        (tmp_path / "die").write_text("")
+        while not (restocked := new_spares()) and runner.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        (tmp_path / "release").write_text("")
+        runner.join(timeout=60)
+    results = finished[0].results["ranks"]
+    before, after = _placement(tmp_path, 1), _placement(tmp_path, 2)
+    spare = [e for e in before if "spare" in e]
+    assert len(spare) == 1 and "rank" not in spare[0]  # warm before the failure, holding no rank
+    ranks_after = {e["pid"] for e in after if "rank" in e}
+    assert spare[0]["pid"] in ranks_after  # the spare took the dead rank: no new process for it
+    assert ranks_after == {r["pid"] for r in results} and before[2]["pid"] not in ranks_after
+    # ... and a new spare was started in the bundle the dead worker left.
+    assert len(restocked) == 1 and restocked[0]["pid"] not in ranks_after, (restocked, len(sup.attempts))
+
+
+def dies_the_first_time(attempt: int, folder: str, channel) -> dict:
+    def stall(rank: int, step: int) -> None:
+        marker = Path(folder, "died")
+        if rank == 2 and step == 2 and not marker.exists():
+            marker.write_text(str(os.getpid()))
+            os._exit(1)
+
+    return steps(attempt, folder, channel, until=20, stall=stall)
+
+
+@pytest.mark.timeout(120)
+def test_an_engine_that_replaces_workers_keeps_the_others_going(tmp_path: Path):
+    sup = supervisor(tmp_path, dies_the_first_time, replaces=True)
+    ranks = sup.run().results["ranks"]
+    assert len(sup.attempts) == 1 and sup.attempts[0].outcome == Outcome.COMPLETED  # never restarted
+    (replacement,) = sup.replacements
+    assert replacement["worker"] == 2 and "ActorDiedError" in replacement["cause"] and sup.restarts == 1
+    first = _placement(tmp_path, 1)  # rewritten with the replacement in rank 2's place
+    dead = int((tmp_path / "died").read_text())
+    assert [r["pid"] for r in ranks] == [e["pid"] for e in first if "rank" in e] and dead not in [
+        r["pid"] for r in ranks
+    ]
 
 
 def same_bug_every_time(attempt: int, folder: str, channel) -> dict:
@@ -95,13 +301,15 @@ def same_bug_every_time(attempt: int, folder: str, channel) -> dict:
     return steps(attempt, folder, channel, stall=stall)
 
 
+@pytest.mark.timeout(120)
 def test_the_same_error_at_the_same_step_twice_fails_fast_with_its_traceback(tmp_path: Path):
     sup = supervisor(tmp_path, same_bug_every_time, policy=replace(FAST, max_failures=10))
-    with pytest.raises(WorkerFailure, match="same error at the same step in two attempts") as info:
+    with pytest.raises(WorkerFailure, match="same error at the same step twice") as info:
         sup.run()
     assert len(sup.attempts) == 2  # not the ten the budget allows
     message = str(info.value)
     assert "ValueError: bad batch" in message and 'raise ValueError("bad batch")' in message  # the traceback
+    assert isinstance(sup.state, Failed)
 
 
 def dies_at_a_new_step_each_time(attempt: int, folder: str, channel) -> dict:
@@ -112,11 +320,12 @@ def dies_at_a_new_step_each_time(attempt: int, folder: str, channel) -> dict:
     return steps(attempt, folder, channel, stall=stall)
 
 
+@pytest.mark.timeout(120)
 def test_the_failure_budget_ends_the_run(tmp_path: Path):
     sup = supervisor(tmp_path, dies_at_a_new_step_each_time, policy=replace(FAST, max_failures=2))
     with pytest.raises(WorkerFailure, match="failure 3, over cluster.max_failures=2"):
         sup.run()
-    assert [a.outcome for a in sup.attempts] == ["failed"] * 3
+    assert [a.outcome for a in sup.attempts] == [Outcome.FAILED] * 3
 
 
 def until_stopped(attempt: int, folder: str, channel) -> dict:
@@ -128,26 +337,25 @@ def until_stopped(attempt: int, folder: str, channel) -> dict:
     return {"stopped": True, "step": step, "deadline": channel.stop_deadline}
 
 
+@pytest.mark.timeout(60)
 def test_a_stop_request_reaches_every_rank_with_a_deadline(tmp_path: Path):
     sup = supervisor(tmp_path, until_stopped, policy=replace(FAST, stop_grace_s=7.0))
     threading.Timer(2.0, sup.request_stop).start()
-    results = sup.run()
-    assert [a.outcome for a in sup.attempts] == ["stopped"]
-    assert all(r["stopped"] for r in results)
-    assert results[0]["deadline"] == pytest.approx(sup.stop_requested_at + 6.0)  # a second kept for the driver
+    finished = sup.run()
+    assert [a.outcome for a in sup.attempts] == [Outcome.STOPPED] and finished.stopped
+    deadlines = {r["deadline"] for r in finished.results["ranks"]}
+    assert deadlines == {sup.stop_requested_at + 6.0}  # exactly: a second of the grace kept for the driver
 
 
-def test_backoff_grows_only_while_attempts_make_no_progress():
-    sup = supervisor(Path("."), steps, policy=Policy(restart_backoff_s=1.0))
-    for reached in (10, 20):  # each attempt got further: retry at once
-        sup.attempts.append(Attempt(len(sup.attempts) + 1, 3, {}, {}, step_reached=reached))
-        assert sup._backoff() == 0.0
-    for waits in (1.0, 2.0, 4.0):  # stuck below step 20: 1 s, then doubling
-        sup.attempts.append(Attempt(len(sup.attempts) + 1, 3, {}, {}, step_reached=15))
-        assert sup._backoff() == waits
+@pytest.mark.timeout(60)
+def test_a_finished_runs_group_is_kept_warm_for_the_next_run_of_the_same_shape(tmp_path: Path):
+    first = supervisor(tmp_path / "a", steps, n=2, reuse=True)
+    pids = {r["pid"] for r in first.run().results["ranks"]}
+    second = supervisor(tmp_path / "b", steps, n=2, reuse=True)
+    assert {r["pid"] for r in second.run().results["ranks"]} == pids  # the same processes, no start
+    third = supervisor(tmp_path / "c", steps, n=3)  # another shape: new workers
+    assert not {r["pid"] for r in third.run().results["ranks"]} & pids
 
 
 def _placement(run_dir: Path, attempt: int) -> list[dict]:
-    import json
-
     return json.loads((run_dir / "attempts" / f"{attempt:03d}-placement.json").read_text())

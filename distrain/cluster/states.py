@@ -22,6 +22,15 @@ if TYPE_CHECKING:
     from distrain.cluster.worker_group import WorkerGroup
 
 
+@dataclass(frozen=True)
+class Work:
+    """What an attempt's ranks run, fn(*args, channel), and where the engine's other actors run."""
+
+    fn: Callable[..., Any]
+    args: tuple
+    others: list[dict] = field(default_factory=list)
+
+
 class AttemptLost(RuntimeError):
     """An engine lost a part of the attempt that lives outside the ranks (a parameter server):
     only a new attempt from the last checkpoint helps."""
@@ -37,16 +46,16 @@ class Engine(Protocol):
     def warm_up(self) -> tuple[Callable[..., Any], tuple]:
         """fn and args a hot spare runs while it waits for a rank: what the rank's function imports and reads."""
 
-    def begin(self, group: WorkerGroup, attempt: Attempt) -> list[dict]:
-        """Start an attempt on a placed group: what else it needs (parameter servers), then the ranks'
-        function; note in attempt.info where it resumes from. Returns its other actors' placement."""
+    def begin(self, group: WorkerGroup, attempt: Attempt) -> Work:
+        """Prepare an attempt on a placed group: what else it needs (parameter servers); note in
+        attempt.info where it resumes from. Returns what the ranks run (the supervisor launches it)."""
 
     def tick(self, suspect: bool) -> None:
         """Work between the supervisor's looks (a parameter server's metrics and checkpoints); AttemptLost
         when the attempt cannot go on. `suspect`: a worker just failed, perhaps because of that."""
 
-    def relaunch(self, rank: int) -> None:
-        """The ranks' function again on `rank`, whose worker was replaced (replaces_workers only)."""
+    def replaced(self, rank: int) -> None:
+        """`rank`'s worker was replaced (replaces_workers only): let go of what the dead one held."""
 
     def request_stop(self, deadline: float) -> None:
         """Beyond telling the ranks (the supervisor does): what else must stop by `deadline`."""

@@ -48,6 +48,7 @@ from distrain.cluster.states import (
     State,
     Stopping,
     Watching,
+    Work,
     check_transition,
 )
 from distrain.cluster.worker_group import WorkerGroup, first_line
@@ -77,7 +78,8 @@ class Supervisor:
         self.stop_requested_at: float | None = None
         self.step_times: list[float] = []
         self.group: WorkerGroup | None = None
-        self.others: list[dict] = []  # where the engine's other actors of the attempt run (parameter servers)
+        self.work: Work | None = None  # what the current attempt's ranks run
+        self._placement: list[dict] = []  # as last written to the run directory
 
     @property
     def restarts(self) -> int:
@@ -135,8 +137,9 @@ class Supervisor:
         timings = {Mark.SINCE: s.since, Mark.TORN_DOWN: s.torn_down_at or now, Mark.PLACED: now}
         attempt = Attempt(len(self.attempts) + 1, len(table), {}, timings)
         self.attempts.append(attempt)
-        self.others = self.engine.begin(self.group, attempt)
-        write_placement(self.run_dir, attempt.number, [*self.group.placement(), *self.others])
+        self.work = self.engine.begin(self.group, attempt)
+        self.group.launch(self.work.fn, *self.work.args)
+        self._write_placement(attempt)
         return Running(attempt, Heartbeats(len(table), self.step_times), next_node_check=self._next_node_check())
 
     def _new_group(self, s: Placing) -> list[dict]:
@@ -156,7 +159,8 @@ class Supervisor:
                 raise PlacementError(
                     f"{e}; {verdict.reason} (down to cluster.min_workers={self.world_sizes[-1]})"
                 ) from e
-            self.on_event(f"{e}; continuing on {verdict.size} of {full} workers; growing back when there is room")
+            self.on_event(str(e))
+            self.on_event(f"continuing on {verdict.size} of {full} workers; growing back when there is room")
             return self._start_group(verdict.size, patient=False)
 
     def _start_group(self, n: int, patient: bool) -> list[dict]:
@@ -175,11 +179,9 @@ class Supervisor:
             return self._finish(s)
         if s.attempt.step_reached > s.attempt.info.get("resumed_from_step", 0):
             self.group.restock()  # the attempt made a step: a new spare's warm-up no longer slows its start
+        self._write_placement(s.attempt)  # when a spare has come up
         if self.stop_requested_at:
-            deadline = self.stop_requested_at + self.policy.stop_grace_s
-            self.on_event("stop requested: checkpointing, then stopping")
-            self._ask_to_stop(deadline - 1.0)  # a second kept for the driver
-            return Stopping(s.attempt, s.beats, s.results, deadline=deadline)
+            return self._stopping(s)
         if time.monotonic() >= s.next_node_check:
             why, deadline = self._reason_to_move(s.attempt)
             if why:
@@ -213,10 +215,15 @@ class Supervisor:
             s.attempt.outcome = Outcome.RESIZED
             return Placing(since=time.time())
         if self.stop_requested_at:
-            deadline = self.stop_requested_at + self.policy.stop_grace_s
-            self._ask_to_stop(deadline - 1.0)
-            return Stopping(s.attempt, s.beats, s.results, deadline=deadline)
+            return self._stopping(s)
         return s
+
+    def _stopping(self, s: Watching) -> Stopping:
+        """A stop was requested: ask every rank (and the engine) to checkpoint and return by the deadline."""
+        deadline = self.stop_requested_at + self.policy.stop_grace_s
+        self.on_event("stop requested: checkpointing, then stopping")
+        self._ask_to_stop(deadline - 1.0)  # a second kept for the driver
+        return Stopping(s.attempt, s.beats, s.results, deadline=deadline)
 
     def _ask_to_stop(self, deadline: float) -> None:
         self.group.request_stop(deadline)
@@ -253,7 +260,9 @@ class Supervisor:
         self.on_progress(progress[0])
         attempt.note(progress)
         if errors:
-            return self._failed(errors)
+            failures = self._failed(errors)
+            attempt.note([group.last_progress(0, timeout_s=0.5)])  # polls lag: rank 0's last report, if it lives
+            return failures
         s.beats.update(progress)
         hung = [
             r
@@ -296,7 +305,7 @@ class Supervisor:
     def _hung(self, attempt: Attempt, hung: list[int], progress: list[dict], beats: Heartbeats) -> Failure:
         """Ranks silent past their limit. Collective training: every rank's stacks, and the whole group
         goes (the others wait in collectives); a replacing engine: the one rank's."""
-        one = self.engine.replaces_workers
+        seen, one = time.time(), self.engine.replaces_workers
         silent = max(beats.silent_s(r) for r in hung)
         steps = sorted({str(progress[r].get("step")) for r in hung})
         folder = write_stacks(self.run_dir, attempt.number, self.group.stacks(hung[:1] if one else None))
@@ -307,7 +316,7 @@ class Supervisor:
             + (f", rank {', '.join(map(str, mute))} not answering" if mute and not one else "")
             + f"; stacks in {folder}"
         )
-        return Failure(FailureKind.HUNG, cause, hung[0] if one else None)
+        return Failure(FailureKind.HUNG, cause, hung[0] if one else None, at=seen)
 
     def _reason_to_move(self, attempt: Attempt) -> tuple[str | None, float]:
         """A node of the group is draining (about to be preempted), or a shrunk run has room to grow
@@ -366,9 +375,17 @@ class Supervisor:
         step = self.group.last_progress(rank, timeout_s=0.5).get("step")
         self.group.replace(rank)
         watching.beats.restart(rank)
-        self.engine.relaunch(rank)
-        write_placement(self.run_dir, watching.attempt.number, [*self.group.placement(), *self.others])
+        self.engine.replaced(rank)
+        self.group.launch(self.work.fn, *self.work.args, ranks=[rank])
+        self._write_placement(watching.attempt)
         self.replacements.append({"worker": rank, "cause": failure.cause, "at_step": step, "time": failure.at})
+
+    def _write_placement(self, attempt: Attempt) -> None:
+        """Where the attempt's ranks, warm spares and other actors run, whenever that changed."""
+        placement = [*self.group.placement(), *self.work.others]
+        if placement != self._placement:
+            write_placement(self.run_dir, attempt.number, placement)
+            self._placement = placement
 
     def _sleep(self, seconds: float) -> None:
         """Wait, unless a stop request comes meanwhile."""

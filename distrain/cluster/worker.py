@@ -62,13 +62,15 @@ class Worker:
         """A fresh channel for the next `run`. A call of its own, answered before `run` is sent:
         `run` may wait seconds for its function to unpickle (importing torch), and a stop request
         that arrives meanwhile must reach the channel that run will read."""
-        gc.collect()  # what an earlier attempt in this process left behind
         self.channel = Channel()
 
     def run(self, fn: Callable[..., Any], env: dict[str, str], *args: Any) -> Any:
         """Call fn(*args, channel) with the rank's environment."""
         os.environ.update(env)
-        return fn(*args, self.channel)
+        try:
+            return fn(*args, self.channel)
+        finally:
+            gc.collect()  # what this call left behind, now rather than when the next one starts
 
     def progress(self) -> dict:
         return self.channel.progress

@@ -87,7 +87,7 @@ class WorkerGroup:
         of_rank = [i // s.node_group for i in range(s.num_workers)]
         actors = [self._actor(b) for b in of_rank]
         self.workers = actors  # shutdown finds them, even if the next lines fail
-        self.spares = [warm.start_spare(self._actor, blocks + i, self.warm_up) for i in range(s.spares)]
+        self.free_bundles = [blocks + i for i in range(s.spares)]  # spares start once a step is done: `restock`
         return self._rank(actors, self._started(actors, of_rank))
 
     def _started(self, actors: list, bundles: list[int]) -> list[dict]:
@@ -306,8 +306,8 @@ class WorkerGroup:
         return filled
 
     def restock(self) -> None:
-        """Start a spare in each bundle a spare left when it took a rank (a run calls this once its
-        new attempt has made a step: a spare's warm-up takes CPU the recovery needs more)."""
+        """Start a spare in each free spare bundle: at first, and where a spare left when it took a rank
+        (a run calls this once its attempt has made a step: a spare's warm-up takes CPU the start needs more)."""
         while self.free_bundles and len(self.spares) < self.spec.spares:
             self.spares.append(warm.start_spare(self._actor, self.free_bundles.pop(), self.warm_up))
         self.free_bundles.clear()

@@ -24,6 +24,7 @@ from typing import Any
 from distrain import checkpoint
 from distrain.cluster.attempt import Attempt
 from distrain.cluster.placement import GroupSpec
+from distrain.cluster.states import Work
 from distrain.cluster.worker_group import WorkerGroup
 from distrain.config import TrainConfig, to_plain
 from distrain.fsutil import write_json
@@ -67,7 +68,7 @@ class ParameterServerEngine:
 
         return warm_up, ({"config": self.plain},)
 
-    def begin(self, group: WorkerGroup, attempt: Attempt) -> list[dict]:
+    def begin(self, group: WorkerGroup, attempt: Attempt) -> Work:
         from distrain.ps.worker import run_worker
 
         latest = checkpoint.latest(self.root)
@@ -83,11 +84,12 @@ class ParameterServerEngine:
             job, p.num_servers, self.spec.num_workers, self.spec.cpus_per_worker, self.spec.start_timeout_s
         )
         where = self.servers.start()
+        # The version the servers hold, as they say it: after a restore, the checkpoint's (a sync step each).
+        attempt.info["servers_version"] = self.servers.drain(wait_s=self.spec.start_timeout_s)["version"]
         self.tracker = Tracker(str(self.run_dir), self.plain, step, self.wandb_run_id)
         self.group = group
         self.worker_job = {"config": self.plain, "layout": self.layout.as_dict(), "servers": self.servers.actors}
-        group.launch(run_worker, self.worker_job)
-        return [{"server": k, **info} for k, info in enumerate(where)]
+        return Work(run_worker, (self.worker_job,), [{"server": k, **info} for k, info in enumerate(where)])
 
     def tick(self, suspect: bool) -> None:
         if suspect:  # a worker's failure may be a server's
@@ -96,11 +98,8 @@ class ParameterServerEngine:
         self._write(self.log.lines())
         self._commit_if_written()
 
-    def relaunch(self, rank: int) -> None:
-        from distrain.ps.worker import run_worker
-
+    def replaced(self, rank: int) -> None:
         self.servers.forget(rank)
-        self.group.launch(run_worker, self.worker_job, ranks=[rank])
 
     def request_stop(self, deadline: float) -> None:
         self.stopping = True

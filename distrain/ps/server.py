@@ -88,6 +88,7 @@ class ParameterServer:
         self.stopped = False
         self.state_ready = False  # Hogwild: whether the first update has created the optimizer state
         self.version_lock = threading.Lock()  # Hogwild: versions counted without losing one
+        self.updating: set[tuple[int, int]] = set()  # Hogwild: (worker, step) of the updates under way
         self._published: tuple[int, ray.ObjectRef] | None = None
         if job.get("resume_from"):
             self.load(f"{job['resume_from']}/{SERVER_FILE.format(index)}")
@@ -187,9 +188,11 @@ class ParameterServer:
     def _push_unlocked(self, worker: int, step: int, grad: torch.Tensor, record: dict | None) -> dict:
         """Hogwild: in place, concurrently with other pushes; the version read is the staleness
         as this push saw it."""
-        if self._seen(worker, step):
-            return {"applied": False, "stopped": self.stopped}
-        pulled = self.in_flight.pop(worker, self.version)
+        with self.cond:  # the bookkeeping only (`_seen` notifies the condition's waiters): the update takes no lock
+            if self._seen(worker, step) or (worker, step) in self.updating:  # a replaced worker's push may still run
+                return {"applied": False, "stopped": self.stopped}
+            self.updating.add((worker, step))
+            pulled = self.in_flight.pop(worker, self.version)
         slot = self.slots[worker % len(self.slots)]
         if self.state_ready:
             slot.step(grad, self._lr(step))
@@ -201,6 +204,7 @@ class ParameterServer:
             staleness = self.version - pulled
             self.version += 1
             self.applied[worker] = step
+            self.updating.discard((worker, step))
         self._emit(record, applied=True, staleness=staleness)
         return {"applied": True, "staleness": staleness, "version": self.version, "stopped": self.stopped}
 

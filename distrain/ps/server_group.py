@@ -15,9 +15,7 @@ from distrain.cluster.placement import PlacementError, WorkerFailure
 from distrain.cluster.states import AttemptLost
 from distrain.cluster.warm import make_room
 from distrain.cluster.worker_group import first_line
-from distrain.ps.server import ParameterServer
 
-RemoteServer = ray.remote(ParameterServer)
 SERVER_CALLS = 4  # a server's threads beyond one per worker: the driver's drains, saves, stops
 
 
@@ -25,11 +23,13 @@ class ServerGroup:
     def __init__(self, job: dict, num_servers: int, num_workers: int, cpus: float, timeout_s: float):
         """Servers spread over the nodes; timeout_s bounds their start and how long one may stay silent."""
         self.timeout_s = timeout_s
+        from distrain.ps.server import ParameterServer  # torch: in the driver only when a parameter server runs
+
         make_room({"CPU": cpus * num_servers})
         self.actors = [
-            RemoteServer.options(
-                num_cpus=cpus, max_concurrency=num_workers + SERVER_CALLS, scheduling_strategy="SPREAD"
-            ).remote(job, k)
+            ray.remote(ParameterServer)
+            .options(num_cpus=cpus, max_concurrency=num_workers + SERVER_CALLS, scheduling_strategy="SPREAD")
+            .remote(job, k)
             for k in range(num_servers)
         ]
         self.drains: dict[int, tuple] = {}  # server → (its unanswered drain, when asked)

@@ -135,6 +135,19 @@ class PSWorker:
         self.channel.report({"phase": Phase.TRAIN})
         return answers
 
+    def exchange(self, step: int, records: list[dict]) -> None:
+        """EASGD's elastic exchange after local step `step` (`records`: those of the local steps since
+        the last exchange, the newest last): every shard moves its centre towards this worker's weights
+        and returns the difference d, which this worker subtracts from its own weights."""
+        weights = [view.gather(grad=False).numpy() for view in self.views]
+        if records:
+            records[-1]["bytes_pushed"] = sum(w.nbytes for w in weights)
+        answers = self.call_all("exchange", step, weights, records)
+        for view, answer in zip(self.views, answers, strict=True):
+            if answer["diff"] is not None:
+                view.scatter(view.gather(grad=False) - as_tensor(answer["diff"]))
+                self.pulled_bytes += answer["diff"].nbytes
+
     # -- the loop -------------------------------------------------------------------------------
 
     def fit(self) -> dict:
@@ -185,16 +198,10 @@ class PSWorker:
             set_lr(optimizer, lr_at(step, self.cfg.optim, t.max_steps))
             loss, norm = self.step(step, clip=True)
             optimizer.step()
-            pending.append(record := self.record(step, loss, norm, pushed=0))
+            pending.append(self.record(step, loss, norm, pushed=0))
             if step % tau == 0 or step == t.max_steps:
-                weights = [view.gather(grad=False).numpy() for view in self.views]
-                record["bytes_pushed"] = sum(w.nbytes for w in weights)
-                answers = self.call_all("exchange", step, weights, pending)
+                self.exchange(step, pending)
                 pending = []
-                for view, answer in zip(self.views, answers, strict=True):
-                    if answer["diff"] is not None:
-                        view.scatter(view.gather(grad=False) - as_tensor(answer["diff"]))
-                        self.pulled_bytes += answer["diff"].nbytes
             self.validate_after(step, centre=True)
             done = step
             step += 1

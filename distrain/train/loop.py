@@ -47,7 +47,10 @@ def run_rank(job: dict, channel: Channel) -> dict:
 
 def warm_up(job: dict) -> None:
     """What a hot spare does while it waits for a rank: this module's imports (torch and the whole
-    trainer, loaded as this function arrives) and the run's corpus, so that taking over costs neither."""
+    trainer, loaded as this function arrives), what torch imports on first use (DDP imports dynamo
+    as it is built: 1.3 s), and the run's corpus, so that taking over costs none of them."""
+    import torch._dynamo  # noqa: F401
+
     run_batches(from_plain(job["config"]))
 
 
@@ -70,17 +73,7 @@ class Trainer:
             self.tracker = Tracker(str(self.run_dir), job["config"], self.step, job["wandb_run_id"])
         channel.report({"step": self.step, "max_steps": cfg.trainer.max_steps, "loaded_at": time.time()})
 
-    # -- one step -------------------------------------------------------------------------------
-
-    def train_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Forward and backward over this rank's micro-batches (the gradient all-reduced on the way),
-        then one optimizer step; the summed micro-batch losses (local) and the norm before clipping."""
-        set_lr(self.optimizer, lr_at(step, self.cfg.optim, self.cfg.trainer.max_steps))
-        loss_sum = self.learner.forward_backward(step)
-        grad_norm = self.learner.clip(self.cfg.optim.grad_clip)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return loss_sum, grad_norm
+    # -- reductions over the ranks ----------------------------------------------------------------
 
     def global_mean(self, local_sum: torch.Tensor) -> float:
         """Mean over the global batch of per-micro-batch means (equal sizes, so the batch mean).
@@ -109,7 +102,13 @@ class Trainer:
 
         while self.step < t.max_steps:
             self.step += 1
-            loss_sum, grad_norm = self.train_step(self.step)
+            # Forward and backward over this rank's micro-batches, the gradient all-reduced on the way;
+            # the summed micro-batch losses (local) and the norm before clipping; one optimizer step.
+            set_lr(self.optimizer, lr_at(self.step, self.cfg.optim, t.max_steps))
+            loss_sum = self.learner.forward_backward(self.step)
+            grad_norm = self.learner.clip(self.cfg.optim.grad_clip)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
             window_steps += 1
             if first_step_s is None:
                 first_step_s = time.time() - self.started_at
@@ -182,12 +181,16 @@ class Trainer:
         self.channel.report({"phase": Phase.TRAIN})
         return self.save_s
 
-    def state(self) -> dict:
-        """Keyed by full-model parameter name, whatever the layout: a checkpoint resumes on any.
-        Optimizer state is flattened to one entry per parameter so that ranks holding different
-        parameters (pipeline stages, ZeRO-1 shards) contribute disjoint keys."""
+    def state(self) -> tuple[dict, dict]:
+        """What a checkpoint holds, and the hyperparameters it leaves out. Keyed by full-model parameter
+        name, whatever the layout: a checkpoint resumes on any. Optimizer state is flattened to one
+        entry per parameter so that ranks holding different parameters (pipeline stages, ZeRO-1
+        shards) contribute disjoint keys. Its `param_groups.*` entries (lr, betas, eps, weight decay:
+        one small item per parameter and key, most of what a load reads) are not saved: the config
+        says them, and the schedule sets lr every step."""
         model_sd, optim_sd = get_state_dict(self.learner.module, local_optimizer(self.optimizer), options=STATE_OPTIONS)
-        return {"model": model_sd, "optim": optim_sd}
+        groups = {k: optim_sd.pop(k) for k in [k for k in optim_sd if k.startswith("param_groups.")]}
+        return {"model": model_sd, "optim": optim_sd}, groups
 
     def save(self) -> None:
         meta = {
@@ -203,18 +206,18 @@ class Trainer:
         if self.device.type == "cuda":
             rank_state["cuda_rng"] = torch.cuda.get_rng_state(self.device)
         checkpoint.save(
-            self.run_dir / "checkpoints", self.step, self.state(), meta, rank_state, self.cfg.checkpoint.keep
+            self.run_dir / "checkpoints", self.step, self.state()[0], meta, rank_state, self.cfg.checkpoint.keep
         )
 
     def load(self, path: str) -> None:
         """Restore weights, optimizer, step, data position and RNG."""
-        state = self.state()
+        state, groups = self.state()
         meta, rank_state = checkpoint.load(path, state)
         set_state_dict(
             self.learner.module,
             local_optimizer(self.optimizer),
             model_state_dict=state["model"],
-            optim_state_dict=state["optim"],
+            optim_state_dict={**state["optim"], **groups},
             options=STATE_OPTIONS,
         )
         self.step, self.loss = meta["step"], meta["loss"]

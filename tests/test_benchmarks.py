@@ -1,0 +1,94 @@
+"""Every benchmark in jobs/ runs in its --smoke mode and writes a page that names the commit it measured.
+
+Each script runs as a command in a session of its own (`harness.run_command`: its log kept, a timeout,
+every process it leaves ended by PID), its page under the test's tmp_path. The smoke runs use tiny
+models, a few steps and 2 workers on the embedded Ray cluster, which harness keeps on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.append(str(REPO / "jobs"))
+
+import harness  # noqa: E402  (jobs/harness.py)
+
+
+def smoke(tmp_path: Path, script: str, timeout_s: float, *extra: str) -> tuple[harness.Finished, Path]:
+    """`python jobs/<script> --smoke --out <tmp_path>/<page>.md`; its exit, and the page's path."""
+    page = tmp_path / "docs" / f"{script.removeprefix('bench_')}.md"
+    cmd = [sys.executable, f"jobs/{script}.py", "--smoke", "--out", str(page), "--storage", str(tmp_path / "runs")]
+    done = harness.run_command([*cmd, *extra], tmp_path / f"{script}.log", timeout_s)
+    assert done.rc == 0, f"{script} exited with {done.rc}:\n{done.tail(60)}"
+    return done, page
+
+
+def assert_page(page: Path, plot: bool = False) -> str:
+    """The page is there, its header names the commit checked out and the smoke run, and so does the index."""
+    text = page.read_text()
+    commit, _ = harness.commit()
+    measured = harness.COMMIT_LINE.search(text)
+    assert measured and measured[1] == commit, text[:600]
+    assert "--smoke" in text and "Smoke run" in text
+    assert "- Machine: " in text and "- 1-minute load average: " in text
+    if plot:
+        svg = page.with_suffix(".svg")
+        assert svg.read_text().startswith("<svg") and f"]({svg.name})" in text
+    harness.main(["index", "--out", str(page.parent / "benchmarks.md")])
+    index = (page.parent / "benchmarks.md").read_text()
+    assert f"[{page.name}]({page.name}) | `{commit}`" in index, index
+    return text
+
+
+# script, seconds it may take, whether it draws a plot, what its page must hold
+SMOKES = [
+    ("bench_ddp", 240, False, ["| distrain (Ray) |", "| torchrun |"]),
+    ("bench_strategies", 240, False, ["| ddp | 2 | dp_replicate 2 |", "| zero2 | 2 | dp_shard 2, ZeRO-2 |"]),
+    ("bench_bubble", 180, True, ["| interleaved_zb | 2 |"]),
+    ("bench_collectives", 180, False, ["## all_reduce (busbw factor 1)"]),  # 2 ranks: 2(n − 1)/n = 1
+    ("bench_ps", 240, True, ["## One straggler", "| PS sync |"]),
+    # the spare, warm at the kill, took the dead rank
+    ("bench_recovery", 240, True, ["| distrain + 1 hot spare, 2 workers | 1 |", "| yes |"]),
+]
+
+
+@pytest.mark.parametrize(
+    "script, timeout_s, plot, holds",
+    [pytest.param(*case, id=case[0], marks=pytest.mark.timeout(case[1] + 60)) for case in SMOKES],
+)
+def test_smoke(tmp_path: Path, script: str, timeout_s: float, plot: bool, holds: list[str]) -> None:
+    _, page = smoke(tmp_path, script, timeout_s)
+    text = assert_page(page, plot)
+    for expected in holds:
+        assert expected in text, text
+
+
+@pytest.mark.timeout(110)
+def test_mfu(tmp_path: Path) -> None:
+    """On a machine without a GPU it says it needs one, exits 0 and writes no page."""
+    import torch
+
+    done, page = smoke(tmp_path, "bench_mfu", 50)
+    if torch.cuda.is_available():
+        assert_page(page)
+    else:
+        assert "needs a GPU" in done.log.read_text()
+        assert not page.exists() and not page.parent.exists()
+
+
+@pytest.mark.timeout(30)
+def test_index_of_pages(tmp_path: Path) -> None:
+    """The index lists every benchmark, with the commit and date its page names, or says why there is none."""
+    (tmp_path / "ddp.md").write_text("# DDP\n\n```bash\njobs/bench_ddp.py\n```\n\n- Commit measured: `abc1234`; now.\n")
+    (tmp_path / "ps.md").write_text("# PS, as written before the harness\n\n    jobs/bench_ps.py\n")
+    harness.main(["index", "--out", str(tmp_path / "benchmarks.md")])
+    index = (tmp_path / "benchmarks.md").read_text()
+    assert harness.COMMIT_LINE.search(index)[1] == harness.commit()[0]
+    assert "| `jobs/bench_ddp.py` | [ddp.md](ddp.md) | `abc1234`, now |" in index
+    assert "| `jobs/bench_ps.py` | [ps.md](ps.md) | not recorded" in index
+    assert "| `jobs/bench_mfu.py` | — | no page: it needs a GPU" in index
+    assert "| `jobs/bench_recovery.py` | — | no page yet |" in index
