@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import harness  # first: it keeps Ray on loopback
+import processes
 import torch
 import torch.distributed as dist
 from svgplot import Axes, Canvas  # jobs/svgplot.py, beside this script
@@ -150,7 +151,7 @@ def measure_bubble(setup: BubbleSetup) -> dict[str, dict[int, dict[str, Any]]]:
     rank's core, which stretches its compute and makes its peers wait: idle that is not bubble); the
     balance, the least-computing rank's compute over the most-computing one's (median over steps); and
     the load before each pass."""
-    ranks = harness.spawn_ranks(bubble_rank, setup.pp, setup)
+    ranks = processes.spawn_ranks(bubble_rank, setup.pp, setup)
     results: dict[str, dict[int, dict[str, Any]]] = {}
     for key in ranks[0]:
         schedule, m = key.split("/")

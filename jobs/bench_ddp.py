@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import harness  # first: it keeps Ray on loopback
+import processes
 import torch
 
 GOAL = 1.05  # distrain's step time may be at most 5% above torchrun's
@@ -96,8 +97,8 @@ def run_once(runner: str, repeat: int, args, storage: Path, attempt: int) -> Res
     name = f"{runner}-{repeat}-{attempt}"
     cmd, env = command(runner, args, storage, name)
     try:
-        done = harness.run_command(cmd, storage / f"{name}.log", args.timeout, env)
-    except harness.CommandTimeout as e:
+        done = processes.run_command(cmd, storage / f"{name}.log", args.timeout, env)
+    except processes.CommandTimeout as e:
         raise SystemExit(f"bench_ddp: {e}") from None
     if runner == "distrain":
         metrics = storage / name / "metrics.jsonl"

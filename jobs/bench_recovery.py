@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import harness  # first: it keeps Ray on loopback
+import processes
 from svgplot import Canvas  # jobs/svgplot.py, beside this script
 
 from distrain.tracking import read_metrics
@@ -202,7 +203,7 @@ def under_fire(label: str, run_dir: Path, pids: Callable, args, spares: int, cal
     killer, called_at = Killer(label, run_dir, pids, args.kills, spares), time.time()
     killer.start()
     try:
-        _, error = harness.interrupt_after(args.timeout, call)
+        _, error = processes.interrupt_after(args.timeout, call)
     finally:
         killer.done.set()
         killer.join(timeout=10)

@@ -15,6 +15,7 @@ import statistics
 from pathlib import Path
 
 import harness  # first: it keeps Ray on loopback
+import processes
 import torch
 
 from distrain.cli import compose
@@ -70,7 +71,7 @@ def memory_rank(rank: int, device: torch.device, world: int, cfg: ModelConfig, s
 
 def measure_memory(world: int, cfg: ModelConfig, seq_len: int) -> dict[str, dict[str, list[int]]]:
     """case → kind → bytes on each rank."""
-    ranks = harness.spawn_ranks(memory_rank, world, world, cfg, seq_len)
+    ranks = processes.spawn_ranks(memory_rank, world, world, cfg, seq_len)
     return {case: {k: [r[case][k] for r in ranks] for k in KINDS} for case in MEMORY_CASES}
 
 

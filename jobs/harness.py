@@ -4,12 +4,10 @@
   cluster binds 127.0.0.1 only (`RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`, which Ray reads when first
   imported), sends no usage statistics, and never attaches to a cluster named by `RAY_ADDRESS`.
 - **Machine.** `machine()`, `describe()`, `commit()`, `off_loopback()`.
-- **Commands.** `run_command()`: a command in its own session, its output to a log, a timeout, and every
-  process it leaves behind found by session id and ended by PID.
 - **Runs.** `alternate()`: each configuration once per repeat, the order reversed on every other repeat
   (ABBA), the 1-minute load average taken before each run. `train()`: one distrain run through
   `distrain.launch.train`, bounded in time, with what it wrote. `ray_cluster()`: one embedded cluster.
-  `spawn_ranks()`: gloo processes on loopback without Ray.
+- Starting and ending processes (commands, bounded calls, gloo ranks) is jobs/processes.py's.
 - **Command line.** `parser()` with the options every benchmark has (--out, --repeats, --smoke,
   --storage), `parse()` (which keeps the exact command for the page), `storage()`.
 - **Pages.** `Page` writes a page's header (title, command, commit, date, machine, loads), its body and
@@ -18,7 +16,6 @@
 
 from __future__ import annotations
 
-import _thread
 import argparse
 import ast
 import contextlib
@@ -28,20 +25,18 @@ import os
 import platform
 import re
 import shlex
-import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-import traceback
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
+
+from processes import free_port, interrupt_after
 
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # before Ray is imported: bind 127.0.0.1 only
 os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
@@ -121,93 +116,6 @@ def off_loopback(placement: list[dict]) -> list[str]:
     )
 
 
-# -- commands -------------------------------------------------------------------------------------
-
-
-@dataclass
-class Finished:
-    started: float  # wall clock at launch
-    ended: float  # and when the command exited
-    rc: int
-    log: Path
-
-    def tail(self, lines: int = 30) -> str:
-        return "".join(self.log.read_text(errors="replace").splitlines(keepends=True)[-lines:])
-
-
-class CommandTimeout(RuntimeError):
-    pass
-
-
-def run_command(cmd: list[str], log: Path, timeout_s: float, env: dict[str, str] | None = None) -> Finished:
-    """Run cmd from the repository root in a session of its own, stdout and stderr to `log`, one torch
-    thread per process unless `env` says otherwise; past timeout_s end it (CommandTimeout). Either way,
-    wait for the processes it started (a Ray cluster shuts down after its driver) and end by PID any that
-    outlive it, so the next run has the machine to itself; if the wait itself is interrupted (Ctrl-C, a
-    test's timeout), end them at once."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
-    with open(log, "w") as out:
-        started = time.time()
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        rc = proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        _stop(proc)
-        reap(proc.pid)
-        tail = Finished(started, time.time(), -1, log).tail()
-        raise CommandTimeout(f"{shlex.join(cmd)} ran past {timeout_s:g} s; its log ends:\n{tail}") from None
-    except BaseException:
-        _stop(proc, grace_s=2)
-        reap(proc.pid, grace_s=0)
-        raise
-    ended = time.time()
-    reap(proc.pid)
-    return Finished(started, ended, rc, log)
-
-
-def session(sid: int) -> list[int]:
-    """PIDs alive in session `sid`: every process a command started keeps its session (Ray's own processes
-    change only their process group), so leftovers are found by id, not by name."""
-    pids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[3]) == sid and fields[0] != "Z":
-            pids.append(int(stat.parent.name))
-    return pids
-
-
-def reap(sid: int, grace_s: float = 20.0) -> None:
-    """Wait up to grace_s for session `sid` to end, then SIGTERM what is left, then SIGKILL."""
-    for sig, wait_s in ((None, grace_s), (signal.SIGTERM, 5.0 if grace_s else 1.0), (signal.SIGKILL, 5.0)):
-        left = session(sid)
-        for pid in left if sig else []:
-            print(f"{PROG}: process {pid} outlived its command; sending {sig.name}", file=sys.stderr)
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, sig)
-        deadline = time.time() + wait_s
-        while left and time.time() < deadline:
-            time.sleep(0.2)
-            left = session(sid)
-        if not left:
-            return
-
-
-def _stop(proc: subprocess.Popen, grace_s: float = 15) -> None:
-    """End a command that hangs: its process group, terminate, then kill."""
-    for sig, grace in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5)):
-        try:
-            os.killpg(proc.pid, sig)
-            proc.wait(timeout=grace)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-        except ProcessLookupError:
-            return
-
-
 # -- runs -----------------------------------------------------------------------------------------
 
 
@@ -263,34 +171,6 @@ def spread(values: Sequence[float], fmt: str = ".2f") -> str:
         return "—"
     mid, lo, hi = statistics.median(values), min(values), max(values)
     return format(mid, fmt) + (f" ({lo:{fmt}}–{hi:{fmt}})" if format(lo, fmt) != format(hi, fmt) else "")
-
-
-def interrupt_after(timeout_s: float, call: Callable[[], Any]) -> tuple[Any, str | None]:
-    """call() in the main thread, bounded: past timeout_s it gets a SIGINT (to distrain, a request to stop
-    cleanly), 60 s later another (at once). Returns its value and None, or None and what went wrong in one
-    line (the traceback goes to the console): one failed run does not end the benchmark."""
-    fired, returned = threading.Event(), threading.Event()
-
-    def interrupt() -> None:
-        if not returned.is_set():
-            fired.set()
-            _thread.interrupt_main()
-
-    timers = [threading.Timer(t, interrupt) for t in (timeout_s, timeout_s + 60)]
-    for timer in timers:
-        timer.start()
-    try:
-        return call(), None
-    except BaseException as e:
-        if isinstance(e, KeyboardInterrupt) and not fired.is_set():
-            raise  # the user's Ctrl-C
-        traceback.print_exc()
-        what = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
-        return None, f"stopped after {timeout_s:g} s ({what})" if fired.is_set() else what
-    finally:
-        returned.set()
-        for timer in timers:
-            timer.cancel()
 
 
 def read_json(path: Path, default: Any = None) -> Any:
@@ -351,46 +231,6 @@ def ray_cluster(address: str | None = None, dashboard: bool = False) -> Iterator
         yield
     finally:
         ray.shutdown()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def join_group(rank: int, world: int, port: int) -> Any:
-    """Join a gloo group on loopback as torchrun would set it up, one torch thread per rank; the device."""
-    from distrain.parallel import process_group
-
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
-    os.environ.update(MASTER_PORT=str(port), CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
-    return process_group.init_from_env()
-
-
-def spawn_ranks(fn: Callable[..., dict], world: int, *args: Any) -> list[dict]:
-    """fn(rank, device, *args) in `world` gloo processes on loopback (no Ray); each rank's returned dict.
-    A rank that dies after returning (gloo can abort a process on its way out while one of its threads
-    still runs) has done its work: its result is kept, with a warning."""
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory(prefix="bench_ranks_") as out:
-        files = [Path(out, f"rank{r}.json") for r in range(world)]
-        try:
-            mp.spawn(_rank, args=(world, free_port(), out, fn, *args), nprocs=world)
-        except mp.ProcessExitedException as e:
-            if not all(f.exists() for f in files):
-                raise
-            print(f"{PROG}: {e} after writing its results; keeping them", file=sys.stderr, flush=True)
-        return [json.loads(f.read_text()) for f in files]
-
-
-def _rank(rank: int, world: int, port: int, out: str, fn: Callable[..., dict], *args: Any) -> None:
-    from distrain.parallel import process_group
-
-    result = fn(rank, join_group(rank, world, port), *args)
-    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
-    process_group.destroy()
 
 
 # -- the command line -----------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Every benchmark in jobs/ runs in its --smoke mode and writes a page that names the commit it measured.
 
-Each script runs as a command in a session of its own (`harness.run_command`: its log kept, a timeout,
+Each script runs as a command in a session of its own (`processes.run_command`: its log kept, a timeout,
 every process it leaves ended by PID), its page under the test's tmp_path. The smoke runs use tiny
 models, a few steps and 2 workers on the embedded Ray cluster, which harness keeps on 127.0.0.1.
 """
@@ -16,13 +16,14 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.append(str(REPO / "jobs"))
 
 import harness  # noqa: E402  (jobs/harness.py)
+import processes  # noqa: E402  (jobs/processes.py)
 
 
-def smoke(tmp_path: Path, script: str, timeout_s: float, *extra: str) -> tuple[harness.Finished, Path]:
+def smoke(tmp_path: Path, script: str, timeout_s: float, *extra: str) -> tuple[processes.Finished, Path]:
     """`python jobs/<script> --smoke --out <tmp_path>/<page>.md`; its exit, and the page's path."""
     page = tmp_path / "docs" / f"{script.removeprefix('bench_')}.md"
     cmd = [sys.executable, f"jobs/{script}.py", "--smoke", "--out", str(page), "--storage", str(tmp_path / "runs")]
-    done = harness.run_command([*cmd, *extra], tmp_path / f"{script}.log", timeout_s)
+    done = processes.run_command([*cmd, *extra], tmp_path / f"{script}.log", timeout_s)
     assert done.rc == 0, f"{script} exited with {done.rc}:\n{done.tail(60)}"
     return done, page
 

@@ -59,9 +59,9 @@ NANO = (
     "trainer.eval_batches=4",
     "optim.warmup_steps=20",
 )
-# async and Hogwild apply one update per worker's gradient, num_workers per global batch: the
-# learning rate per update is scaled down by the 2 workers.
-PER_UPDATE_LR = {"async": ["optim.lr=1.5e-3"], "hogwild": ["optim.lr=1.5e-3"]}
+# Hogwild applies one update per worker's gradient, num_workers per global batch: the learning rate
+# per update is scaled down by the 2 workers.
+PER_UPDATE_LR = {"hogwild": ["optim.lr=1.5e-3"]}
 
 
 def ps_weights(cfg: TrainConfig) -> dict:
@@ -559,9 +559,13 @@ def test_backup_workers_apply_the_first_gradients_of_each_step(ray_cluster, tmp_
     assert unused >= steps // 2  # the rounds did not wait for the straggler
 
 
+# Sync is DDP step for step (test_sync_is_ddp) and async is one-process training plus a staleness that is
+# checked exactly (test_async_with_one_worker_is_one_process_training and
+# test_staleness_is_the_versions_between_a_workers_pull_and_its_update): what is left
+# to show end to end is that the two modes with an update rule of their own learn.
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("mode", ["sync", "async", "hogwild", "easgd"])
-def test_every_mode_trains_the_nano_model_well_below_the_unigram_baseline(ray_cluster, tmp_path: Path, mode):
+@pytest.mark.parametrize("mode", ["hogwild", "easgd"])
+def test_hogwild_and_easgd_train_the_nano_model_well_below_the_unigram_baseline(ray_cluster, tmp_path: Path, mode):
     cfg = make_config(tmp_path, f"run.name={mode}", "strategy=ps", f"ps={mode}", *NANO, *PER_UPDATE_LR.get(mode, []))
     summary = train(cfg)
     baseline = unigram_entropy(load_tokens(None))
