@@ -8,11 +8,12 @@ world around them, and every wait has a deadline."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -186,6 +187,27 @@ def lr(server: ParameterServer, step: int) -> float:
     return lr_at(step, server.cfg.optim, server.cfg.trainer.max_steps)
 
 
+@contextlib.contextmanager
+def next_update_held(optimizer: torch.optim.Optimizer) -> Iterator[threading.Event]:
+    """The optimizer's next step waits inside, until the block ends, once it has set the event yielded;
+    the steps after it run freely: a push held in the middle of its update."""
+    entered, release = threading.Event(), threading.Event()
+    original = optimizer.step
+
+    def held_step(*args, **kwargs):
+        optimizer.step = original
+        entered.set()
+        assert release.wait(JOIN_S), "never released"
+        return original(*args, **kwargs)
+
+    optimizer.step = held_step
+    try:
+        yield entered
+    finally:
+        optimizer.step = original
+        release.set()
+
+
 @pytest.mark.timeout(120)  # with the session's Ray cluster start-up
 @pytest.mark.parametrize("mode", ["async", "hogwild"])
 def test_staleness_is_the_versions_between_a_workers_pull_and_its_update(make_server, mode: str):
@@ -304,26 +326,14 @@ def test_hogwild_pushes_run_concurrently(make_server):
     ref.step(first.clone(), lr(server, 1))
     assert pulled(server, 0) == pulled(server, 1) == 1
 
-    entered, release = threading.Event(), threading.Event()
-    optimizer = server.slots[0].optimizer
-    original = optimizer.step
-
-    def held_step(*args, **kwargs):
-        entered.set()
-        assert release.wait(JOIN_S), "never released"
-        return original(*args, **kwargs)
-
-    optimizer.step = held_step
     slow, fast = gradient(server, 2), gradient(server, 3)
-    try:
+    with next_update_held(server.slots[0].optimizer) as entered:
         held = on_thread(push, server, 0, 2, slow)
         assert entered.wait(JOIN_S), "worker 0's push never reached its optimizer step"
         other = on_thread(push, server, 1, 1, fast)
         answer = result(other, "worker 1's push while worker 0's was inside its update")
         assert held.is_alive()  # still inside its update: the two ran at once
         assert answer["applied"] and answer["staleness"] == 0 and answer["version"] == 2
-    finally:
-        release.set()
     answer = result(held, "worker 0's push once released")
     assert answer["applied"] and answer["staleness"] == 1 and answer["version"] == 3  # worker 1's came first
     ref.step(fast.clone(), lr(server, 1))
@@ -337,24 +347,11 @@ def test_a_hogwild_step_pushed_twice_at_once_counts_once(make_server):
     same step: while the first is inside its update, the second is not applied."""
     server = make_server("ps=hogwild", "cluster.num_workers=2")
     push(server, 0, 1, gradient(server, 1))  # the first update (under the lock) is done
-    entered, release = threading.Event(), threading.Event()
-    optimizer = server.slots[1].optimizer
-    original = optimizer.step
-
-    def held_step(*args, **kwargs):
-        entered.set()
-        assert release.wait(JOIN_S), "never released"
-        return original(*args, **kwargs)
-
-    optimizer.step = held_step
-    try:
+    with next_update_held(server.slots[1].optimizer) as entered:
         first = on_thread(push, server, 1, 1, gradient(server, 11))
         assert entered.wait(JOIN_S), "the first push never reached its optimizer step"
-        optimizer.step = original
         again = result(on_thread(push, server, 1, 1, gradient(server, 12)), "the same step pushed again")
         assert again["applied"] is False
-    finally:
-        release.set()
     assert result(first, "the first push once released")["applied"]
     assert server.version == 2 and server.next_step(1) == 2
 
