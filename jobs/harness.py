@@ -98,13 +98,15 @@ def load() -> float:
 
 
 def commit() -> tuple[str, bool]:
-    """The commit checked out (short hash) and whether the tree had uncommitted changes."""
+    """The commit checked out (short hash) and whether tracked files other than docs/ had uncommitted
+    changes (the pages that benchmarks run before it wrote are not a change to what it measures)."""
 
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
 
     try:
-        return git("rev-parse", "--short", "HEAD"), bool(git("status", "--porcelain"))
+        changed = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)docs")
+        return git("rev-parse", "--short", "HEAD"), bool(changed)
     except (OSError, subprocess.CalledProcessError):
         return "unknown", False
 
