@@ -512,19 +512,14 @@ def test_async_with_one_worker_is_one_process_training(ray_cluster, tmp_path: Pa
     assert {m["staleness_max"] for m in read_metrics(cfg.run_dir)} == {0}
 
 
-@pytest.mark.timeout(240)
-def test_bounded_staleness_is_never_exceeded(ray_cluster, tmp_path: Path):
-    """Four async workers, one 20 times slower, max_staleness=1: every step is logged once and no
-    gradient was applied more than 1 version late. (Whether unbounded workers would have been later
-    depends on how far apart the workers start on a loaded machine: the unit test above shows the
-    bound at work, deterministically.)"""
-    steps = 15
+def four_workers_one_straggler(tmp_path: Path, name: str, steps: int, *overrides: str) -> list[dict]:
+    """A parameter-server run of 4 workers, rank 3 twenty times slower, trained to its end: its metrics
+    lines, each step logged exactly once."""
     cfg = make_config(
         tmp_path,
-        "run.name=bounded",
+        f"run.name={name}",
         "strategy=ps",
-        "ps=async",
-        "ps.max_staleness=1",
+        *overrides,
         "cluster.num_workers=4",
         f"trainer.max_steps={steps}",
         *STRAGGLER,
@@ -532,6 +527,16 @@ def test_bounded_staleness_is_never_exceeded(ray_cluster, tmp_path: Path):
     assert train(cfg)["status"] == "completed"
     lines = read_metrics(cfg.run_dir)
     assert [m["step"] for m in lines] == list(range(1, steps + 1))
+    return lines
+
+
+@pytest.mark.timeout(240)
+def test_bounded_staleness_is_never_exceeded(ray_cluster, tmp_path: Path):
+    """Four async workers, one 20 times slower, max_staleness=1: every step is logged once and no
+    gradient was applied more than 1 version late. (Whether unbounded workers would have been later
+    depends on how far apart the workers start on a loaded machine: the unit test above shows the
+    bound at work, deterministically.)"""
+    lines = four_workers_one_straggler(tmp_path, "bounded", 15, "ps=async", "ps.max_staleness=1")
     assert all(m["workers"] == 4 for m in lines)
     assert max(m["staleness_max"] for m in lines) <= 1
 
@@ -539,18 +544,7 @@ def test_bounded_staleness_is_never_exceeded(ray_cluster, tmp_path: Path):
 @pytest.mark.timeout(240)
 def test_backup_workers_apply_the_first_gradients_of_each_step(ray_cluster, tmp_path: Path):
     steps = 12
-    cfg = make_config(
-        tmp_path,
-        "run.name=backup",
-        "strategy=ps",
-        "ps.backup_workers=1",
-        "cluster.num_workers=4",
-        f"trainer.max_steps={steps}",
-        *STRAGGLER,
-    )
-    assert train(cfg)["status"] == "completed"
-    lines = read_metrics(cfg.run_dir)
-    assert [m["step"] for m in lines] == list(range(1, steps + 1))
+    lines = four_workers_one_straggler(tmp_path, "backup", steps, "ps.backup_workers=1")
     assert all(m["workers"] - m["dropped"] == 3 for m in lines)  # each round took exactly 4 − 1
     unused = sum(m["dropped"] for m in lines) + 4 * steps - sum(m["workers"] for m in lines)  # dropped or skipped
     assert unused >= steps // 2  # the rounds did not wait for the straggler
