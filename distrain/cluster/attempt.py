@@ -25,7 +25,7 @@ class Outcome(enum.StrEnum):
 
 
 class Mark(enum.StrEnum):
-    """Wall-clock marks of an attempt's start: the supervisor's own, then rank 0's reports."""
+    """Wall-clock marks of an attempt's start: the supervisor's own, then rank 0's reports (Attempt.note)."""
 
     SINCE = "since"  # the failure (or start, or resize) it follows
     TORN_DOWN = "torn_down_at"
@@ -84,7 +84,9 @@ class Attempt:
         self.timings.setdefault(Mark.ENDED, failure.at if failure is not None else time.time())
 
     def note(self, progress: list[dict]) -> None:
-        """What the ranks' reports tell the record: the step reached, rank 0's start-up marks."""
+        """What the ranks' reports tell the record: the step reached, and the start-up marks of the first
+        report (rank 0's; after a failure that killed rank 0, the lowest living rank's: the marks of ranks
+        that share a process group lie fractions of a second apart)."""
         self.step_reached = max([self.step_reached, *(p.get("step") or 0 for p in progress)])
         for mark in RANK_MARKS:
             if progress and progress[0].get(mark, 0) >= self.timings[Mark.PLACED]:  # not the previous attempt's

@@ -261,7 +261,8 @@ class Supervisor:
         attempt.note(progress)
         if errors:
             failures = self._failed(errors)
-            attempt.note([group.last_progress(0, timeout_s=0.5)])  # polls lag: rank 0's last report, if it lives
+            alive = group.final_progress(timeout_s=0.5)  # polls lag: the last reports, of those alive
+            attempt.note([alive[min(alive)]] if alive else [])  # rank 0's, or the lowest living rank's
             return failures
         s.beats.update(progress)
         hung = [

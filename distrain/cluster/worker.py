@@ -65,12 +65,17 @@ class Worker:
         self.channel = Channel()
 
     def run(self, fn: Callable[..., Any], env: dict[str, str], *args: Any) -> Any:
-        """Call fn(*args, channel) with the rank's environment."""
+        """Call fn(*args, channel) with the rank's environment. What the process holds before the
+        call (its imports: a third of a million objects with torch) is frozen out of the collector's
+        sight, so that collecting what the call left behind, before it returns, takes milliseconds
+        rather than the quarter of a second a full collection takes: a failed rank's return is on
+        the path of every recovery."""
         os.environ.update(env)
+        gc.freeze()
         try:
             return fn(*args, self.channel)
         finally:
-            gc.collect()  # what this call left behind, now rather than when the next one starts
+            gc.collect()  # the model the call built, now rather than when the next one starts
 
     def progress(self) -> dict:
         return self.channel.progress

@@ -3,6 +3,7 @@ run a function on all, watch it, and put workers (hot spares first) in place of 
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from typing import Any
@@ -215,11 +216,21 @@ class WorkerGroup:
         return [self._progress.get(rank, {}) for rank in range(len(self.workers))]
 
     def last_progress(self, rank: int, timeout_s: float = 2.0) -> dict:
-        """A rank's final report, asked again: for a rank whose call ended, the polled one may be stale."""
-        try:
-            return ray.get(self.workers[rank].progress.remote(), timeout=timeout_s)
-        except (RayError, GetTimeoutError):
-            return self._progress.get(rank, {})
+        """A rank's final report, asked again (for a rank whose call ended the polled one may be
+        stale); the polled one if it cannot answer."""
+        return self.final_progress([rank], timeout_s).get(rank) or self._progress.get(rank, {})
+
+    def final_progress(self, ranks: list[int] | None = None, timeout_s: float = 2.0) -> dict[int, dict]:
+        """The final reports of those of `ranks` (default all) that answer within timeout_s, asked at once."""
+        ranks = list(range(len(self.workers))) if ranks is None else ranks
+        refs = {rank: self.workers[rank].progress.remote() for rank in ranks}
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
+        answers = {}
+        for rank, ref in refs.items():
+            if ref in ready:
+                with contextlib.suppress(RayError):
+                    answers[rank] = ray.get(ref)
+        return answers
 
     def silent(self, longer_than_s: float) -> list[int]:
         """The ranks that have left a progress question unanswered for longer_than_s."""
