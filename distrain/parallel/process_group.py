@@ -6,6 +6,7 @@ import datetime
 import ipaddress
 import os
 import socket
+import time
 
 import torch
 import torch.distributed as dist
@@ -30,12 +31,28 @@ def init_from_env(timeout_s: float = 600.0) -> torch.device:
     else:
         device, backend = torch.device("cpu"), "gloo"
     if not dist.is_initialized():
+        if int(os.environ["RANK"]) > 0:
+            wait_for_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeout_s)
         dist.init_process_group(
             backend,
             timeout=datetime.timedelta(seconds=timeout_s),
             device_id=device if device.type == "cuda" else None,
         )
     return device
+
+
+def wait_for_store(host: str, port: int, timeout_s: float) -> None:
+    """Until rank 0's rendezvous store accepts connections (or timeout_s, for init_process_group to
+    report). torch's store client, started before the server listens, tries again only after a
+    backoff of 0.4 s and more: ranks of a restart, which all start within milliseconds, would wait
+    that long whenever rank 0 is the last."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection((host, port), timeout=1.0).close()
+            return
+        except OSError:
+            time.sleep(0.005)
 
 
 def destroy() -> None:
