@@ -85,6 +85,18 @@ def final_weights(cfg: TrainConfig) -> dict:
     return state["model"]
 
 
+RECOVERY_MARKS = ("since", "torn_down_at", "placed_at", "joined_at", "loaded_at", "first_step_at")
+
+
+def assert_recovery_in_order(timings: dict, after: float, logged_at: float | None = None, context: str = "") -> None:
+    """An attempt's start-up marks (summary.json → attempts → timings) one after another: from the failure
+    the supervisor saw, no earlier than `after` (what the test did to cause it), to the first step, no
+    later than `logged_at` (that step's metrics line) when given."""
+    marks = [timings[m] for m in RECOVERY_MARKS]
+    assert after <= marks[0] and marks == sorted(marks), (timings, context)
+    assert logged_at is None or marks[-1] <= logged_at, (timings, logged_at, context)
+
+
 def logged(cfg: TrainConfig, key: str = "loss") -> dict[int, float]:
     """step → the value of `key` in the run's metrics.jsonl."""
     from distrain.tracking import read_metrics

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import final_weights, logged, make_config
+from conftest import assert_recovery_in_order, final_weights, logged, make_config
 
 from distrain.checkpoint import COMMIT_MARKER
 from distrain.launch import train
@@ -127,13 +127,11 @@ def test_random_kills_end_bitwise_identical_to_an_uninterrupted_run(tmp_path: Pa
     # made, to rank 0's first step, which came before that step's metrics line was written.
     lines = read_metrics(str(run_dir))  # the surviving lines: those of the last attempt that wrote each step
     for attempt, victim in zip(attempts[1:], kills, strict=True):
-        t = attempt["timings"]
-        assert victim["at"] <= t["since"] < victim["at"] + 5, context  # seen within seconds of the kill
-        assert t["since"] <= t["torn_down_at"] <= t["placed_at"] <= t["joined_at"] <= t["loaded_at"], context
+        assert attempt["timings"]["since"] < victim["at"] + 5, context  # seen within seconds of the kill
         first = attempt["info"]["resumed_from_step"] + 1
-        if attempt is attempts[-1]:  # its lines are all kept
-            logged_at = next(m["time"] for m in lines if m["step"] == first)
-            assert t["loaded_at"] <= t["first_step_at"] <= logged_at, context
+        last = attempt is attempts[-1]  # its lines are all kept
+        logged_at = next(m["time"] for m in lines if m["step"] == first) if last else None
+        assert_recovery_in_order(attempt["timings"], victim["at"], logged_at, context)
     assert_same_training(cfg, reference)
     # Nothing of the failed attempts is lost: the steps they logged and then redid are set aside (at least
     # one kill came between checkpoints: 4, 8, 16 and 20 are not multiples of 3), and no more than that.
