@@ -84,7 +84,7 @@ class AllReduceEngine:
     def finish(self, results: list[Any]) -> dict:
         return results[0]  # rank 0's record of the run
 
-    def end(self) -> None:
+    def end(self, keep: bool = False) -> None:
         pass
 
 

@@ -498,6 +498,23 @@ def test_sync_is_ddp(ddp, tmp_path: Path, optim: str):
     assert all(m["dropped"] == 0 and m["workers"] == 4 for m in read_metrics(cfg.run_dir))
 
 
+@pytest.mark.timeout(300)
+def test_the_next_run_of_the_same_shape_takes_the_servers_and_they_start_over(ddp, tmp_path: Path):
+    """cluster.reuse_workers: a run that ended well leaves its servers to the next run of the driver with
+    as many servers, workers and CPUs. The same processes serve it, and nothing of the first run is left
+    in them: the second run, AdamW after SGD, is still DDP's AdamW training."""
+    shape = ("strategy=ps", "ps.num_servers=2", "cluster.num_workers=4")
+    runs = [make_config(tmp_path, f"run.name={optim}", *shape, *OPTIM[optim]) for optim in ("sgd", "adamw")]
+    for cfg in runs:
+        assert train(cfg)["status"] == "completed"
+    pids = [{e["pid"] for e in placed(Path(cfg.run_dir)) if "server" in e} for cfg in runs]
+    assert len(pids[0]) == 2 and pids[0] == pids[1]
+    want = ddp("adamw")
+    got, expected = logged(runs[1]), logged(want)
+    assert got.keys() == expected.keys() and all(got[k] == pytest.approx(expected[k], abs=1e-5) for k in got)
+    assert_close(ps_weights(runs[1]), final_weights(want), 1e-5)
+
+
 @pytest.mark.timeout(240)
 def test_async_with_one_worker_is_one_process_training(ray_cluster, tmp_path: Path):
     """One async worker's gradients, applied by two shards with AdamW as they come, are the
@@ -684,21 +701,18 @@ def newest_checkpoint(run_dir: Path) -> int:
     return checkpoint.read_meta(latest)["step"] if latest else 0
 
 
-def server_pids(run_dir: Path) -> set[int]:
-    return {e["pid"] for e in placed(run_dir) if "server" in e}
-
-
-def first_four_steps(tmp_path: Path, overrides: tuple[str, ...]) -> set[int]:
+def first_four_steps(tmp_path: Path, overrides: tuple[str, ...]) -> None:
     """The run's first part, a run of 4 steps: lines 1..4 and a checkpoint of step 4 (a run of 4
     steps, because where the checkpoint of an unfinished run lands depends on when the driver looks:
-    the servers save what they hold then). The pids of its servers, now gone."""
+    the servers save what they hold then). Its placement.json is removed: the next run writes its own
+    once its servers are up and restored (kept ones, cluster.reuse_workers, or new)."""
     cfg = make_config(tmp_path, *overrides, "trainer.max_steps=4")
     assert train(cfg)["status"] == "completed"
     run_dir = Path(cfg.run_dir)
     assert newest_checkpoint(run_dir) == 4
     assert [m["step"] for m in read_metrics(cfg.run_dir)] == [1, 2, 3, 4]
     assert not (run_dir / "attempts" / "002-placement.json").exists()
-    return server_pids(run_dir)
+    (run_dir / "placement.json").unlink()
 
 
 @pytest.mark.timeout(420)
@@ -709,12 +723,12 @@ def test_a_dead_server_is_restored_from_the_last_checkpoint(uninterrupted, tmp_p
     the run ends as the uninterrupted one."""
     hold = tmp_path / "hold"
     overrides = ("run.name=server", *RESTORED[mode], f"fault.hold_file={hold}")
-    gone = first_four_steps(tmp_path, overrides)
+    first_four_steps(tmp_path, overrides)
     cfg = make_config(tmp_path, *overrides, f"trainer.max_steps={RESTORE_STEPS}")
     run_dir = Path(cfg.run_dir)
 
     def kill_server_1() -> None:
-        when(lambda: not server_pids(run_dir) & gone)  # the first attempt's servers are up, restored
+        when((run_dir / "placement.json").exists)  # the first attempt's servers are up, restored
         (server,) = [e for e in placed(run_dir) if e.get("server") == 1]
         os.kill(server["pid"], signal.SIGKILL)
         when((run_dir / "attempts" / "002-placement.json").exists)  # the next attempt's servers are up
@@ -743,12 +757,12 @@ def test_sigterm_saves_the_servers_and_a_rerun_resumes_exactly(uninterrupted, tm
     the rerun with the same run.name resumes there and ends as the uninterrupted run."""
     hold = tmp_path / "hold"
     overrides = ("run.name=stop", *RESTORED[mode], f"fault.hold_file={hold}", f"trainer.max_steps={RESTORE_STEPS}")
-    gone = first_four_steps(tmp_path, overrides[:-1])  # without the 12 steps
+    first_four_steps(tmp_path, overrides[:-1])  # without the 12 steps
     cfg = make_config(tmp_path, *overrides)
     run_dir = Path(cfg.run_dir)
 
     def preempt() -> None:
-        when(lambda: not server_pids(run_dir) & gone)  # the servers are up, restored
+        when((run_dir / "placement.json").exists)  # the servers are up, restored
         os.kill(os.getpid(), signal.SIGTERM)  # what `ray job stop` sends the driver
 
     hold.touch()

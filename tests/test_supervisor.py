@@ -64,7 +64,7 @@ class Steps:
     def finish(self, results: list) -> dict:
         return {"ranks": results, "stopped": any(r.get("stopped") for r in results)}
 
-    def end(self) -> None:
+    def end(self, keep: bool = False) -> None:
         pass
 
 

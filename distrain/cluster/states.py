@@ -64,8 +64,9 @@ class Engine(Protocol):
         """The attempt's results once every rank returned (rank 0's, or the engine's own record);
         `stopped` in them says a stop request ended it before the last step."""
 
-    def end(self) -> None:
-        """The attempt is over, however it went: let go of what `begin` started."""
+    def end(self, keep: bool = False) -> None:
+        """The attempt is over, however it went: let go of what `begin` started, or `keep` it for the
+        next run of this driver (the run ended well, with cluster.reuse_workers)."""
 
 
 @dataclass

@@ -98,10 +98,10 @@ class Supervisor:
             self._enter(Failed(e))
             raise
         finally:
-            self.engine.end()
+            keep = self.reuse_workers and isinstance(self.state, Finished) and self.state.results is not None
+            self.engine.end(keep)
             if self.group is not None:
-                healthy = isinstance(self.state, Finished) and self.state.results is not None
-                self.group.release() if self.reuse_workers and healthy else self.group.shutdown()
+                self.group.release() if keep else self.group.shutdown()
         return self.state
 
     def _enter(self, state: State) -> None:

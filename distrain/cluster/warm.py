@@ -1,19 +1,16 @@
 """Workers kept warm, so that a rank costs no process start (a Python process, then torch's import:
-seconds on a small machine): hot spares beside a running group, and whole groups kept between the
-runs of one driver."""
+seconds on a small machine): hot spares beside a running group, and whole groups (workers, or a run's
+parameter servers) kept between the runs of one driver."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import ray
 from ray.exceptions import RayError
-
-if TYPE_CHECKING:
-    from distrain.cluster.worker_group import WorkerGroup
 
 WarmUp = tuple[Callable[..., Any], tuple]  # what a spare runs while it waits: fn(*args)
 
@@ -64,23 +61,37 @@ def take_spare(spares: list[Spare], node_id: str | None) -> tuple[Spare, dict] |
 
 # -- groups kept between runs ---------------------------------------------------------------------
 
-_KEPT: list[WorkerGroup] = []  # groups of this driver's ended runs, oldest first (cluster.reuse_workers)
+
+class Kept(Protocol):
+    """What an ended run leaves for the next run of its driver (cluster.reuse_workers)."""
+
+    key: Any  # what the next run's group must be to take it: its spec
+    job: str  # the Ray job (the cluster connection) its actors belong to
+    actors: list  # every one answers node_info
+
+    def held(self) -> dict[str, float]:
+        """The resources it holds while kept."""
+
+    def shutdown(self) -> None: ...
 
 
-def keep(group: WorkerGroup) -> None:
+_KEPT: list[Kept] = []  # oldest first
+
+
+def keep(group: Kept) -> None:
     _KEPT.append(group)
 
 
-def reuse(like: WorkerGroup) -> WorkerGroup | None:
-    """A kept group of the same spec on the same cluster whose every actor still answers, removed
-    from the kept ones; None if there is none."""
+def reuse(key: Any) -> Kept | None:
+    """A kept group of this key on the same cluster whose every actor still answers, removed from
+    the kept ones; None if there is none."""
     job = ray.get_runtime_context().get_job_id()
     for group in list(_KEPT):
-        if group.spec != like.spec or group.job != job:
+        if group.key != key or group.job != job:
             continue
         _KEPT.remove(group)
         try:
-            ray.get([w.node_info.remote() for w in group.workers], timeout=5.0)
+            ray.get([actor.node_info.remote() for actor in group.actors], timeout=5.0)
             return group
         except (RayError, ray.exceptions.GetTimeoutError):
             group.shutdown()
@@ -101,9 +112,8 @@ def make_room(need: dict[str, float], timeout_s: float = 5.0) -> None:
         return
     while _KEPT and short(expected):
         group = _KEPT.pop(0)
-        for bundle in group.spec.bundles():
-            for k, v in bundle.items():
-                expected[k] = expected.get(k, 0) + v
+        for k, v in group.held().items():
+            expected[k] = expected.get(k, 0) + v
         group.shutdown()
     deadline = time.monotonic() + timeout_s
     while short(ray.available_resources()) and time.monotonic() < deadline:

@@ -54,7 +54,7 @@ class WorkerGroup:
         then rank them by where they landed; on any failure remove what was reserved and started. A
         group the alive nodes could never hold fails at once, unless `patient` (waiting for nodes to
         come back). A group of the same spec kept by an earlier run of this driver is taken instead."""
-        kept = warm.reuse(self)
+        kept = warm.reuse(self.spec)
         if kept is not None:
             self.__dict__.update(kept.__dict__, warm_up=self.warm_up)
             return self.table
@@ -74,9 +74,8 @@ class WorkerGroup:
                 f"cannot place {what}: each block needs {bundle} on one node, and the nodes hold {fits} blocks "
                 f"({sum(fits.values())} < {blocks}); use fewer workers or a smaller tensor-parallel size"
             )
-        bundles = s.bundles()
-        warm.make_room({k: sum(b.get(k, 0) for b in bundles) for k in bundle})
-        self.pg = placement_group(bundles, strategy=s.placement_strategy)
+        warm.make_room(self.held())
+        self.pg = placement_group(s.bundles(), strategy=s.placement_strategy)
         try:
             ray.get(self.pg.ready(), timeout=s.placement_timeout_s)
         except GetTimeoutError as e:
@@ -334,6 +333,23 @@ class WorkerGroup:
             ) from e
 
     # -- ending ---------------------------------------------------------------------------------
+
+    # -- as a warm.Kept group -------------------------------------------------------------------
+
+    @property
+    def key(self) -> GroupSpec:
+        return self.spec
+
+    @property
+    def actors(self) -> list:
+        return self.workers
+
+    def held(self) -> dict[str, float]:
+        held: dict[str, float] = {}
+        for bundle in self.spec.bundles():
+            for k, v in bundle.items():
+                held[k] = held.get(k, 0) + v
+        return held
 
     def release(self) -> None:
         """Keep this group's placement group and warm actors for the next run of the same spec in

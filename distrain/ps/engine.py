@@ -144,9 +144,9 @@ class ParameterServerEngine:
         self.tracker = None
         return out
 
-    def end(self) -> None:
+    def end(self, keep: bool = False) -> None:
         if self.servers is not None:
-            self.servers.shutdown()
+            self.servers.release() if keep else self.servers.shutdown()
             self.servers = None
         if self.tracker is not None:
             self.tracker.close({})

@@ -303,6 +303,12 @@ class ParameterServer:
         self.slots[0].optimizer.load_state_dict(state["optim"])
         self.version, self.applied, self.norm_sq = state["version"], state["applied"], state["norm_sq"]
 
+    def reset(self, job: dict, index: int) -> dict:
+        """Start over as a new server of `job` (a kept server, between runs of one driver: no process
+        start); where it runs. Called with no other call under way."""
+        self.__init__(job, index)
+        return self.node_info()
+
     def node_info(self) -> dict:
         return {
             "node_id": ray.get_runtime_context().get_node_id(),

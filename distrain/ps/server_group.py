@@ -11,9 +11,9 @@ from pathlib import Path
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
 
+from distrain.cluster import warm
 from distrain.cluster.placement import PlacementError, WorkerFailure
 from distrain.cluster.states import AttemptLost
-from distrain.cluster.warm import make_room
 from distrain.cluster.worker_group import first_line
 
 SERVER_CALLS = 4  # a server's threads beyond one per worker: the driver's drains, saves, stops
@@ -21,24 +21,33 @@ SERVER_CALLS = 4  # a server's threads beyond one per worker: the driver's drain
 
 class ServerGroup:
     def __init__(self, job: dict, num_servers: int, num_workers: int, cpus: float, timeout_s: float):
-        """Servers spread over the nodes; timeout_s bounds their start and how long one may stay silent."""
-        self.timeout_s = timeout_s
+        """Servers spread over the nodes; timeout_s bounds their start and how long one may stay silent.
+        The servers an earlier run of this driver kept (cluster.reuse_workers) start over with `job`."""
+        self.timeout_s, self.cpus = timeout_s, cpus
+        self.job = ray.get_runtime_context().get_job_id()
+        self.key = ("parameter servers", num_servers, cpus, num_workers + SERVER_CALLS)
+        self.drains: dict[int, tuple] = {}  # server → (its unanswered drain, when asked)
+        kept = warm.reuse(self.key)
+        if kept is not None:
+            self.actors = kept.actors
+            self.starting = [srv.reset.remote(job, k) for k, srv in enumerate(self.actors)]
+            return
         from distrain.ps.server import ParameterServer  # torch: in the driver only when a parameter server runs
 
-        make_room({"CPU": cpus * num_servers})
+        warm.make_room({"CPU": cpus * num_servers})
         self.actors = [
             ray.remote(ParameterServer)
             .options(num_cpus=cpus, max_concurrency=num_workers + SERVER_CALLS, scheduling_strategy="SPREAD")
             .remote(job, k)
             for k in range(num_servers)
         ]
-        self.drains: dict[int, tuple] = {}  # server → (its unanswered drain, when asked)
+        self.starting = [srv.node_info.remote() for srv in self.actors]
 
     def start(self) -> list[dict]:
         """Where each server runs, once all have started."""
         try:
-            return ray.get([srv.node_info.remote() for srv in self.actors], timeout=self.timeout_s)
-        except RayActorError as e:  # its constructor raised: a checkpoint it cannot load, a bad config
+            return ray.get(self.starting, timeout=self.timeout_s)
+        except (RayActorError, RayTaskError) as e:  # it raised starting: a checkpoint it cannot load, a bad config
             raise WorkerFailure(f"a parameter server could not start: {first_line(e)}") from e
         except GetTimeoutError as e:
             raise PlacementError(
@@ -96,6 +105,16 @@ class ServerGroup:
         saved = self.call("save", str(staging))
         applied = {w: min(s["applied"][w] for s in saved) for w in saved[0]["applied"]}
         return applied, {f"parameter server {k}": {s["file"]: s["size"]} for k, s in enumerate(saved)}
+
+    # -- as a warm.Kept group -------------------------------------------------------------------
+
+    def held(self) -> dict[str, float]:
+        return {"CPU": self.cpus * len(self.actors)}
+
+    def release(self) -> None:
+        """Keep the servers for the next run of this driver with as many servers, workers and CPUs."""
+        self.drains = {}
+        warm.keep(self)
 
     def shutdown(self) -> None:
         for srv in self.actors:
