@@ -118,8 +118,9 @@ class ClusterConfig:
     placement_timeout_s: float = 120.0  # to place the workers; after a node loss, to place all of them again
     # Fault tolerance (distrain/cluster/supervisor.py; "Surviving failures" in the README).
     spares: int = 0  # hot spares: started with the group, imports warm, each ready to take a dead rank
-    # Keep a run's workers (placement group and warm processes) for this driver's next run of the same
-    # shape, e.g. a sweep in one process; they hold their resources until then or until room is needed.
+    # Keep a run's workers (placement group and warm processes), and its parameter servers, for this
+    # driver's next run of the same shape, e.g. a sweep in one process; they hold their resources until
+    # then or until room is needed.
     reuse_workers: bool = False
     max_failures: int = 3  # worker failures (deaths, errors, hangs) survived by restarting; -1: no limit
     min_workers: int | None = None  # the fewest workers a run may shrink to after losing nodes; None: num_workers

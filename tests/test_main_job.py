@@ -1,6 +1,6 @@
 """`python jobs/train.py`: the main job (the nano model, 2 workers, the embedded cluster), as CI runs it:
-on a cluster of 2 CPUs and no GPU, whatever this machine has, and shortened from 300 steps to 120 (its
-learning-rate schedule with it): the whole job is `make train`, and 120 steps already learn far below
+on a cluster of 2 CPUs and no GPU, whatever this machine has, and shortened from 300 steps to 100 (its
+learning-rate schedule with it): the whole job is `make train`, and 100 steps already learn far below
 what a model of byte frequencies can."""
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from conftest import REPO
 from distrain.data.corpus import load_tokens, unigram_entropy
 
 REQUIRED_METRICS = {"step", "loss", "lr", "grad_norm", "tokens_per_s"}
-STEPS = 120  # val loss 2.13 here, against the 2.28 asked
+# Val loss 2.232 here (2.34 at 80 steps, 2.13 at 120) against the 2.275 asked: CPU fp32 training is deterministic.
+STEPS = 100
 REQUIRED_SUMMARY = {"final_step", "final_loss", "restarts", "wall_s", "status"}
 
 
