@@ -507,7 +507,7 @@ def test_the_next_run_of_the_same_shape_takes_the_servers_and_they_start_over(dd
     runs = [make_config(tmp_path, f"run.name={optim}", *shape, *OPTIM[optim]) for optim in ("sgd", "adamw")]
     for cfg in runs:
         assert train(cfg)["status"] == "completed"
-    pids = [{e["pid"] for e in placed(Path(cfg.run_dir)) if "server" in e} for cfg in runs]
+    pids = [server_pids(Path(cfg.run_dir)) for cfg in runs]
     assert len(pids[0]) == 2 and pids[0] == pids[1]
     want = ddp("adamw")
     got, expected = logged(runs[1]), logged(want)
@@ -587,6 +587,10 @@ def test_hogwild_and_easgd_train_the_nano_model_well_below_the_unigram_baseline(
 def placed(run_dir: Path) -> list[dict]:
     """The current attempt's actors: workers (with their rank) and servers (with their index)."""
     return json.loads((run_dir / "placement.json").read_text())
+
+
+def server_pids(run_dir: Path) -> set[int]:
+    return {e["pid"] for e in placed(run_dir) if "server" in e}
 
 
 @pytest.mark.timeout(300)
