@@ -11,7 +11,8 @@ class Phase(enum.StrEnum):
     """What a rank is doing; the supervisor judges silence by it (a step may take seconds, a
     checkpoint minutes, a parameter-server worker may wait on a server for as long as it takes)."""
 
-    SETUP = "setup"  # joining the group, building the model, loading a checkpoint
+    JOIN = "join"  # joining the process group
+    SETUP = "setup"  # building the model, loading a checkpoint
     TRAIN = "train"
     EVAL = "eval"
     CHECKPOINT = "checkpoint"

@@ -6,17 +6,24 @@ same sizes, does it write `COMMITTED`, a manifest of every file with its size. A
 a valid manifest, or with a file whose size differs from it (a truncated shard), is never loaded:
 the newest valid one is, with a warning for each one skipped. Old checkpoints are deleted only
 after a newer one has committed.
+
+The run directory is shared storage that other people and jobs can write, so nothing in it is
+unpickled beyond tensors and plain data: a pickled callable would run in every rank that resumes.
+A file that holds more is refused whole (UnsafeCheckpointError), never partly loaded.
 """
 
 from __future__ import annotations
 
+import functools
 import io
 import json
+import pickle
 import re
 import shutil
 import warnings
-from pathlib import Path
-from typing import Any
+from collections.abc import Sequence
+from pathlib import Path, PosixPath
+from typing import IO, Any
 
 from distrain.fsutil import atomic_write, write_json
 
@@ -27,6 +34,13 @@ _STEP_DIR = re.compile(r"^step_(\d{8})$")
 
 class CheckpointNotSharedError(RuntimeError):
     """A rank's checkpoint files are not visible to rank 0: the run's storage is not shared."""
+
+
+class UnsafeCheckpointError(RuntimeError):
+    """A checkpoint file holds more than tensors and plain data (a pickled callable or class): loading
+    it could run code someone planted in the run's storage, so it is refused. Retrying cannot help."""
+
+    permanent = True  # read by the supervisor: the run ends at once, with this error's one line
 
 
 class TornCheckpointWarning(UserWarning):
@@ -151,16 +165,132 @@ def read_meta(path: str | Path) -> dict:
 
 def load(path: str | Path, state: dict[str, Any]) -> tuple[dict, dict | None]:
     """Fill `state` in place from the checkpoint; return its metadata and this rank's own state
-    (None when the checkpoint was written by a different number of ranks)."""
-    import torch
+    (None when the checkpoint was written by a different number of ranks). UnsafeCheckpointError
+    if a file it reads holds more than tensors and plain data."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
     path = Path(path)
-    dcp.load(state, checkpoint_id=str(path))
+    refusals: list[UnsafeCheckpointError] = []
+    try:
+        dcp.load(state, storage_reader=_guarded_reader(path, refusals), planner=_guarded_planner(path, refusals))
+    except (Exception, dcp.CheckpointException):  # the latter is a BaseException
+        if refusals:  # DCP wraps what its reader and planner raise: the refusal itself is the error
+            raise refusals[0] from None
+        raise
     meta = read_meta(path)
     rank_file = path / _rank_file(dist.get_rank())
     rank_state = None
     if meta.get("world_size") == dist.get_world_size() and rank_file.exists():
-        rank_state = torch.load(rank_file, weights_only=False)
+        rank_state = load_tensors(rank_file)
     return meta, rank_state
+
+
+def load_tensors(path: str | Path, allowed: Sequence[type] = ()) -> Any:
+    """A torch.save file of tensors and plain data, and instances of the `allowed` classes (plain
+    records only: loading one calls its constructor); anything else is refused, never run."""
+    return _weights_only(path, str(path), allowed)
+
+
+def _weights_only(f: str | Path | IO[bytes], where: str, allowed: Sequence[type] = ()) -> Any:
+    import torch
+
+    with torch.serialization.safe_globals(list(allowed)):
+        try:
+            return torch.load(f, weights_only=True)
+        except pickle.UnpicklingError:
+            if not isinstance(f, (str, Path)):
+                f.seek(0)
+            try:
+                names = ", ".join(torch.serialization.get_unsafe_globals_in_checkpoint(f))
+            except (ValueError, RuntimeError):  # not torch.save's zip format: nothing to list
+                names = ""
+            raise UnsafeCheckpointError(_refusal(where, names or "pickled data torch's safe loader rejects")) from None
+
+
+def _refusal(where: str, what: str) -> str:
+    return (
+        f"refused to load {where}: it holds {what}, not only tensors and plain data, and could run code; "
+        f"delete its checkpoint directory or resume from another checkpoint"
+    )
+
+
+@functools.cache
+def _metadata_globals() -> dict[tuple[str, str], Any]:
+    """What DCP's `.metadata` pickle is made of, by (module, name): DCP's own records, torch.Size,
+    dtypes and layouts, and the path it was saved to."""
+    import torch
+    from torch.distributed.checkpoint import filesystem
+    from torch.distributed.checkpoint import metadata as md
+
+    records = (
+        md.Metadata,
+        md.MetadataIndex,
+        md.StorageMeta,
+        md.TensorProperties,
+        md.TensorStorageMetadata,
+        md.BytesStorageMetadata,
+        md.ChunkStorageMetadata,
+        md._MEM_FORMAT_ENCODING,
+        filesystem._StorageInfo,
+        torch.Size,
+        torch.serialization._get_layout,  # a lookup among torch's layouts
+        PosixPath,
+    )
+    dtypes = {("torch", name): v for name, v in vars(torch).items() if isinstance(v, torch.dtype)}
+    return {(r.__module__, r.__qualname__): r for r in records} | dtypes
+
+
+class _Unlisted(pickle.UnpicklingError):
+    """A pickle names a global outside the allowed ones; the message is its name."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's `.metadata`, a plain pickle, with nothing but _metadata_globals."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        try:
+            return _metadata_globals()[module, name]
+        except KeyError:
+            raise _Unlisted(f"{module}.{name}") from None
+
+
+def _guarded_reader(path: Path, refusals: list[UnsafeCheckpointError]) -> Any:
+    """DCP's file reader for `path`, whose `.metadata` is unpickled by _MetadataUnpickler; a refusal
+    is also kept in `refusals`."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+    class GuardedReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+            file = self._get_metadata_path(kwargs.get("rank"))
+            with self.fs.create_stream(file, "rb") as f:
+                try:
+                    metadata = _MetadataUnpickler(f).load()
+                except _Unlisted as e:
+                    refusals.append(UnsafeCheckpointError(_refusal(str(file), str(e))))
+                    raise refusals[-1] from None
+            if getattr(metadata, "storage_meta", None) is None:  # as DCP's own reader does
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return GuardedReader(path)
+
+
+def _guarded_planner(path: Path, refusals: list[UnsafeCheckpointError]) -> Any:
+    """DCP's load planner, but an item that is not a tensor (DCP torch.loads those with
+    weights_only=False) must be tensors and plain data; a refusal is also kept in `refusals`."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    class GuardedPlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+            try:
+                _weights_only(value, f"item {read_item.dest_index.fqn} of {path}")
+            except UnsafeCheckpointError as e:
+                refusals.append(e)
+                raise
+            value.seek(0)  # checked: DCP's own load of the same bytes now builds only what passed
+            super().load_bytes(read_item, value)
+
+    return GuardedPlanner()

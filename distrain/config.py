@@ -114,6 +114,9 @@ class ClusterConfig:
     use_gpu: bool | None = None  # None: one GPU per worker if the cluster has GPUs
     cpus_per_worker: float = 0.25  # a fraction lets several CPU workers share a core
     threads_per_worker: int = 1
+    # Variables every worker gets, beside those forwarded from the driver's environment (WANDB_*, NCCL_*,
+    # GLOO_*, TORCH_*, CUDA_*): on a cluster, workers do not share the driver's environment.
+    env_vars: dict[str, str] = field(default_factory=dict)
     placement_strategy: str = "PACK"
     placement_timeout_s: float = 120.0  # to place the workers; after a node loss, to place all of them again
     # Fault tolerance (distrain/cluster/supervisor.py; "Surviving failures" in the README).
@@ -126,6 +129,10 @@ class ClusterConfig:
     min_workers: int | None = None  # the fewest workers a run may shrink to after losing nodes; None: num_workers
     hang_timeout_s: float | None = None  # no step for this long is a hang; None: 10 median steps, at least 60 s
     setup_timeout_s: float = 600.0  # the same outside steps: start-up, checkpoint load and save, evaluation
+    # How long a collective of a training step waits for the other ranks before the attempt fails; outside
+    # steps (start-up, checkpoints, evaluation) at least setup_timeout_s, which the supervisor allows there:
+    # a slow checkpoint write on one rank must not fail the others waiting for it at a barrier.
+    collective_timeout_s: float = 600.0
     restart_backoff_s: float = 1.0  # first wait between retries that make no progress; doubles up to 60 s
     stop_grace_s: float | None = None  # on SIGTERM, time to checkpoint and exit; None: see launch.stop_grace_s
     node_check_s: float = 5.0  # how often to look for draining nodes, and (shrunk) for room to grow back

@@ -25,7 +25,7 @@ from distrain import checkpoint
 from distrain.cluster.attempt import Attempt
 from distrain.cluster.placement import GroupSpec
 from distrain.cluster.policy import Policy
-from distrain.cluster.runtime import attach_address, check_capacity, connect, has_gpus
+from distrain.cluster.runtime import attach_address, check_capacity, connect, gpu_count, wait_for_gpus
 from distrain.cluster.states import Work
 from distrain.cluster.supervisor import Supervisor
 from distrain.cluster.worker_group import WorkerGroup
@@ -65,12 +65,23 @@ class AllReduceEngine:
         return warm_up, (self.job,)
 
     def begin(self, group: WorkerGroup, attempt: Attempt) -> Work:
+        """The attempt's work; and what the group runs in the ranks after a failure: an abort of the
+        collectives that ranks whose peer died wait in (on NCCL they would wait out the collective timeout,
+        then be killed), and a check on the device before a process is kept."""
+        from distrain.parallel import process_group
         from distrain.train.loop import run_rank
 
+        group.recover_with(process_group.check_device, process_group.abort)
         latest = checkpoint.latest(self.run_dir / "checkpoints")
         attempt.info["resumed_from_step"] = checkpoint.read_meta(latest)["step"] if latest else 0
         layout = self.layouts[len(group.table)]
-        return Work(run_rank, ({**self.job, "layout": layout.as_dict(), "resume_from": latest and str(latest)},))
+        job = {
+            **self.job,
+            "layout": layout.as_dict(),
+            "resume_from": latest and str(latest),
+            "use_gpu": group.spec.gpus_per_worker > 0,  # Ray gave each rank a GPU: it must train on it
+        }
+        return Work(run_rank, (job,))
 
     def tick(self, suspect: bool) -> None:
         pass
@@ -88,9 +99,25 @@ class AllReduceEngine:
         pass
 
 
-def group_spec(cfg: TrainConfig, layout: Layout) -> GroupSpec:
+def print_event(text: str) -> None:
+    """A driver's event line, where there is no progress line to print it (a plan)."""
+    print(f"distrain: {text}", flush=True)
+
+
+def group_spec(cfg: TrainConfig, layout: Layout, say: Callable[[str], None] = print_event) -> GroupSpec:
+    """The worker group the config asks for. With cluster.use_gpu=null, a GPU per worker if the cluster
+    has GPUs now: which one was chosen, and why, is said (an autoscaling cluster may have none up yet)."""
     c = cfg.cluster
-    use_gpu = has_gpus() if c.use_gpu is None else c.use_gpu
+    use_gpu = c.use_gpu
+    if use_gpu is None:
+        gpus = gpu_count()
+        use_gpu = gpus > 0
+        say(
+            f"cluster.use_gpu=null: the cluster has {gpus:g} GPUs, so each worker gets one"
+            if use_gpu
+            else "cluster.use_gpu=null: the cluster has no GPU now, so the workers train on CPUs; set "
+            "cluster.use_gpu=true to wait for GPU nodes (an autoscaler starts them for work that asks)"
+        )
     return GroupSpec(
         num_workers=c.num_workers,
         cpus_per_worker=c.cpus_per_worker,
@@ -101,9 +128,20 @@ def group_spec(cfg: TrainConfig, layout: Layout) -> GroupSpec:
         start_timeout_s=c.setup_timeout_s,
         node_group=layout.tp,  # a tensor-parallel group never spans two nodes
         spares=c.spares,
-        # W&B settings and key live in the user's environment, which workers on a cluster do not share.
-        env=tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("WANDB_"))),
+        env=worker_env(c),
     )
+
+
+FORWARDED = ("WANDB_", "NCCL_", "GLOO_", "TORCH_", "CUDA_")  # W&B's settings and key, the collectives', torch's
+
+
+def worker_env(c: ClusterConfig) -> tuple[tuple[str, str], ...]:
+    """What every worker gets of the user's environment, which workers on other hosts do not share: the
+    driver's variables of the FORWARDED families (not CUDA_VISIBLE_DEVICES: each node has its own GPUs),
+    then cluster.env_vars. Either may name gloo's and NCCL's interface, which then overrides the one each
+    worker finds for its node address."""
+    env = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED) and k != "CUDA_VISIBLE_DEVICES"}
+    return tuple(sorted({**env, **c.env_vars}.items()))
 
 
 def train(cfg: TrainConfig) -> dict:
@@ -161,7 +199,8 @@ def _prepare(cfg: TrainConfig, layout: Layout, run_dir: Path, started: float) ->
     if cfg.logger.wandb.mode != "disabled":
         wandb_run_id = wandb_run_id or uuid.uuid4().hex[:8]  # one W&B run across every attempt
 
-    spec = placeable_spec(cfg, layout)
+    progress = ProgressLine(cfg.logger.progress_interval_s)
+    spec = placeable_spec(cfg, layout, progress.message)
     summary = {
         "status": "failed",
         "restarts": 0,
@@ -169,7 +208,6 @@ def _prepare(cfg: TrainConfig, layout: Layout, run_dir: Path, started: float) ->
         "wandb_run_id": wandb_run_id,
         "history": history,
     }
-    progress = ProgressLine(cfg.logger.progress_interval_s)
     if cfg.ps.mode is not None:  # a parameter server: workers replaced one by one, no process group
         from distrain.ps.engine import ParameterServerEngine
 
@@ -236,11 +274,14 @@ def _from_metrics(run_dir: Path) -> dict:
     return {"final_step": logged[-1]["step"] if logged else 0, "final_loss": logged[-1]["loss"] if logged else None}
 
 
-def placeable_spec(cfg: TrainConfig, layout: Layout) -> GroupSpec:
-    """Connect to the cluster and fail at once if it could never hold the workers, spares and servers."""
+def placeable_spec(cfg: TrainConfig, layout: Layout, say: Callable[[str], None] = print_event) -> GroupSpec:
+    """Connect to the cluster and fail at once if it could never hold the workers, spares and servers;
+    with cluster.use_gpu=true, first wait (placement_timeout_s) for GPUs it lacks. `say` prints events."""
     c = cfg.cluster
     connect(c.address, c.local_cpus, c.local_gpus)
-    spec = group_spec(cfg, layout)
+    spec = group_spec(cfg, layout, say)
+    if c.use_gpu:
+        wait_for_gpus(spec, say)
     servers = cfg.ps.num_servers if cfg.ps.mode is not None else 0
     check_capacity(spec.num_workers, spec.cpus_per_worker, spec.gpus_per_worker, spec.spares, servers)
     return spec

@@ -14,6 +14,11 @@ OPTIMIZERS = ("adamw", "sgd")
 WANDB_MODES = (None, "online", "offline", "disabled")
 PRECISIONS = ("auto", "fp32", "bf16")
 PS_MODES = ("sync", "async", "hogwild", "easgd")
+# What WorkerGroup.environments sets for each rank (distrain/cluster/worker_group.py).
+PER_RANK_VARIABLES = (
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK",
+    "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES",
+)  # fmt: skip
 
 
 def _require(ok: bool, message: str) -> None:
@@ -103,9 +108,15 @@ def _validate_cluster(c: ClusterConfig) -> None:
     for key in ("hang_timeout_s", "stop_grace_s"):
         value = getattr(c, key)
         _require(value is None or value > 0, f"cluster.{key}={value}: must be positive (or null for the default)")
-    for key in ("setup_timeout_s", "node_check_s"):
+    for key in ("setup_timeout_s", "collective_timeout_s", "node_check_s"):
         _require(getattr(c, key) > 0, f"cluster.{key}={getattr(c, key)}: must be positive")
     _require(c.restart_backoff_s >= 0, f"cluster.restart_backoff_s={c.restart_backoff_s}: must be ≥ 0")
+    for key in c.env_vars:
+        _require(
+            key not in PER_RANK_VARIABLES,
+            f"cluster.env_vars.{key}: distrain sets {key} for each worker itself"
+            + ("; use cluster.threads_per_worker" if key == "OMP_NUM_THREADS" else ""),
+        )
 
 
 def _validate_elastic(cfg: TrainConfig, layout: Layout) -> None:

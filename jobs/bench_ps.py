@@ -10,12 +10,15 @@ against step and against wall clock.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import harness  # first: it keeps Ray on loopback
+import hosts  # jobs/hosts.py
 from svgplot import Axes, Canvas, ticks  # jobs/svgplot.py, beside this script
 
 from distrain.config import OptimConfig
@@ -28,7 +31,7 @@ CONFIGS = {  # key → (label, overrides, colour)
     "hogwild": ("PS Hogwild", "strategy=ps ps=hogwild", "#ff7f0e"),
     "easgd": ("PS EASGD", "strategy=ps ps=easgd", "#2ca02c"),
 }
-SCENARIOS = {"none": "no straggler", "straggler": "one straggler"}
+SCENARIOS = {"none": "no straggler", "straggler": "one straggler", "link": "two hosts over a slow link"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -42,8 +45,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=900, help="seconds a run may take before it is stopped")
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"a subset of {','.join(CONFIGS)}")
     p.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"a subset of {','.join(SCENARIOS)}")
+    p.add_argument(
+        "--link",
+        default="20,100",
+        help="scenario link: the one-way delay (ms) and rate (Mbit/s) between the two hosts (default 20,100)",
+    )
     args = harness.parse(p, argv)
     args.configs, args.scenarios = args.configs.split(","), args.scenarios.split(",")
+    args.delay_ms, args.mbit = map(float, args.link.split(","))
     if args.smoke:
         args.steps, args.workers, args.eval_interval, args.smooth = 6, 2, 3, 2
         args.configs, args.scenarios = ["sync"], ["straggler"]
@@ -51,6 +60,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"need --workers ≥ 2, --steps ≥ 2 and --configs from {','.join(CONFIGS)}")
     if not set(args.scenarios) <= set(SCENARIOS):
         p.error(f"--scenarios: choose from {','.join(SCENARIOS)}")
+    args.link_skipped = "link" in args.scenarios and hosts.unavailable()
+    if args.link_skipped:
+        print(f"bench_ps: leaving out the link scenario: {args.link_skipped}", flush=True)
+        args.scenarios.remove("link")
     return args
 
 
@@ -64,6 +77,8 @@ def overrides(args: argparse.Namespace, config: str, scenario: str, storage: Pat
     # async and Hogwild apply every worker's gradient as its own update: the learning rate per update is
     # scaled down by the workers, as the README advises, for the step size per global batch of the others.
     lr = [f"optim.lr={OptimConfig().lr / args.workers:g}"] if config in ("async", "hogwild") else []
+    # Across hosts: the workers spread over both (half on each) and a server on each.
+    hosts = ["cluster.placement_strategy=SPREAD", "ps.num_servers=2"] if scenario == "link" else []
     return [
         *CONFIGS[config][1].split(),
         *common.split(),
@@ -71,6 +86,7 @@ def overrides(args: argparse.Namespace, config: str, scenario: str, storage: Pat
         *(harness.TINY if args.smoke else []),
         *lr,
         *(slow.split() if scenario == "straggler" else []),
+        *hosts,
     ]
 
 
@@ -79,10 +95,11 @@ def agg(fn: Callable[[list], float], values: list) -> float | None:
     return fn(values) if values else None
 
 
-def measure(args: argparse.Namespace, scenario: str, config: str, repeat: int, storage: Path) -> dict:
-    """Train one configuration (stopped past --timeout s); what its metrics.jsonl and summary.json say."""
+def measure(args: argparse.Namespace, scenario: str, config: str, repeat: int, storage: Path, bed: Any) -> dict:
+    """Train one configuration (stopped past --timeout s), on the two hosts of `bed` in the link scenario;
+    what its metrics.jsonl and summary.json say."""
     run_overrides = overrides(args, config, scenario, storage, f"{scenario}-{config}-{repeat}")
-    trained = harness.train(run_overrides, args.timeout)
+    trained = harness.train(run_overrides, args.timeout, bed if scenario == "link" else None)
     run = {"config": config, "scenario": scenario, "error": trained.error}
     lines, summary = trained.metrics, trained.summary
     if len(lines) < 2:
@@ -247,8 +264,22 @@ def body(args: argparse.Namespace, runs: list[dict], plot: str) -> str:
     cfg = compose(overrides(args, "easgd", "none", Path("/tmp"), "plan"))
     t, o, c, p, nl, sections = cfg.trainer, cfg.optim, cfg.cluster, cfg.ps, "\n", ""
     summary = reading(runs, args.target, args.steps, args.workers)
+    link_note = (
+        f"Two hosts over a slow link: each run's driver and Ray cluster on two hosts made of network namespaces on "
+        f"this machine (`jobs/hosts.py`: own addresses, veth pairs to a bridge), every packet between them shaped "
+        f"on the bridge's ports: {getattr(args, 'link_applied', args.link)}; "
+        f"`cluster.placement_strategy=SPREAD ps.num_servers=2`. The hosts still share this machine's cores: the "
+        f"link is what differs."
+        if "link" in args.scenarios
+        else f"The slow-link scenario did not run: {args.link_skipped}."
+    )
+    extras = {
+        "none": "",
+        "straggler": f" (rank {args.workers - 1} at {args.slowdown:g}× its compute time per step)",
+        "link": f" ({getattr(args, 'link_applied', args.link)}; half the workers and a server on each host)",
+    }
     for scenario, title in ((s, SCENARIOS[s]) for s in args.scenarios):
-        extra = f" (rank {args.workers - 1} at {args.slowdown:g}× its compute time per step)" * (scenario != "none")
+        extra = extras[scenario]
         rows = table([r for r in runs if r["scenario"] == scenario], args.target)
         sections += f"## {title.capitalize()}{extra}\n\n{nl.join(rows)}\n\n"
     return f"""DDP (all-reduce) and each parameter-server mode (`strategy=ps`, `distrain/ps/`) train one job, one run
@@ -282,18 +313,36 @@ reversed on every other repeat (a cell is the median over them, a curve the firs
   single-threaded workers, the server and the driver share the cores, so it measures orchestration and staleness
   effects (who waits for whom, what stale gradients do to the loss), not GPU performance: a sleeping straggler
   frees its core for the others, and every push and pull is a copy through Ray's object store.
+- {link_note}
 """
+
+
+@contextlib.contextmanager
+def two_hosts(args: argparse.Namespace) -> Iterator[Any]:
+    """For the link scenario: two hosts (network namespaces, jobs/hosts.py) whose every packet to the other
+    is delayed by --link's delay and limited to its rate (tc netem); removed at the end."""
+    if "link" not in args.scenarios:
+        yield None
+        return
+    bed = hosts.Bed(cpus_per_host=1)
+    try:
+        bed.add_host()
+        bed.add_host()
+        args.link_applied = bed.slow_link(args.delay_ms, args.mbit)
+        yield bed
+    finally:
+        bed.close()
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     page = harness.Page("Parameter server beside all-reduce", args)
     keys = [(scenario, config) for scenario in args.scenarios for config in args.configs]
-    with harness.storage(args) as storage, harness.ray_cluster():
+    with harness.storage(args) as storage, harness.ray_cluster(), two_hosts(args) as bed:
         trials = harness.alternate(
             keys,
             args.repeats,
-            lambda key, k: measure(args, *key, k, storage),
+            lambda key, k: measure(args, *key, k, storage, bed),
             lambda key: f"{SCENARIOS[key[0]]}: {CONFIGS[key[1]][0]}",
         )
     runs = [merge(mine) for mine in harness.by_key(trials).values()]

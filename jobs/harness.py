@@ -192,10 +192,11 @@ class Trained:
     error: str | None = None
 
 
-def train(overrides: list[str], timeout_s: float = 1800.0) -> Trained:
-    """`python jobs/train.py <overrides>`, in this process (on the cluster `ray_cluster` started): the
-    config, its layout, summary.json and metrics.jsonl; a failure, a timeout or a worker off loopback is
-    in `error`."""
+def train(overrides: list[str], timeout_s: float = 1800.0, bed: Any = None) -> Trained:
+    """`python jobs/train.py <overrides>`, in this process (on the cluster `ray_cluster` started), or as a
+    driver on the head host of `bed` (jobs/hosts.py): the config, its layout, summary.json and
+    metrics.jsonl; a failure, a timeout or a worker off loopback (off the bed's own addresses) is in
+    `error`."""
     from distrain.cli import compose
     from distrain.launch import train as launch
     from distrain.tracking import read_metrics
@@ -203,12 +204,16 @@ def train(overrides: list[str], timeout_s: float = 1800.0) -> Trained:
 
     cfg = compose(overrides)
     layout = validate(cfg)
-    _, error = interrupt_after(timeout_s, lambda: launch(cfg))
+    if bed is None:
+        _, error = interrupt_after(timeout_s, lambda: launch(cfg))
+    else:
+        error = bed.train(overrides, timeout_s)
     run_dir = Path(cfg.run_dir)
     summary = read_json(run_dir / "summary.json", {})
     if summary.get("status") not in (None, "completed") and not error:
         error = f"status {summary['status']}"
-    if off := off_loopback(read_json(run_dir / "placement.json", [])):
+    placed = read_json(run_dir / "placement.json", [])
+    if off := [ip for ip in off_loopback(placed) if bed is None or ip not in bed.addresses]:
         error = f"ran off loopback: {off}"
     metrics = read_metrics(str(run_dir)) if (run_dir / "metrics.jsonl").exists() else []
     return Trained(cfg, layout, summary, metrics, error)

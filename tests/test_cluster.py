@@ -5,14 +5,17 @@ from __future__ import annotations
 import os
 import sys
 import time
+from dataclasses import replace
 
 import pytest
 import ray
 import ray.cloudpickle
+from conftest import compose
 
 from distrain.cluster.placement import GroupSpec, WorkerFailure, number_nodes, rank_table
 from distrain.cluster.runtime import CapacityError, check_capacity
 from distrain.cluster.worker_group import WorkerGroup
+from distrain.launch import worker_env
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests/
 
@@ -72,6 +75,31 @@ def test_workers_get_torchrun_environment_on_loopback():
     assert {e["CUDA_VISIBLE_DEVICES"] for e in envs} == {""}  # CPU workers see no GPU, even on a GPU machine
     assert [e["LOCAL_RANK"] for e in envs] == ["0", "1", "2"]
     assert all(e["node_ip"] == "127.0.0.1" for e in table)
+
+
+def network_environment(channel):
+    return {k: os.environ.get(k) for k in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "NCCL_DEBUG", "MY_SETTING")}
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_workers_get_their_nodes_interface_and_the_users_variables(monkeypatch):
+    """Each worker is given the interface holding its node's address (loopback here: `lo`) for gloo and
+    NCCL; the driver's NCCL_*, GLOO_*, TORCH_*, CUDA_* and WANDB_* variables and cluster.env_vars follow
+    it to the workers, and a user's own interface choice wins."""
+    monkeypatch.setenv("NCCL_DEBUG", "INFO")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "7")  # the driver's GPUs are not the workers'
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
+    cfg = compose(["+cluster.env_vars.MY_SETTING=on"])
+    with WorkerGroup(replace(spec(2), env=worker_env(cfg.cluster))) as group:
+        table = group.start()
+        envs = group.run(network_environment)
+        assert {e["interface"] for e in table} == {"lo"}
+        want = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo", "NCCL_DEBUG": "INFO", "MY_SETTING": "on"}
+        assert envs == [want, want]
+        assert {e["CUDA_VISIBLE_DEVICES"] for e in group.run(environment)} == {""}
+        group.spec = replace(group.spec, env=worker_env(compose(["+cluster.env_vars.GLOO_SOCKET_IFNAME=eth7"]).cluster))
+        assert [e["GLOO_SOCKET_IFNAME"] for e in group.run(network_environment)] == ["eth7", "eth7"]
 
 
 def fail_on_rank_one(channel):

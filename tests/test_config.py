@@ -96,6 +96,7 @@ from distrain.validation import validate
         (["fault.straggler_slowdown=0.5"], "fault.straggler_slowdown"),
         (["cluster.spares=-1"], "cluster.spares"),
         (["cluster.local_cpus=-1"], "cluster.local_cpus"),
+        (["+cluster.env_vars.MASTER_ADDR=10.0.0.1"], "cluster.env_vars.MASTER_ADDR"),
     ],
 )
 def test_validate_names_the_key(tmp_path: Path, overrides: list[str], key: str):

@@ -19,7 +19,7 @@ import ray.cloudpickle
 
 from distrain.cluster.attempt import Attempt, Failure, FailureKind, Heartbeats, Outcome
 from distrain.cluster.placement import GroupSpec, WorkerFailure
-from distrain.cluster.policy import Decision, Policy
+from distrain.cluster.policy import Decision, Policy, Verdict
 from distrain.cluster.states import (
     TRANSITIONS,
     Failed,
@@ -159,6 +159,18 @@ def test_the_policy_gives_up_on_the_budget_and_on_the_same_error_twice():
     other_step = failure(FailureKind.RAISED, signature=("ValueError", "bad batch", 4))
     assert Policy(max_failures=10).decide(bug, [other_step], True).decision == Decision.REPLACE
     assert policy.size(4, [2]).size == 2 and policy.size(4, []).decision == Decision.GIVE_UP
+
+
+def test_the_policy_gives_up_at_once_on_a_permanent_error_and_on_a_group_that_cannot_form_twice():
+    refused = Failure(FailureKind.RAISED, "rank 0 failed: UnsafeCheckpointError: refused", 0, "...", permanent=True)
+    assert Policy(max_failures=10).decide(refused, [], False) == Verdict(Decision.GIVE_UP, refused.cause)
+    joining = Failure(FailureKind.RAISED, "rank 1 failed: DistNetworkError (joining: 10.0.0.1 via eth0)", 1, "...")
+    joining = replace(joining, signature=("DistNetworkError",), joining=True)
+    assert Policy().decide(joining, [], False).decision == Decision.RESTART  # the first time may be bad luck
+    verdict = Policy(max_failures=10).decide(joining, [joining], False)
+    assert verdict.decision == Decision.GIVE_UP
+    assert "could not form their process group" in verdict.reason and "10.0.0.1 via eth0" in verdict.reason
+    assert "GLOO_SOCKET_IFNAME" in verdict.reason and "\n" not in verdict.reason
 
 
 def test_backoff_grows_only_while_attempts_make_no_progress():

@@ -61,6 +61,8 @@ class Failure:
     rank: int | None = None  # None: not one rank's (a hang of several, a lost server)
     error: str | None = None  # the whole error with its traceback
     signature: tuple | None = None  # RAISED: (error type, message without numbers, step); a repeat is a bug
+    joining: bool = False  # RAISED or HUNG while joining the process group: its rendezvous failed
+    permanent: bool = False  # RAISED an error whose class says retrying cannot help (`permanent = True`)
     at: float = field(default_factory=time.time)
 
 

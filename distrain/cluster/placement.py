@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import ipaddress
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -31,7 +31,7 @@ class GroupSpec:
     placement_strategy: str = "PACK"
     placement_timeout_s: float = 120.0
     start_timeout_s: float = 600.0  # for placed actors to start (a process; on clusters, a runtime env)
-    env: tuple[tuple[str, str], ...] = ()  # extra variables for every worker
+    env: tuple[tuple[str, str], ...] = field(default=(), repr=False)  # for every worker; holds secrets (W&B key)
     # Ranks that must share a node: the tensor-parallel size. Every block of node_group consecutive
     # ranks lands on one node, so a TP group's collectives never cross the network.
     node_group: int = 1

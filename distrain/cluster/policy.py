@@ -53,9 +53,20 @@ class Policy:
         """What to do about `failure`, given the run's earlier failures (oldest first) and whether its
         engine can replace one worker while the others go on (a parameter server can, a process group
         cannot: it restarts together). The same error at the same step twice in a row is a bug, not bad
-        luck: retrying cannot help. A death (a kill, a lost node) is never called that."""
+        luck: retrying cannot help; so is a process group that fails to form twice with the same kind of
+        error (ranks that cannot reach each other), and an error that says so of itself (`permanent`). A
+        death (a kill, a lost node) is never called that."""
         count = len(earlier) + 1
+        if failure.permanent:
+            return Verdict(Decision.GIVE_UP, failure.cause)
         if failure.signature is not None and earlier and earlier[-1].signature == failure.signature:
+            if failure.joining:
+                return Verdict(
+                    Decision.GIVE_UP,
+                    f"the ranks could not form their process group, twice the same way, so retrying cannot help: "
+                    f"{failure.cause}; check that the hosts reach each other at these addresses, or name the "
+                    f"interface to use with cluster.env_vars.GLOO_SOCKET_IFNAME (NCCL_SOCKET_IFNAME on GPUs)",
+                )
             return Verdict(
                 Decision.GIVE_UP, f"the same error at the same step twice, so retrying cannot help: {failure.cause}"
             )

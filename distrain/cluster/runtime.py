@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+
+from distrain.cluster.placement import GroupSpec
 
 
 class CapacityError(RuntimeError):
@@ -32,7 +36,40 @@ def connect(address: str | None, num_cpus: int | None = None, num_gpus: int | No
 
 
 def has_gpus() -> bool:
-    return ray.cluster_resources().get("GPU", 0) > 0
+    return gpu_count() > 0
+
+
+def gpu_count() -> float:
+    """The GPUs of the cluster's alive nodes, taken or free."""
+    return ray.cluster_resources().get("GPU", 0)
+
+
+def wait_for_gpus(spec: GroupSpec, say: Callable[[str], None]) -> None:
+    """For cluster.use_gpu=true on a cluster with fewer GPUs than the group's bundles hold (an autoscaling
+    one may have no GPU node up yet): say so, and wait up to spec.placement_timeout_s with a trial
+    placement group of those bundles pending, which is the demand Ray's autoscaler starts nodes for.
+    CapacityError if the GPUs are still missing then; once they are there, placing the group is the
+    group's own wait."""
+    need, have = sum(b.get("GPU", 0) for b in spec.bundles()), gpu_count()
+    if have >= need:
+        return
+    timeout_s = spec.placement_timeout_s
+    say(
+        f"cluster.use_gpu=true: waiting up to {timeout_s:g} s (cluster.placement_timeout_s) for the {need:g} GPUs "
+        f"the workers need; the cluster has {have:g}"
+    )
+    trial = placement_group(spec.bundles(), strategy=spec.placement_strategy)
+    try:
+        ray.wait([trial.ready()], timeout=timeout_s)
+    finally:
+        remove_placement_group(trial)
+    have = gpu_count()
+    if have < need:
+        raise CapacityError(
+            f"cluster.use_gpu=true: the workers need {need:g} GPUs and the cluster had {have:g} after waiting "
+            f"cluster.placement_timeout_s={timeout_s:g}; add GPU nodes (or give an autoscaler longer), or set "
+            f"cluster.use_gpu=false"
+        )
 
 
 def check_capacity(

@@ -53,6 +53,10 @@ from distrain.cluster.states import (
 )
 from distrain.cluster.worker_group import WorkerGroup, first_line
 
+# The signature of every failure to form the process group, raised or timed out: ranks that cannot reach each
+# other fail alike on every attempt, whatever each one's words, and the second time in a row ends the run.
+JOINING = ("joining",)
+
 
 class Supervisor:
     def __init__(
@@ -298,9 +302,16 @@ class Supervisor:
         cause = f"{self.group.who(rank)} failed: {first_line(error)}"
         if isinstance(error, RayActorError):  # a death (a kill, a lost node) is never called deterministic
             return Failure(FailureKind.DIED, cause, rank, str(error).strip(), at=seen)
-        step = self.group.last_progress(rank).get("step")  # exact: the rank's process is still there
-        kind = type(getattr(error, "cause", None) or error).__name__
-        signature = (kind, mask(first_line(error)), step)
+        progress = self.group.last_progress(rank)  # exact: the rank's process is still there
+        raised = type(getattr(error, "cause", None) or error)
+        kind = raised.__name__
+        if getattr(raised, "permanent", False):  # e.g. a checkpoint refused as unsafe: no retry can help
+            cause = f"{self.group.who(rank)} failed: {first_line(error, limit=1000)}"  # its advice, uncut
+            return Failure(FailureKind.RAISED, cause, rank, str(error).strip(), permanent=True, at=seen)
+        if progress.get("phase") == Phase.JOIN:
+            cause = self._joining(cause)
+            return Failure(FailureKind.RAISED, cause, rank, str(error).strip(), JOINING, joining=True, at=seen)
+        signature = (kind, mask(first_line(error)), progress.get("step"))
         return Failure(FailureKind.RAISED, cause, rank, str(error).strip(), signature, at=seen)
 
     def _hung(self, attempt: Attempt, hung: list[int], progress: list[dict], beats: Heartbeats) -> Failure:
@@ -317,7 +328,13 @@ class Supervisor:
             + (f", rank {', '.join(map(str, mute))} not answering" if mute and not one else "")
             + f"; stacks in {folder}"
         )
+        if all(progress[r].get("phase") == Phase.JOIN for r in hung):  # the rendezvous timed out, as we saw it
+            cause = self._joining(cause)
+            return Failure(FailureKind.HUNG, cause, hung[0] if one else None, signature=JOINING, joining=True, at=seen)
         return Failure(FailureKind.HUNG, cause, hung[0] if one else None, at=seen)
+
+    def _joining(self, cause: str) -> str:
+        return f"{cause} (joining the process group: {self.group.network()})"
 
     def _reason_to_move(self, attempt: Attempt) -> tuple[str | None, float]:
         """A node of the group is draining (about to be preempted), or a shrunk run has room to grow
@@ -345,7 +362,8 @@ class Supervisor:
             self.failures.append(failure)
             if verdict.decision == Decision.GIVE_UP:
                 s.watching.attempt.end(Outcome.HUNG if failure.kind == FailureKind.HUNG else Outcome.FAILED, failure)
-                raise WorkerFailure(f"{verdict.reason}" + (f"\n{failure.error}" if failure.error else ""))
+                detail = failure.error and not failure.permanent  # its class's words say it all
+                raise WorkerFailure(f"{verdict.reason}" + (f"\n{failure.error}" if detail else ""))
         budget = "unlimited" if self.policy.max_failures < 0 else self.policy.max_failures
         if verdict.decision == Decision.REPLACE:
             for failure in s.failures:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import fcntl
 import gc
 import os
 import socket
+import struct
 import sys
 import threading
 import time
@@ -39,9 +41,11 @@ class Worker:
         self.channel = Channel()
 
     def node_info(self) -> dict:
+        ip = ray.util.get_node_ip_address()
         return {
             "node_id": ray.get_runtime_context().get_node_id(),
-            "node_ip": ray.util.get_node_ip_address(),
+            "node_ip": ip,
+            "interface": interface_of(ip),
             "gpu_ids": [int(g) for g in ray.get_gpu_ids()],
             "pid": os.getpid(),
         }
@@ -93,6 +97,30 @@ class Worker:
                 stack = "".join(traceback.format_stack(frame))
                 parts.append(f"Thread {names.get(ident, ident)}:\n{stack}")
         return "\n".join(parts)
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        """fn() in this process, on the thread `run` leaves free: what the engine hands the group for after
+        a failure (a check that the device still works, an abort of the collectives `run` is blocked in)."""
+        return fn()
+
+
+SIOCGIFADDR = 0x8915  # Linux: an interface's IPv4 address
+
+
+def interface_of(ip: str) -> str | None:
+    """The name of this host's network interface that holds `ip` (IPv4, Linux), or None. The process
+    group must use the interface of the address Ray knows the node by: left to itself, gloo binds to
+    whatever the host name resolves to, often a loopback address, and interface names differ between
+    hosts, so each worker looks its own up."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                answer = fcntl.ioctl(s.fileno(), SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+            except OSError:  # no IPv4 address
+                continue
+            if socket.inet_ntoa(answer[20:24]) == ip:
+                return name
+    return None
 
 
 RemoteWorker = ray.remote(Worker)

@@ -40,6 +40,10 @@ class WorkerGroup:
         self._asked: dict = {}  # rank → (its unanswered progress question, when asked)
         self._progress: dict[int, dict] = {}
         self.port = 0  # the rendezvous port of the last launch on every rank
+        # What `release_unhealthy` runs in the ranks' processes, as the engine says (`recover_with`); None: a
+        # ping that touches no device, and no abort.
+        self.health_check: Callable[[], bool] | None = None
+        self.abort_collectives: Callable[[], bool] | None = None
 
     def __enter__(self) -> WorkerGroup:
         return self
@@ -121,11 +125,15 @@ class WorkerGroup:
     # -- running --------------------------------------------------------------------------------
 
     def environments(self, port: int) -> list[dict[str, str]]:
-        """What torchrun would set for each rank, plus threads and the node's visible GPUs."""
+        """What torchrun would set for each rank, plus threads, the node's visible GPUs, the network
+        interface of the rank's node address for gloo and NCCL (unless the user named one), and the
+        variables the spec forwards."""
         master = self.table[0]
         envs = []
         for entry in self.table:
+            interface = {"GLOO_SOCKET_IFNAME": entry["interface"], "NCCL_SOCKET_IFNAME": entry["interface"]}
             env = {
+                **(interface if entry.get("interface") else {}),
                 "RANK": entry["rank"],
                 "LOCAL_RANK": entry["local_rank"],
                 "WORLD_SIZE": len(self.table),
@@ -172,6 +180,15 @@ class WorkerGroup:
                     raise WorkerFailure(f"{self.who(rank)} failed: {first_line(error)}") from error
                 results[rank] = value
         return results
+
+    def network(self) -> str:
+        """Where the ranks met, and each host's address and the interface its ranks were given: what a
+        process group that cannot form must tell the user."""
+        named = dict(self.spec.env).get("GLOO_SOCKET_IFNAME")
+        hosts = {e["node_ip"]: named or e.get("interface") or "no interface found" for e in self.table}
+        return f"rendezvous {self.table[0]['node_ip']}:{self.port}, " + ", ".join(
+            f"{ip} via {interface}" for ip, interface in hosts.items()
+        )
 
     def who(self, rank: int) -> str:
         entry = self.table[rank]
@@ -255,15 +272,44 @@ class WorkerGroup:
 
     # -- replacing ------------------------------------------------------------------------------
 
+    def recover_with(
+        self, health_check: Callable[[], bool] | None, abort_collectives: Callable[[], bool] | None
+    ) -> None:
+        """What `release_unhealthy` runs in a rank's process, beside its call: `health_check`, true if the
+        process can still work (on GPUs a real device operation: after a sticky CUDA error a process still
+        answers pings, then fails every attempt); `abort_collectives`, which ends the collectives a still
+        running call waits in and says whether that call now returns (NCCL ranks whose peer died wait there
+        for the whole collective timeout, and would be killed)."""
+        self.health_check, self.abort_collectives = health_check, abort_collectives
+
     def release_unhealthy(self, timeout_s: float = 5.0) -> None:
         """After a failure: kill every actor whose call did not return (dead, or stuck in a
-        collective) or that no longer answers (a rank that raised as its node went down); the
-        others stay, alive and with their imports warm, for `refill`."""
-        pings = {rank: self.workers[rank].node_info.remote() for rank in self.returned}
+        collective) or that fails its health check (without one: no longer answers, as a rank that
+        raised as its node went down); the others stay, alive and with their imports warm, for
+        `refill`. Ranks whose call still runs are first asked to abort their collectives, and those
+        whose call then returns are judged like the others. Each of the waits takes timeout_s at most."""
+        if self.abort_collectives is not None and self.calls:
+            ranks = set(self.calls.values())
+            asked = {rank: self.workers[rank].call.remote(self.abort_collectives) for rank in ranks}
+            ready, _ = ray.wait(list(asked.values()), num_returns=len(asked), timeout=timeout_s)
+            freed = set()
+            for rank, ref in asked.items():
+                with contextlib.suppress(RayError):
+                    if ref in ready and ray.get(ref):
+                        freed.add(rank)
+            deadline = time.monotonic() + timeout_s
+            while freed & set(self.calls.values()) and time.monotonic() < deadline:
+                self.poll(deadline - time.monotonic())  # their calls' errors are the abort's: only `returned` counts
+        pings = {
+            rank: self.workers[rank].call.remote(self.health_check)
+            if self.health_check is not None
+            else self.workers[rank].node_info.remote()
+            for rank in self.returned
+        }
         ready, _ = ray.wait(list(pings.values()), num_returns=len(pings), timeout=timeout_s)
         for rank, ref in pings.items():
             try:
-                alive = ref in ready and ray.get(ref) is not None
+                alive = ref in ready and bool(ray.get(ref))
             except RayError:
                 alive = False
             if not alive:

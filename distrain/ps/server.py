@@ -27,9 +27,10 @@ import ray
 import torch
 from torch import nn
 
+from distrain.checkpoint import load_tensors
 from distrain.config import from_plain
 from distrain.model.llama import Transformer
-from distrain.ps.shard import ShardView, Slot, as_tensor, model_shards
+from distrain.ps.shard import Piece, ShardView, Slot, as_tensor, model_shards
 from distrain.train.optim import lr_at
 
 SERVER_FILE = "server_{:03d}.pt"
@@ -53,7 +54,7 @@ def feasible(in_flight: list[int], version: int, bound: int) -> bool:
 def load_weights(directory: str | Path, model: nn.Module) -> None:
     """A parameter-server checkpoint's weights into a whole model (to evaluate or export it)."""
     for path in sorted(Path(directory).glob(SERVER_FILE.replace("{:03d}", "*"))):
-        state = torch.load(path, weights_only=False)
+        state = load_tensors(path, allowed=[Piece])  # Piece: a plain record (a name, two offsets, a flag)
         ShardView(model, state["pieces"]).scatter(state["flat"])
 
 
@@ -293,7 +294,7 @@ class ParameterServer:
         return {"file": name, "size": os.path.getsize(path), "applied": applied}
 
     def load(self, path: str) -> None:
-        state = torch.load(path, weights_only=False)
+        state = load_tensors(path, allowed=[Piece])  # refuses anything but tensors, plain data and Piece
         if state["pieces"] != self.pieces:
             raise ValueError(
                 f"{path} holds a different slice of the model than shard {self.index} of "

@@ -48,7 +48,7 @@ class ServerGroup:
         try:
             return ray.get(self.starting, timeout=self.timeout_s)
         except (RayActorError, RayTaskError) as e:  # it raised starting: a checkpoint it cannot load, a bad config
-            raise WorkerFailure(f"a parameter server could not start: {first_line(e)}") from e
+            raise WorkerFailure(f"a parameter server could not start: {first_line(e, limit=1000)}") from e
         except GetTimeoutError as e:
             raise PlacementError(
                 f"{len(self.actors)} parameter servers did not start within cluster.setup_timeout_s="

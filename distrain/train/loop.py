@@ -8,8 +8,10 @@ reports progress through the channel it is given, and reads a stop request from 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -18,7 +20,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from distrain import checkpoint
 from distrain.channel import Channel, Phase
-from distrain.config import TrainConfig, from_plain
+from distrain.config import ClusterConfig, TrainConfig, from_plain
 from distrain.data.loader import run_batches
 from distrain.layout import Layout
 from distrain.model.size import flops_per_token
@@ -34,15 +36,26 @@ STATE_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 def run_rank(job: dict, channel: Channel) -> dict:
     """Train this rank's part of the run described by `job` (a plain dict: config, layout, run_dir,
-    resume_from, wandb_run_id, started_at); rank 0 returns the run's results, the others an empty
-    dict. The results say `stopped` when a stop request ended the run before max_steps."""
+    resume_from, wandb_run_id, started_at, and use_gpu: whether the rank was given a GPU, absent where
+    it trains on whatever torch sees); rank 0 returns the run's results, the others an empty dict. The
+    results say `stopped` when a stop request ended the run before max_steps."""
     cfg, layout = from_plain(job["config"]), Layout.from_dict(job["layout"])
-    device = process_group.init_from_env()
+    channel.report({"phase": Phase.JOIN})
+    device = process_group.init_from_env(outside_steps_timeout_s(cfg.cluster), job.get("use_gpu"))
     channel.report({"phase": Phase.SETUP, "joined_at": time.time()})
     try:
-        return Trainer(cfg, layout, job, device, channel).fit()
-    finally:
-        process_group.destroy()
+        results = Trainer(cfg, layout, job, device, channel).fit()
+    except BaseException:
+        process_group.abort()  # a graceful destroy would wait for collectives its peers may never join
+        raise
+    process_group.destroy()
+    return results
+
+
+def outside_steps_timeout_s(c: ClusterConfig) -> float:
+    """The collective timeout outside training steps (start-up, checkpoints, evaluation): as long as the
+    supervisor lets a rank take there, setup_timeout_s, and no shorter than a step's."""
+    return max(c.collective_timeout_s, c.setup_timeout_s)
 
 
 def warm_up(job: dict) -> None:
@@ -62,15 +75,15 @@ class Trainer:
         assert layout.world_size == self.world, f"{layout} does not cover the {self.world} ranks"
         faults = Faults(cfg.fault, self.rank, channel)
         self.learner = Learner(cfg, layout, layout.data_shard(self.rank), device, faults)
-        self.optimizer = build_optimizer(self.learner.module, cfg.optim, self.learner.parallel.zero1_group)
-
-        self.step, self.loss, self.save_s = 0, math.nan, 0.0
-        if job["resume_from"]:
-            self.load(job["resume_from"])
-        self.learner.settle(self.step + 1)
-        self.tracker = None
-        if self.rank == 0:
-            self.tracker = Tracker(str(self.run_dir), job["config"], self.step, job["wandb_run_id"])
+        with self.outside_steps():  # the mesh's groups now exist: they get start-up's timeout too
+            self.optimizer = build_optimizer(self.learner.module, cfg.optim, self.learner.parallel.zero1_group)
+            self.step, self.loss, self.save_s = 0, math.nan, 0.0
+            if job["resume_from"]:
+                self.load(job["resume_from"])
+            self.learner.settle(self.step + 1)
+            self.tracker = None
+            if self.rank == 0:
+                self.tracker = Tracker(str(self.run_dir), job["config"], self.step, job["wandb_run_id"])
         channel.report({"step": self.step, "max_steps": cfg.trainer.max_steps, "loaded_at": time.time()})
 
     # -- reductions over the ranks ----------------------------------------------------------------
@@ -85,9 +98,21 @@ class Trainer:
 
     def evaluate(self) -> float:
         self.channel.report({"phase": Phase.EVAL})
-        val_loss = self.global_mean(self.learner.evaluate()) / self.cfg.trainer.eval_batches
+        with self.outside_steps():
+            val_loss = self.global_mean(self.learner.evaluate()) / self.cfg.trainer.eval_batches
         self.channel.report({"phase": Phase.TRAIN})
         return val_loss
+
+    @contextlib.contextmanager
+    def outside_steps(self) -> Iterator[None]:
+        """Collectives outside training steps wait up to outside_steps_timeout_s, as long as the supervisor
+        lets a rank take there: one rank slow to write its checkpoint shard (or to load, or to start W&B)
+        must not fail the others waiting for it at a barrier. Every rank leaves together, so that the
+        next step's collectives, back on cluster.collective_timeout_s, do not wait for a slow one either."""
+        process_group.set_timeout(outside_steps_timeout_s(self.cfg.cluster))
+        yield
+        dist.barrier()
+        process_group.set_timeout(self.cfg.cluster.collective_timeout_s)
 
     # -- the loop -------------------------------------------------------------------------------
 
@@ -176,7 +201,8 @@ class Trainer:
         """Save, telling the supervisor that this rank is saving (slow, not hung); return the seconds."""
         self.channel.report({"phase": Phase.CHECKPOINT})
         start = time.perf_counter()
-        self.save()
+        with self.outside_steps():
+            self.save()
         self.save_s = time.perf_counter() - start
         self.channel.report({"phase": Phase.TRAIN})
         return self.save_s

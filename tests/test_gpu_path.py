@@ -1,0 +1,310 @@
+"""The GPU path, tested where a CPU can test it: a rank given a GPU that its torch cannot use fails in one
+line; a process group is never silently reused; after a failure a group aborts the collectives blocked
+calls wait in and keeps a process only if its health check passes; collectives outside training steps
+wait setup_timeout_s; cluster.use_gpu=null says what it chose, and cluster.use_gpu=true waits for GPUs.
+
+What only a GPU shows (an NCCL survivor of a dead peer freed by the abort, a real sticky CUDA error
+failing the health check) is not here: see process_group.abort and check_device.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from conftest import free_port, make_config
+
+from distrain.config import ConfigError
+from distrain.parallel import process_group
+
+# Ray is imported by the tests that use it: the ranks spawned below import this module, and start faster without.
+
+
+def rank_env(rank: int, world: int, port: int, **extra: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+    os.environ.update(MASTER_PORT=str(port), OMP_NUM_THREADS="1", **extra)
+
+
+# -- a GPU rank on a torch that cannot use CUDA --------------------------------------------------------
+
+
+def join_as_gpu_rank(index: int, port: int, out: str) -> None:
+    """As a Ray worker given GPU 0 would (CUDA_VISIBLE_DEVICES=0), on this CPU-only torch."""
+    import torch.distributed as dist
+
+    rank_env(0, 1, port, CUDA_VISIBLE_DEVICES="0")
+    try:
+        process_group.init_from_env(timeout_s=10, gpu=True)
+        result = {"error": None}
+    except process_group.GpuUnavailableError as e:
+        result = {"error": str(e)}
+    result["initialized"] = dist.is_initialized()
+    result["torchrun"] = str(process_group.init_from_env(timeout_s=10))  # given nothing: what torch sees
+    process_group.destroy()
+    Path(out).write_text(json.dumps(result))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch that cannot use CUDA")
+@pytest.mark.timeout(60)
+def test_a_gpu_rank_whose_torch_cannot_use_cuda_fails_in_one_line_naming_the_node(tmp_path: Path):
+    out = tmp_path / "result.json"
+    mp.spawn(join_as_gpu_rank, args=(free_port(), str(out)), nprocs=1)
+    result = json.loads(out.read_text())
+    error = result["error"]
+    assert error is not None, "a GPU rank trained on the CPU"
+    assert "\n" not in error and f"node {socket.gethostname()}:" in error
+    assert "a CPU-only build" in error and "CUDA_VISIBLE_DEVICES='0'" in error
+    assert not result["initialized"]  # no gloo group formed in its place
+    assert result["torchrun"] == "cpu"  # not told it has a GPU (plain torchrun): the CPU, as before
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch that cannot use CUDA")
+@pytest.mark.timeout(200)
+def test_a_run_given_gpus_its_torch_cannot_use_ends_at_once(tmp_path: Path):
+    """The whole path: Ray gives each worker a GPU (an embedded cluster that declares 2), the engine tells
+    the ranks, and the run ends on the first attempt (the error says retrying cannot help)."""
+    import subprocess
+
+    from conftest import REPO, TINY
+
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+    env.pop("RAY_ADDRESS", None)
+    gpus = ["cluster.local_cpus=2", "cluster.local_gpus=2", "cluster.use_gpu=true", "cluster.reuse_workers=false"]
+    args = [*TINY, *gpus, f"run.storage={tmp_path}", "run.name=gpu"]
+    result = subprocess.run(
+        [sys.executable, str(REPO / "jobs" / "train.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=tmp_path,
+        env=env,
+    )
+    assert result.returncode == 1, result.stderr[-3000:]
+    error = next(line for line in result.stderr.splitlines() if line.startswith("distrain: error:"))
+    assert "GpuUnavailableError: node " in error and "cluster.use_gpu=false" in error, result.stderr[-3000:]
+    attempts = json.loads((tmp_path / "gpu" / "summary.json").read_text())["attempts"]
+    assert len(attempts) == 1, [a["cause"] for a in attempts]
+
+
+# -- a process group is never silently reused ------------------------------------------------------------
+
+
+def store_port() -> int:
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    store = distributed_c10d._get_default_store()
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return store.port
+
+
+def init_twice(index: int, ports: list[int], out: str) -> None:
+    """Two attempts in one process, the first never ended; then a group someone else formed (Ray Train)."""
+    import torch.distributed as dist
+
+    rank_env(0, 1, ports[0])
+    process_group.init_from_env(timeout_s=10)
+    first = dist.group.WORLD
+    rank_env(0, 1, ports[1])
+    process_group.init_from_env(timeout_s=10)
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    result = {"fresh": dist.group.WORLD is not first, "port": store_port(), "sum": total.item()}
+    result["abort_frees_a_gloo_collective"] = process_group.abort()
+    result["after_abort"] = dist.is_initialized()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ports[2]}", rank=0, world_size=1)
+    theirs = dist.group.WORLD
+    process_group.init_from_env(timeout_s=10)
+    result["adopted"] = dist.group.WORLD is theirs
+    process_group.destroy()
+    Path(out).write_text(json.dumps(result))
+
+
+@pytest.mark.timeout(60)
+def test_init_replaces_a_group_an_earlier_attempt_left(tmp_path: Path):
+    out, ports = tmp_path / "result.json", [free_port() for _ in range(3)]
+    mp.spawn(init_twice, args=(ports, str(out)), nprocs=1)
+    result = json.loads(out.read_text())
+    assert result["fresh"] and result["port"] == ports[1] and result["sum"] == 1.0
+    assert result["abort_frees_a_gloo_collective"] is False and result["after_abort"] is False
+    assert result["adopted"]
+
+
+# -- after a failure: abort blocked calls, keep only healthy processes --------------------------------
+
+
+def wait_unless_aborted(channel) -> None:
+    """Ranks 0 and 1 raise; 2 and 3 wait, as survivors of a dead peer wait in a collective."""
+    if os.environ["RANK"] in ("0", "1"):
+        raise ValueError("the rank's own error")
+    while "TEST_ABORTED" not in os.environ:
+        time.sleep(0.01)
+    raise RuntimeError("its collective was aborted")
+
+
+def abort_on_rank_two() -> bool:
+    """Frees rank 2's call, as aborting NCCL frees a survivor; rank 3's waits on, as gloo's would."""
+    if os.environ["RANK"] != "2":
+        return False
+    os.environ["TEST_ABORTED"] = "1"
+    return True
+
+
+def sticky_error_on_rank_one() -> bool:
+    """Rank 1's device fails, as after an illegal address; the others' work."""
+    if os.environ["RANK"] == "1":
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+    return True
+
+
+def test_the_device_check_passes_on_the_cpu():
+    assert process_group.check_device() is True
+
+
+@pytest.mark.usefixtures("ray_cluster")
+@pytest.mark.timeout(120)
+def test_after_a_failure_blocked_calls_are_aborted_and_only_healthy_processes_kept():
+    import ray
+    import ray.cloudpickle
+    from ray.exceptions import RayActorError
+
+    from distrain.cluster.placement import GroupSpec
+    from distrain.cluster.worker_group import WorkerGroup
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests/
+    spec = GroupSpec(num_workers=4, cpus_per_worker=0.25, gpus_per_worker=0, threads_per_worker=1)
+    with WorkerGroup(spec) as group:
+        group.start()
+        group.recover_with(sticky_error_on_rank_one, abort_on_rank_two)
+        group.launch(wait_unless_aborted)
+        raised: set[int] = set()
+        deadline = time.monotonic() + 60
+        while raised != {0, 1} and time.monotonic() < deadline:
+            raised |= {rank for rank, _, error in group.poll(1.0) if error is not None}
+        assert raised == {0, 1}
+        started = time.monotonic()
+        group.release_unhealthy(timeout_s=5.0)
+        assert time.monotonic() - started < 5.0  # rank 3, whose abort frees nothing, was not waited for
+        assert group.returned == {0, 2}
+        alive = []
+        for worker in group.workers:
+            try:
+                alive.append(ray.get(worker.node_info.remote(), timeout=30) is not None)
+            except RayActorError:
+                alive.append(False)
+        assert alive == [True, False, True, False]  # 1 failed its check, 3 never returned: both killed
+
+
+# -- collectives outside training steps ---------------------------------------------------------------
+
+
+class Channel:
+    stop_deadline = None
+
+    def report(self, progress: dict) -> None:
+        pass
+
+
+SLOW_WRITE_S = 5.0
+
+
+def train_rank(rank: int, port: int, job: dict, out: str) -> None:
+    """One rank of a 2-rank run whose rank 1 takes SLOW_WRITE_S longer to write its first checkpoint."""
+    rank_env(rank, 2, port, CUDA_VISIBLE_DEVICES="")
+    from distrain import checkpoint
+    from distrain.train.loop import run_rank
+
+    if rank == 1:
+        save = checkpoint.save
+
+        def slow_save(*args, **kwargs):
+            checkpoint.save = save
+            time.sleep(SLOW_WRITE_S)
+            return save(*args, **kwargs)
+
+        checkpoint.save = slow_save
+    Path(out, f"rank{rank}.json").write_text(json.dumps(run_rank(job, Channel())))
+
+
+@pytest.mark.timeout(180)
+def test_a_slow_checkpoint_write_on_one_rank_does_not_time_out_the_other(tmp_path: Path):
+    from distrain import checkpoint
+    from distrain.config import to_plain
+    from distrain.validation import validate
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(Path(__file__).read_text() * 20)
+    cfg = make_config(
+        tmp_path,
+        "run.name=slow",
+        f"data.path={corpus}",
+        "cluster.num_workers=2",
+        "trainer.max_steps=1",
+        "checkpoint.interval=1",
+        "cluster.collective_timeout_s=3",  # a step's collectives: shorter than the slow write
+        "cluster.setup_timeout_s=60",  # what the supervisor allows a checkpoint: the others wait that long
+    )
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True)
+    job = {
+        "config": to_plain(cfg),
+        "layout": validate(cfg).as_dict(),
+        "run_dir": str(run_dir),
+        "resume_from": None,
+        "wandb_run_id": None,
+        "started_at": time.time(),
+        "use_gpu": False,
+    }
+    mp.spawn(train_rank, args=(free_port(), job, str(tmp_path)), nprocs=2)
+    assert json.loads((tmp_path / "rank0.json").read_text())["final_step"] == 1
+    assert checkpoint.read_meta(checkpoint.latest(run_dir / "checkpoints"))["step"] == 1
+
+
+def test_the_collective_timeout_must_be_positive(tmp_path: Path):
+    from distrain.validation import validate
+
+    with pytest.raises(ConfigError, match=r"^cluster\.collective_timeout_s=0\.0: must be positive$"):
+        validate(make_config(tmp_path, "cluster.collective_timeout_s=0"))
+
+
+# -- choosing GPUs -------------------------------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_auto_says_it_chose_cpus_on_a_cluster_without_gpus(tmp_path: Path):
+    from distrain.launch import group_spec
+    from distrain.validation import validate
+
+    cfg = make_config(tmp_path, "cluster.use_gpu=null")
+    said: list[str] = []
+    assert group_spec(cfg, validate(cfg), said.append).gpus_per_worker == 0
+    assert len(said) == 1 and "no GPU" in said[0] and "CPUs" in said[0] and "cluster.use_gpu=true" in said[0]
+
+
+@pytest.mark.usefixtures("ray_cluster")
+@pytest.mark.timeout(60)
+def test_use_gpu_true_waits_for_gpus_then_fails_in_one_line(tmp_path: Path):
+    from ray.util.placement_group import placement_group_table
+
+    from distrain.cluster.runtime import CapacityError
+    from distrain.launch import placeable_spec
+    from distrain.validation import validate
+
+    cfg = make_config(tmp_path, "cluster.use_gpu=true", "cluster.placement_timeout_s=1")
+    said: list[str] = []
+    started = time.monotonic()
+    with pytest.raises(CapacityError) as err:
+        placeable_spec(cfg, validate(cfg), said.append)
+    assert time.monotonic() - started >= 1.0
+    assert len(said) == 1 and "waiting up to 1 s" in said[0] and "2 GPUs" in said[0]
+    message = str(err.value)
+    assert "\n" not in message and "cluster.placement_timeout_s=1" in message and "cluster.use_gpu=false" in message
+    assert not [g for g in placement_group_table().values() if g["state"] == "PENDING"]  # the trial was removed
