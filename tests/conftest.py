@@ -113,3 +113,27 @@ def process_group():
     pg.init_from_env()
     yield
     pg.destroy()
+
+
+def logged_step(run_dir: Path) -> int:
+    """The newest step in the run's metrics.jsonl, 0 before there is one (rank 0 may be writing its last line)."""
+    import json
+
+    path, step = run_dir / "metrics.jsonl", 0
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            step = max(step, json.loads(line)["step"])
+        except ValueError:
+            pass
+    return step
+
+
+def attempt_placement(run_dir: Path, attempt: int | None = None) -> list[dict] | None:
+    """An attempt's placement file (None: the current one, placement.json); None until it is written whole."""
+    import json
+
+    path = run_dir / ("placement.json" if attempt is None else f"attempts/{attempt:03d}-placement.json")
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, ValueError):  # not yet, or being written
+        return None

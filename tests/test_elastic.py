@@ -24,7 +24,14 @@ os.environ["RAY_USAGE_STATS_ENABLED"] = "0"  # the cluster binds 127.0.0.1 only 
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from conftest import assert_recovery_in_order, final_weights, logged, make_config  # noqa: E402
+from conftest import (  # noqa: E402
+    assert_recovery_in_order,
+    attempt_placement,
+    final_weights,
+    logged,
+    logged_step,
+    make_config,
+)
 from test_placement import _alive, _descendants, run_script  # noqa: E402
 
 from distrain.tracking import read_metrics  # noqa: E402
@@ -84,7 +91,7 @@ def test_a_run_shrinks_on_node_loss_grows_back_and_moves_off_a_draining_node(tmp
         (4, "completed"),
     ], json.dumps(attempts, indent=1)
     assert summary["restarts"] == 3
-    placements = [_placement(run_dir, a["number"]) for a in attempts]
+    placements = [attempt_placement(run_dir, a["number"]) for a in attempts]
     nodes = [{e["node_id"] for e in table} for table in placements]
     lost, drained = events["removed_node"], events["drained_node"]
 
@@ -203,24 +210,6 @@ def _free_cpus(n: float, timeout_s: float = 60.0) -> None:
         time.sleep(0.1)
 
 
-def _logged_step(run_dir: Path) -> int:
-    """The newest step in metrics.jsonl (rank 0 may be writing its last line)."""
-    path, step = run_dir / "metrics.jsonl", 0
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            step = max(step, json.loads(line)["step"])
-        except ValueError:
-            pass
-    return step
-
-
-def _placement(run_dir: Path, attempt: int) -> list[dict] | None:
-    try:
-        return json.loads((run_dir / "attempts" / f"{attempt:03d}-placement.json").read_text())
-    except (FileNotFoundError, ValueError):  # not yet, or being written
-        return None
-
-
 def main(storage: Path) -> None:
     import ray
     from ray.cluster_utils import Cluster
@@ -263,22 +252,22 @@ def main(storage: Path) -> None:
         trainer.start()
         try:
             # A node goes, without notice, mid-run: the one holding rank 0 (and the rendezvous).
-            _wait_for(f"step {REMOVE_AT}", lambda: _logged_step(run_dir) >= REMOVE_AT, trainer)
+            _wait_for(f"step {REMOVE_AT}", lambda: logged_step(run_dir) >= REMOVE_AT, trainer)
             hold.write_text("")  # from here on every attempt waits at its first step until released
             pids.update(_descendants(os.getpid()))
-            victim = next(n for n in nodes if n.node_id == _placement(run_dir, 1)[0]["node_id"])
-            events.update(removed_node=victim.node_id, removed_step=_logged_step(run_dir), removed_at=time.time())
+            victim = next(n for n in nodes if n.node_id == attempt_placement(run_dir, 1)[0]["node_id"])
+            events.update(removed_node=victim.node_id, removed_step=logged_step(run_dir), removed_at=time.time())
             cluster.remove_node(victim, allow_graceful=False)
             log(f"removed node {victim.node_id[:8]} at step {events['removed_step']}")
 
             # Once the run goes on shrunk, two nodes join: room for all 4 workers, and one spare.
-            _wait_for("the shrunk attempt", lambda: _placement(run_dir, 2), trainer)
+            _wait_for("the shrunk attempt", lambda: attempt_placement(run_dir, 2), trainer)
             nodes += [cluster.add_node(**node, wait=False) for _ in range(2)]
             cluster.wait_for_nodes()
             log("added 2 nodes")
 
             # Once it has grown back, one of its nodes gets a preemption notice.
-            drained = _wait_for("the grown attempt", lambda: _placement(run_dir, 3), trainer)[0]["node_id"]
+            drained = _wait_for("the grown attempt", lambda: attempt_placement(run_dir, 3), trainer)[0]["node_id"]
             pids.update(_descendants(os.getpid()))
             gcs = ray._private.worker.global_worker.gcs_client
             reason = autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION")
@@ -287,7 +276,7 @@ def main(storage: Path) -> None:
             log(f"draining node {drained[:8]}: accepted={accepted}")
 
             # Once it has moved off the draining node, the run may finish.
-            _wait_for("the attempt after the drain", lambda: _placement(run_dir, 4), trainer)
+            _wait_for("the attempt after the drain", lambda: attempt_placement(run_dir, 4), trainer)
             hold.unlink()
         finally:
             hold.unlink(missing_ok=True)  # also when a step above failed: the run then ends on its own

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, TINY, logged, make_config
+from conftest import REPO, TINY, attempt_placement, logged, logged_step, make_config
 
 from distrain.launch import train
 
@@ -82,14 +82,6 @@ def explain(bed: Bed, job: str, run_dir: Path) -> str:
     return "\n".join([status(bed, job), json.dumps(attempts, indent=1)[-4000:], *logs])
 
 
-def placement(run_dir: Path, attempt: int | None = None) -> list[dict] | None:
-    path = run_dir / ("placement.json" if attempt is None else f"attempts/{attempt:03d}-placement.json")
-    try:
-        return json.loads(path.read_text())
-    except (FileNotFoundError, ValueError):  # not yet, or being written
-        return None
-
-
 def assert_losses(run_dir: Path, want: dict[int, float], tol: float) -> None:
     got = {m["step"]: m["loss"] for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
     assert sorted(got) == sorted(want), (sorted(got), sorted(want))
@@ -106,22 +98,12 @@ def wait_for(what: str, predicate, timeout_s: float = 180.0, context=lambda: "")
     return value
 
 
-def logged_step(run_dir: Path) -> int:
-    path, step = run_dir / "metrics.jsonl", 0
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            step = max(step, json.loads(line)["step"])
-        except ValueError:  # rank 0 is writing it
-            pass
-    return step
-
-
 @pytest.mark.timeout(300)
 def test_ddp_across_two_hosts_trains_as_one_process(bed, one_worker, tmp_path: Path):
     submit(bed, "ddp", overrides(tmp_path, "ddp", "cluster.num_workers=4"))
     run_dir = tmp_path / "ddp"
     assert "succeeded" in status(bed, "ddp"), explain(bed, "ddp", run_dir)
-    table = placement(run_dir)
+    table = attempt_placement(run_dir)
     assert sorted(e["node_ip"] for e in table) == [h.address for h in bed.hosts for _ in range(2)]
     # Each worker found its own host's interface (their names differ) for gloo.
     interfaces = {h.address: h.interface for h in bed.hosts}
@@ -134,7 +116,7 @@ def test_tensor_parallel_stays_inside_a_host_and_data_parallel_spans_them(bed, o
     submit(bed, "dp_tp", overrides(tmp_path, "dp_tp", "cluster.num_workers=4", "strategy=tp"))
     run_dir = tmp_path / "dp_tp"
     assert "succeeded" in status(bed, "dp_tp"), explain(bed, "dp_tp", run_dir)
-    table = placement(run_dir)
+    table = attempt_placement(run_dir)
     # The mesh is dp × tp, tp innermost: ranks 2k and 2k+1 are a TP group, ranks k and k+2 a DP group.
     assert [table[r]["node_ip"] == table[r + 1]["node_ip"] for r in (0, 2)] == [True, True]
     assert {table[0]["node_ip"], table[2]["node_ip"]} == {h.address for h in bed.hosts}
@@ -148,7 +130,7 @@ def test_parameter_servers_one_per_host(bed, one_worker, tmp_path: Path):
     submit(bed, "ps", overrides(tmp_path, "ps", *args))
     run_dir = tmp_path / "ps"
     assert "succeeded" in status(bed, "ps"), explain(bed, "ps", run_dir)
-    table = placement(run_dir)
+    table = attempt_placement(run_dir)
     servers = [e["node_ip"] for e in table if "server" in e]
     assert sorted(servers) == [h.address for h in bed.hosts]
     assert_losses(run_dir, one_worker, SAME_DATA)
@@ -218,9 +200,9 @@ def test_a_lost_host_shrinks_the_run_and_a_new_host_grows_it_back(bed, one_worke
         hold.write_text("")  # from here on, each attempt waits at its first step until the test lets it go
         lost_step, lost_at = logged_step(run_dir), time.time()
         bed.kill_host(bed.hosts[1])
-        wait_for("the shrunk attempt", lambda: placement(run_dir, 2), context=context)
+        wait_for("the shrunk attempt", lambda: attempt_placement(run_dir, 2), context=context)
         new = bed.add_host()
-        grown = wait_for("the grown attempt", lambda: placement(run_dir, 3), context=context)
+        grown = wait_for("the grown attempt", lambda: attempt_placement(run_dir, 3), context=context)
         hold.unlink()
         wait_for("the end", lambda: any(w in status(bed, "lost") for w in ("succeeded", "failed")), 120, context)
     finally:
@@ -233,7 +215,7 @@ def test_a_lost_host_shrinks_the_run_and_a_new_host_grows_it_back(bed, one_worke
     lost_ip = bed.hosts[1].address
     assert lost_ip in attempts[0]["cause"], attempts[0]["cause"]
     assert attempts[0]["timings"]["ended_at"] - lost_at < 30
-    assert {e["node_ip"] for e in placement(run_dir, 2)} == {bed.head.address}
+    assert {e["node_ip"] for e in attempt_placement(run_dir, 2)} == {bed.head.address}
     assert {e["node_ip"] for e in grown} == {bed.head.address, new.address}
     resumed = attempts[1]["info"]["resumed_from_step"]
     assert resumed % CHECKPOINT_EVERY == 0 and lost_step - 2 * CHECKPOINT_EVERY < resumed <= lost_step
