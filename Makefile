@@ -7,7 +7,7 @@ TORCH ?= torch==2.13.0
 TORCH_INDEX ?=
 PIP := $(PY) -m pip install --quiet --disable-pip-version-check
 
-.PHONY: setup train test bench lint clean
+.PHONY: setup train test bench gpu-check lint clean
 
 setup: $(VENV)/.installed
 
@@ -26,6 +26,11 @@ test: setup
 
 bench: setup
 	$(PY) jobs/bench_ddp.py $(ARGS)
+
+# The GPU figures (strategies on NCCL, bf16 against fp32, MFU, collectives) in one command; without a GPU,
+# a check that the scripts work. On a GPU machine: make gpu-check TORCH=torch (see jobs/gpu_check.py).
+gpu-check: setup
+	$(PY) jobs/gpu_check.py $(ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -2,7 +2,9 @@
 
 Every rank writes its DCP shard and a small file of its own state (RNG); rank 0 writes the run's
 metadata. Then every rank sends rank 0 the files it sees; only when rank 0 sees all of them, at the
-same sizes, does it write `COMMITTED`, a manifest of every file with its size. A directory without
+same sizes, does it write `COMMITTED`, a manifest of every file with its size. A `Saver` does this in
+the background: the step waits only while the state is copied into host memory, DCP's `async_save`
+writes the copy from a thread, and the commit follows once every rank's write has finished. A directory without
 a valid manifest, or with a file whose size differs from it (a truncated shard), is never loaded:
 the newest valid one is, with a warning for each one skipped. Old checkpoints are deleted only
 after a newer one has committed.
@@ -14,14 +16,17 @@ A file that holds more is refused whole (UnsafeCheckpointError), never partly lo
 
 from __future__ import annotations
 
+import datetime
 import functools
 import io
 import json
 import pickle
 import re
 import shutil
+import time
 import warnings
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path, PosixPath
 from typing import IO, Any
 
@@ -56,28 +61,89 @@ def _rank_file(rank: int) -> str:
 
 
 def save(root: str | Path, step: int, state: dict[str, Any], meta: dict, rank_state: dict, keep: int) -> Path:
-    """Collective: every rank calls it with its own shard of `state` and its own `rank_state`."""
-    import torch  # here, not at the top: the driver finds and commits checkpoints without torch
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
+    """Collective: every rank calls it with its own shard of `state` and its own `rank_state`; returns once
+    the checkpoint has committed."""
+    return Saver(root, keep).save(step, state, meta, rank_state)
 
-    rank = dist.get_rank()
-    path = step_dir(root, step)
-    if rank == 0:
-        prepare(root, step)
-    dist.barrier()
-    dcp.save(state, checkpoint_id=str(path))
-    buf = io.BytesIO()
-    torch.save(rank_state, buf)
-    atomic_write(path / _rank_file(rank), buf.getvalue())
-    if rank == 0:
-        write_json(path / META_FILE, meta)
-    dist.barrier()  # every rank has finished writing; only now are the listings comparable
-    views: list[dict[str, int]] = [{}] * dist.get_world_size()
-    dist.all_gather_object(views, _listing(path))
-    if rank == 0:
-        commit(root, step, {f"rank {r}": view for r, view in enumerate(views)}, keep, reader="rank 0")
-    return path
+
+class Saver:
+    """One rank's end of a run's checkpoints: every rank calls `save` at the same step.
+
+    In the `background` (checkpoint.async), `save` returns once the state is copied into host memory
+    (pinned when it is on a GPU, so the copy runs at full speed; the copies are reused from save to save);
+    DCP's `async_save` writes the copy from a thread while training goes on, and a second thread commits
+    once every rank's write has finished: a torn save is as unloadable as in the foreground. One save is in
+    flight at a time: the next one, and `wait`, wait for it. The writes' collectives run on a gloo group of
+    their own, so they never queue behind, or hold up, the training's."""
+
+    def __init__(
+        self, root: str | Path, keep: int, background: bool = False, pin: bool = False, timeout_s: float = 600.0
+    ):
+        import torch.distributed as dist
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        self.root, self.keep, self.background = Path(root), keep, background
+        self.group, self.stager = None, None
+        if background:
+            self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+            self.stager = DefaultStager(StagingOptions(pin, False, False, pin))
+        self.committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-commit")
+        self.pending: Future | None = None
+        self.last_save_s = 0.0  # the last save's seconds from its start to its commit
+
+    def save(self, step: int, state: dict[str, Any], meta: dict, rank_state: dict) -> Path:
+        import torch
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+
+        self.wait()
+        start, rank = time.perf_counter(), dist.get_rank()
+        path = step_dir(self.root, step)
+        if rank == 0:
+            prepare(self.root, step)
+        dist.barrier(group=self.group)
+        buf = io.BytesIO()
+        torch.save(rank_state, buf)
+        atomic_write(path / _rank_file(rank), buf.getvalue())
+        if rank == 0:
+            write_json(path / META_FILE, meta)
+        if not self.background:
+            dcp.save(state, checkpoint_id=str(path), process_group=self.group)
+            self._commit(path, step, None, start)
+            return path
+        upload = dcp.async_save(state, checkpoint_id=str(path), process_group=self.group, async_stager=self.stager)
+        self.pending = self.committer.submit(self._commit, path, step, upload, start)
+        return path
+
+    def _commit(self, path: Path, step: int, upload: Future | None, start: float) -> None:
+        import torch.distributed as dist
+
+        if upload is not None:
+            upload.result()
+        # Every rank's DCP save returns after the coordinator wrote `.metadata`, once every rank's data was
+        # written; the rank files and meta.json were written before: the listings are now comparable.
+        views: list[dict[str, int]] = [{}] * dist.get_world_size(self.group)
+        dist.all_gather_object(views, _listing(path), group=self.group)
+        if dist.get_rank() == 0:
+            commit(self.root, step, {f"rank {r}": view for r, view in enumerate(views)}, self.keep, reader="rank 0")
+        self.last_save_s = time.perf_counter() - start
+
+    def wait(self) -> None:
+        """Until the save in flight has committed; raises its error if it failed."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending.result()
+
+    def check(self) -> None:
+        """Raise a background save's error as soon as it has one, without waiting for a save in flight."""
+        if self.pending is not None and self.pending.done():
+            self.wait()
+
+    def close(self) -> None:
+        self.wait()
+        self.committer.shutdown()
+        if self.stager is not None:
+            self.stager.close()
 
 
 def commit(root: str | Path, step: int, views: dict[str, dict[str, int]], keep: int, reader: str) -> None:

@@ -19,6 +19,7 @@ SCHEMA = "train_schema"  # the name conf/train.yaml's defaults list gives TrainC
 _GROUP_CHOICE = re.compile(r"^(\w+)=([\w.-]+)$")
 # A plan writes nothing: Hydra's record and log stay out of the run directory (and off the disk).
 PLAN_HYDRA_OVERRIDES = ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=stdout"]
+ALIASES = {"checkpoint.async": "checkpoint.async_save"}  # command-line name → the field it sets
 
 
 def register() -> None:
@@ -34,9 +35,10 @@ def compose(overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
     from hydra import initialize_config_dir
 
     register()
-    check_group_choices(list(overrides))
+    overrides = spell_out(overrides)
+    check_group_choices(overrides)
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-        return OmegaConf.to_object(hydra_compose("train", overrides=list(overrides)))
+        return OmegaConf.to_object(hydra_compose("train", overrides=overrides))
 
 
 class BadInput(ValueError):
@@ -56,6 +58,12 @@ def check_group_choices(overrides: list[str], conf_dir: Path = CONF_DIR) -> None
 
 
 def plan_overrides(args: list[str]) -> list[str]:
-    """`--plan` is the override `plan=true`; either one also keeps Hydra from writing its record."""
-    args = ["plan=true" if a == "--plan" else a for a in args]
+    """`--plan` is the override `plan=true`; either one also keeps Hydra from writing its record. Public
+    names that no dataclass field can have become the field's (`spell_out`)."""
+    args = ["plan=true" if a == "--plan" else a for a in spell_out(args)]
     return [*args, *PLAN_HYDRA_OVERRIDES] if "plan=true" in args else args
+
+
+def spell_out(args: list[str] | tuple[str, ...]) -> list[str]:
+    """`checkpoint.async=…` sets the field `checkpoint.async_save`: `async` is a Python keyword."""
+    return [ALIASES[a.partition("=")[0]] + a[a.index("=") :] if a.partition("=")[0] in ALIASES else a for a in args]

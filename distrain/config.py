@@ -155,6 +155,9 @@ class TrainerConfig:
 class CheckpointConfig:
     interval: int = 100  # steps between checkpoints; 0: only at the end
     keep: int = 2  # committed checkpoints kept; older ones go only after a newer one commits
+    # Written in the background (`checkpoint.async=` on the command line): the step waits only while the
+    # state is copied into host memory. false: the step waits for the whole write (less host memory).
+    async_save: bool = True
 
 
 @dataclass

@@ -93,8 +93,7 @@ Timing = tuple[float, float, float]  # one step on one rank: compute wall second
 
 def time_schedule(setup: BubbleSetup, schedule: str, m: int, device: torch.device) -> list[Timing]:
     """This rank's timing of each timed step; the step is the pipeline's, its slowest rank's."""
-    torch.manual_seed(0)
-    model = Transformer(setup.model, setup.seq_len)
+    model = Transformer(setup.model, setup.seq_len, seed=0)
     v = stages_per_rank(schedule)
     strategy = StrategyConfig(dp_replicate=1, pp=setup.pp, schedule=schedule, stages_per_rank=v)
     layout = Layout(setup.pp, 1, 1, 1, micro_batches=m, stages_per_rank=v, schedule=schedule)

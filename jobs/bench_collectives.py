@@ -6,8 +6,10 @@ same process group, then time broadcast, reduce, all-reduce, all-gather, reduce-
 over message sizes from --min-bytes to --max-bytes, the operations' order reversed on every other repeat.
 Per size it prints nccl-tests' columns: size, element count, dtype, time per operation (the max over ranks
 of each rank's mean, median over the repeats), algorithm bandwidth (size / time) and bus bandwidth (algbw ×
-nccl-tests' factor for the operation, comparable with the link's speed). Writes docs/collectives.md and,
-with --json, the raw numbers.
+nccl-tests' factor for the operation, comparable with the link's speed). Each pass also runs, alternating
+with the workers' and on the same devices, in plain processes started as torchrun starts them (no Ray):
+distrain's peak bandwidth ÷ theirs is the cost of its placement, with a goal of ≥ 0.95. Writes
+docs/collectives.md and, with --json, the raw numbers.
 """
 
 from __future__ import annotations
@@ -18,12 +20,14 @@ import os
 import re
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import harness  # first: it keeps Ray on loopback
+import processes
 
 if TYPE_CHECKING:  # torch is imported where it runs: the driver itself never needs it
     import torch
@@ -32,6 +36,7 @@ OPS = ("broadcast", "reduce", "all_reduce", "all_gather", "reduce_scatter", "sen
 DTYPES = ("float32", "bfloat16", "float16")
 CPU_MAX_BYTES = 64 << 20  # keeps the default run on 2 CPU cores to a few minutes
 GPU_MAX_BYTES = 256 << 20
+GOAL = 0.95  # distrain's bandwidth ÷ torch.distributed's on the same devices
 UNSUPPORTED = re.compile(r"not supported|unsupported|does not support|not implemented", re.IGNORECASE)
 
 Row = dict  # {"op", "bytes", "count", "dtype", "time_us" (None: n/a), "algbw_gbps", "busbw_gbps", "note", "loads"}
@@ -104,41 +109,55 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def bench_rank(plan: dict, channel) -> dict:
-    """One rank's measurements, every operation once per repeat in alternating order; rank 0 returns the
-    rows (each time the median over the repeats) and every rank's device, the others {}. Each time is
-    reduced to its max over ranks inside the group, as nccl-tests does."""
-    import torch
-    import torch.distributed as dist
-
+    """distrain's side, in a worker: join the group as training does, then one pass (`measure`)."""
     from distrain.parallel import process_group
 
     device = process_group.init_from_env()
     try:
-        rank, world = dist.get_rank(), dist.get_world_size()
-        dtype = getattr(torch, plan["dtype"])
-
-        def run(op: str, repeat: int) -> list[Row]:
-            return time_sizes(op, plan, dtype, device, rank, world)
-
-        passes = harness.alternate(plan["ops"], plan["repeats"], run, quiet=True)
-        rows = []
-        for trials in harness.by_key(passes).values():
-            for i, row in enumerate(trials[0].result):
-                times = [t.result[i]["time_us"] for t in trials]
-                rows.append({**row, "time_us": harness.median_of(times), "loads": [t.load for t in trials]})
-        name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-        devices: list = [None] * world
-        dist.all_gather_object(devices, f"{os.uname().nodename}: {name}")
-        return {"rows": rows, "devices": devices} if rank == 0 else {}
+        return measure(plan, device)
     finally:
         process_group.destroy()
 
 
-def time_sizes(op: str, plan: dict, dtype: torch.dtype, device: torch.device, rank: int, world: int) -> list[Row]:
+def torch_rank(rank: int, world: int, port: int, plan: dict, gpu: bool, out: str) -> None:
+    """torch.distributed's side, in a process started as torchrun starts one (its environment variables,
+    GPU `rank` of all those visible), no Ray; the same join and pass. Rank 0 writes its result to `out`."""
+    from distrain.parallel import process_group
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1")
+    os.environ.update(MASTER_PORT=str(port), OMP_NUM_THREADS=str(plan["threads"]))
+    device = process_group.init_from_env(gpu=gpu)
+    try:
+        result = measure(plan, device)
+    finally:
+        process_group.destroy()
+    if rank == 0:
+        Path(out).write_text(json.dumps(result))
+
+
+def measure(plan: dict, device: torch.device) -> dict:
+    """One pass over the operations, in plan["ops"]' order; rank 0 returns the rows (each with the load
+    before its operation) and every rank's device, the others {}."""
+    import torch
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rows = []
+    for op in plan["ops"]:
+        before = os.getloadavg()[0]  # harness.load(), without importing harness (and Ray) into the worker
+        rows += [{**row, "load": before} for row in time_sizes(op, plan, getattr(torch, plan["dtype"]), device)]
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    devices: list = [None] * world
+    dist.all_gather_object(devices, f"{os.uname().nodename}: {name}")
+    return {"rows": rows, "devices": devices} if rank == 0 else {}
+
+
+def time_sizes(op: str, plan: dict, dtype: torch.dtype, device: torch.device) -> list[Row]:
     """One operation at every size: a row each, its time the max over ranks (None: n/a, with a note)."""
     import torch
     import torch.distributed as dist
 
+    rank, world = dist.get_rank(), dist.get_world_size()
     itemsize = torch.empty((), dtype=dtype).element_size()
     rows: list[Row] = []
     note = None  # why the op is n/a, once it is
@@ -293,38 +312,56 @@ def time_op(call: Callable[[], None], warmup: int, iters: int, device: torch.dev
 # -- on the driver ----------------------------------------------------------------------------------
 
 
+def one_pass(side: str, repeat: int, group, plan: dict, gpu: bool) -> dict:
+    """One pass of one side, the operations' order reversed on every other repeat: rank 0's result."""
+    import torch.multiprocessing as mp
+
+    plan = {**plan, "ops": plan["ops"] if repeat % 2 else plan["ops"][::-1]}
+    if side == "distrain":
+        return group.run(bench_rank, plan)[0]
+    with tempfile.TemporaryDirectory(prefix="bench_collectives_") as tmp:
+        out = Path(tmp, "rank0.json")
+        try:
+            mp.spawn(torch_rank, args=(plan["world"], processes.free_port(), plan, gpu, str(out)), nprocs=plan["world"])
+        except mp.ProcessExitedException:
+            if not out.exists():  # else a rank died on its way out, its pass done (gloo can abort at exit)
+                raise
+        return json.loads(out.read_text())
+
+
+def merge(passes: list[harness.Trial], ops: list[str], world: int) -> list[Row]:
+    """One side's rows, op by op in `ops`' order: each time the median over the passes, with the load
+    before each pass's run of the operation."""
+    rows = []
+    for op in ops:
+        each = [[r for r in t.result["rows"] if r["op"] == op] for t in passes]
+        for same in zip(*each, strict=True):
+            row = {k: v for k, v in same[0].items() if k != "load"}
+            row |= {"time_us": harness.median_of([r["time_us"] for r in same]), "loads": [r["load"] for r in same]}
+            rows.append(finish_row(row, world))
+    return rows
+
+
+def ratios(ours: list[Row], theirs: list[Row]) -> dict[str, float]:
+    """Per operation run on both sides: distrain's peak bandwidth ÷ torch.distributed's (of algbw: the same
+    ratio as busbw's, whose factor both sides share, and defined on one rank, where busbw is 0)."""
+
+    def peak(rows: list[Row], op: str) -> float | None:
+        return max((r["algbw_gbps"] for r in rows if r["op"] == op and r["algbw_gbps"]), default=None)
+
+    out = {}
+    for op in dict.fromkeys(r["op"] for r in ours):
+        a, b = peak(ours, op), peak(theirs, op)
+        if a and b:
+            out[op] = a / b
+    return out
+
+
 def finish_row(row: Row, world: int) -> Row:
     if row["time_us"] is None:
         return {**row, "algbw_gbps": None, "busbw_gbps": None}
     algbw = row["bytes"] / (row["time_us"] * 1e-6) / 1e9
     return {**row, "algbw_gbps": algbw, "busbw_gbps": algbw * bus_factor(row["op"], world)}
-
-
-CONSOLE = "{:>12} {:>12} {:>9} {:>12} {:>10} {:>10}  {}"
-
-
-def console_header(op: str) -> str:
-    return "\n".join(
-        [
-            f"# {op}",
-            CONSOLE.format("size(B)", "count", "type", "time(us)", "algbw", "busbw", "").rstrip(),
-            CONSOLE.format("", "(elements)", "", "", "(GB/s)", "(GB/s)", "").rstrip(),
-        ]
-    )
-
-
-def console_row(row: Row) -> str:
-    if row["time_us"] is None:
-        return CONSOLE.format(row["bytes"], row["count"], row["dtype"], "n/a", "n/a", "n/a", row["note"] or "")
-    return CONSOLE.format(
-        row["bytes"],
-        row["count"],
-        row["dtype"],
-        f"{row['time_us']:.1f}",
-        f"{row['algbw_gbps']:.3f}",
-        f"{row['busbw_gbps']:.3f}",
-        "",
-    ).rstrip()
 
 
 CONSOLE = "{:>12} {:>12} {:>9} {:>12} {:>10} {:>10}  {}"
@@ -389,8 +426,42 @@ def reading(rows: list[Row], world: int, backend: str) -> str:
     return text
 
 
-def body(args: argparse.Namespace, run: dict, rows: list[Row]) -> str:
+def comparison(args: argparse.Namespace, world: int, ours: list[Row], theirs: list[Row]) -> list[str]:
+    """The page's section on distrain's workers against plain torch.distributed processes."""
+    mine, base, ratio = summary(ours), summary(theirs), ratios(ours, theirs)
+    cells = [
+        [op, f"{mine[op]['peak_busbw_gbps']:.3f}", f"{base[op]['peak_busbw_gbps']:.3f}", f"{ratio[op]:.3f}"]
+        if op in ratio
+        else [op, "n/a", "n/a", "n/a"]
+        for op in args.ops
+    ]
+    head = ["operation", "distrain: peak busbw (GB/s)", "torch.distributed: peak busbw (GB/s)", "ratio"]
+    lines = [
+        "## Against torch.distributed without Ray",
+        "",
+        "Each pass ran on both sides, which one went first alternating from pass to pass: in distrain's workers,",
+        f"and in {world} plain processes started as torchrun starts them (`torch.multiprocessing`, torchrun's",
+        "environment variables, GPU *i* for rank *i*), which join with the same `init_from_env` and time the",
+        "same code, without Ray.",
+        "What differs is how the processes were started and placed: Ray's worker processes, the devices and",
+        "CPU share each is given. **ratio**: distrain's peak bandwidth over the sizes ÷ torch.distributed's",
+        f"(the busbw factor is the same on both sides); the goal is ≥ {GOAL}.",
+        "",
+        *harness.table(head, cells),
+        "",
+    ]
+    if ratio:
+        op = min(ratio, key=ratio.get)
+        verdict = "meets" if ratio[op] >= GOAL else "falls short of"
+        lines.append(f"The lowest ratio, {op}'s {ratio[op]:.3f}, {verdict} the goal of ≥ {GOAL}.")
+    if world == 1:
+        lines.append("On one rank busbw is 0 and nothing crosses a link: the ratio compares local copies only.")
+    return [*lines, ""]
+
+
+def body(args: argparse.Namespace, run: dict, rows: list[Row], theirs: list[Row] | None) -> str:
     world, hosts = run["world_size"], sorted({d.split(": ", 1)[0] for d in run["ranks"]})
+    alone = "" if theirs else "; with --address the workers may be on other machines: no torch.distributed baseline"
     lines = [
         "Bandwidth of torch.distributed collectives between distrain's workers, reported the way",
         "[nccl-tests](https://github.com/NVIDIA/nccl-tests) reports it, so a cluster can be checked before",
@@ -402,7 +473,8 @@ def body(args: argparse.Namespace, run: dict, rows: list[Row]) -> str:
         f"{args.dtype}; {args.warmup} warm-up and {args.iters} timed operations per size; sizes "
         f"{human(args.min_bytes)}–{human(args.max_bytes)} in steps of ×{args.factor}; "
         f"{args.threads_per_worker} torch thread(s) per worker; {args.repeats} pass(es) over the operations, "
-        f"the order reversed on every other one. The whole run took {run['wall_s']:.0f} s, Ray's start included.",
+        f"the order reversed on every other one. The whole run took {run['wall_s']:.0f} s, Ray's start "
+        f"included{alone}.",
         "- **time**: each rank's mean time per operation (CUDA events around the loop on GPUs; wall clock",
         "  after a barrier on CPUs, where gloo's calls return when done), the max over ranks, the median over",
         "  the passes. **load**: the 1-minute load average before each pass of the operation.",
@@ -432,7 +504,8 @@ def body(args: argparse.Namespace, run: dict, rows: list[Row]) -> str:
             + [f"{s['min_time_us']:,.1f}", human(s["min_at_bytes"]), loads]
         )
     head = ["operation", "peak busbw (GB/s)", "at size", "lowest time (µs)", "at size", "load"]
-    lines += [*harness.table(head, cells), "", "## Reading", "", reading(rows, world, run["backend"]), ""]
+    lines += [*harness.table(head, cells), "", *(comparison(args, world, rows, theirs) if theirs else [])]
+    lines += ["## Reading", "", reading(rows, world, run["backend"]), ""]
     for op in args.ops:
         mine = [r for r in rows if r["op"] == op]
         out = []
@@ -458,6 +531,9 @@ def main(argv: list[str] | None = None) -> None:
 
     page = harness.Page("Collectives", args)
     started = time.time()
+    sides = {"distrain": "distrain's workers"}
+    if args.address is None:  # the baseline runs here: only an embedded cluster's workers share its devices
+        sides["torch"] = "torch.distributed, plain processes"
     try:
         with harness.ray_cluster(args.address):
             use_gpu = has_gpus() and not args.cpu
@@ -481,21 +557,27 @@ def main(argv: list[str] | None = None) -> None:
                 "dtype": args.dtype,
                 "iters": args.iters,
                 "warmup": args.warmup,
-                "repeats": args.repeats,
+                "world": args.num_workers,
+                "threads": args.threads_per_worker,
             }
             print(
                 f"bench_collectives: {args.num_workers} rank(s), {backend}, {args.dtype}, "
                 f"{human(args.min_bytes)}..{human(args.max_bytes)} ×{args.factor}, "
-                f"{args.warmup}+{args.iters} operations per size, {args.repeats} pass(es), ops {','.join(args.ops)}",
+                f"{args.warmup}+{args.iters} operations per size, {args.repeats} pass(es) of {' and '.join(sides)}, "
+                f"ops {','.join(args.ops)}",
                 flush=True,
             )
             with WorkerGroup(spec) as group:
                 group.start()
-                result = group.run(bench_rank, plan)[0]
+                trials = harness.alternate(
+                    list(sides), args.repeats, lambda side, k: one_pass(side, k, group, plan, use_gpu), sides.get
+                )
     except (CapacityError, PlacementError, WorkerFailure) as e:
         raise SystemExit(f"bench_collectives: error: {e}") from None
-    rows = [finish_row(r, args.num_workers) for r in result["rows"]]
-    run = {"backend": backend, "world_size": args.num_workers, "ranks": result["devices"]}
+    passes = harness.by_key(trials)
+    rows = merge(passes["distrain"], args.ops, args.num_workers)
+    theirs = merge(passes["torch"], args.ops, args.num_workers) if "torch" in passes else None
+    run = {"backend": backend, "world_size": args.num_workers, "ranks": passes["distrain"][0].result["devices"]}
     run["wall_s"] = time.time() - started
     print(console(rows))
     print(f"\nbench_collectives: done in {run['wall_s']:.0f}s")
@@ -504,9 +586,14 @@ def main(argv: list[str] | None = None) -> None:
             f"  {op:15s} peak busbw {s['peak_busbw_gbps']:.3f} GB/s at {human(s['peak_at_bytes'])}; "
             f"lowest time {s['min_time_us']:.1f} µs at {human(s['min_at_bytes'])}"
         )
-    page.write(body(args, run, rows))
+    ratio = ratios(rows, theirs) if theirs else {}
+    if ratio:
+        each = ", ".join(f"{op} {r:.3f}" for op, r in ratio.items())
+        print(f"bench_collectives: distrain ÷ torch.distributed, peak bandwidth: {each} (goal ≥ {GOAL})")
+    page.write(body(args, run, rows, theirs))
     if args.json:
-        raw = {"command": args.command, "run": run, "settings": vars(args), "rows": rows}
+        raw = {"command": args.command, "run": run, "settings": vars(args), "rows": rows, "torch_rows": theirs}
+        raw |= {"ratios": ratio, "goal": GOAL}
         Path(args.json).write_text(json.dumps(raw, indent=1, default=str) + "\n")
         print(f"bench_collectives: wrote {args.json}")
 

@@ -4,17 +4,18 @@ Trains `model=llama_1b` with FSDP at world size 1 (`strategy=zero3 cluster.num_w
 through distrain's own driver (`distrain.launch.train`), with `strategy.compile=false` and with
 `strategy.compile=true`, alternating which goes first over the repeats, then reads each run's
 metrics.jsonl: the median over the steps after --warmup of tokens/s, MFU and step time. The goal is ≥ 50%
-MFU on an H100. Writes docs/mfu.md. Needs a GPU: without one it says so and exits 0, writing no page
-(MFU is only defined against a GPU's bf16 peak).
+MFU on an H100. Writes docs/mfu.md and, with --json, each run's numbers. Needs a GPU: without one it says
+so and exits 0, writing no page (MFU is only defined against a GPU's bf16 peak).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import statistics
 import sys
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import harness  # first: it keeps Ray on loopback
@@ -43,6 +44,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default 2048)")
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"a subset of {','.join(VARIANTS)}")
     p.add_argument("--peak-tflops", type=float, default=None, help="the GPU's dense bf16 peak, if distrain lacks it")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write each run's numbers as JSON")
     p.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run")
     args = harness.parse(p, argv)
     if args.smoke:
@@ -147,8 +149,8 @@ def body(args: argparse.Namespace, trials: list[harness.Trial]) -> str:
         "  saving. Launch → first step is summary.json's `first_step_s`: Ray's start, placement, model build,",
         "  and with compile the compilation of the first step.",
         "- MFU = flops_per_token × tokens/s ÷ (peak bf16 FLOP/s × world size). `flops_per_token`",
-        "  (`distrain/model/size.py`) counts training FLOPs, forward and backward: 6 per weight that multiplies",
-        "  the token plus the attention scores and their weighted sum, `6 · n_layers · seq_len · dim`;",
+        "  (`distrain/model/size.py`) counts training FLOPs, forward and backward, as PaLM does: 6 per weight",
+        "  that multiplies the token plus the attention scores and their weighted sum, `12 · L · H · Q · T`;",
         f"  activation recomputation is not counted. For `{args.model}` at seq_len {args.seq_len}: "
         f"{fpt / 1e9:.2f} GFLOP per token.",
         "- The peak is the dense bf16 tensor-core figure of the device (`distrain/train/metrics.py`);",
@@ -192,6 +194,15 @@ def main(argv: list[str] | None = None) -> None:
         trials = harness.alternate(args.variants, args.repeats, lambda v, k: run(v, k, args, storage, peak))
     print("\n".join(table(trials)))
     page.write(body(args, trials), trials)
+    if args.json:
+        runs = [
+            {"variant": t.key, "repeat": t.repeat}
+            | (asdict(t.result) if isinstance(t.result, Result) else {"error": t.result})
+            for t in trials
+        ]
+        raw = {"command": args.command, "device": torch.cuda.get_device_name(0), "goal": GOAL, "runs": runs}
+        Path(args.json).write_text(json.dumps(raw, indent=1) + "\n")
+        print(f"bench_mfu: wrote {args.json}")
     if any(isinstance(t.result, str) for t in trials):
         raise SystemExit(1)
 

@@ -523,7 +523,7 @@ defaults otherwise (a health check every 2 s).
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if "raytrain" in args.systems:
-        import ray.train.torch  # noqa: F401  (now, not after distrain's runs; the extra: pip install -e ".[bench]")
+        import ray.train.torch  # noqa: F401  (now, not after distrain's runs)
     page = harness.Page("Recovery after a worker is killed: distrain, with a hot spare, and Ray Train", args)
     keys = [(system, n) for n in args.workers for system in args.systems]
     runners = {"distrain": run_distrain, "spare": run_distrain, "raytrain": run_raytrain}

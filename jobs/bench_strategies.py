@@ -48,8 +48,7 @@ def memory_rank(rank: int, device: torch.device, world: int, cfg: ModelConfig, s
     """One rank: one training step under each case; its bytes of state."""
     results = {}
     for name, (zero, offload) in MEMORY_CASES.items():
-        torch.manual_seed(0)
-        net = Transformer(cfg, seq_len)
+        net = Transformer(cfg, seq_len, seed=0)
         replicate, shard = (1, world) if zero else (world, 1)
         strategy = StrategyConfig(zero=zero, offload=offload, dp_replicate=replicate, dp_shard=shard)
         layout = Layout(1, replicate, shard, 1, micro_batches=2)

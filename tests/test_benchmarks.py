@@ -47,7 +47,8 @@ def assert_page(page: Path, plot: bool = False) -> str:
 
 # script, seconds it may take, whether it draws a plot, what its page must hold
 SMOKES = [
-    ("bench_ddp", 240, False, ["| distrain (Ray) |", "| torchrun |"]),
+    # all three runners trained and did the same training (the Ray Train run a separate command, its own cluster)
+    ("bench_ddp", 360, False, ["| distrain (Ray) |", "| torchrun |", "| Ray Train |", "| **Ray Train / torchrun** |"]),
     ("bench_strategies", 240, False, ["| ddp | 2 | dp_replicate 2 |", "| zero2 | 2 | dp_shard 2, ZeRO-2 |"]),
     ("bench_bubble", 180, True, ["| interleaved_zb | 2 |"]),
     ("bench_collectives", 180, False, ["## all_reduce (busbw factor 1)"]),  # 2 ranks: 2(n − 1)/n = 1
@@ -79,6 +80,30 @@ def test_mfu(tmp_path: Path) -> None:
     else:
         assert "needs a GPU" in done.log.read_text()
         assert not page.exists() and not page.parent.exists()
+
+
+@pytest.mark.timeout(240)
+def test_gpu_check_cpu_mode(tmp_path: Path) -> None:
+    """Without a GPU (hidden where there is one), jobs/gpu_check.py runs every part at tiny sizes, one worker
+    in place of one GPU: those that fit pass, those that need more workers are skipped, and every page goes
+    under --storage, none into docs/."""
+    docs = {name: REPO / "docs" / name for name in ("gpu.md", "mfu.md", "collectives.md")}
+    before = {name: path.stat().st_mtime_ns if path.exists() else None for name, path in docs.items()}
+    cmd = [sys.executable, "jobs/gpu_check.py", "--storage", str(tmp_path)]
+    done = processes.run_command(cmd, tmp_path / "gpu_check.log", 180, env={"CUDA_VISIBLE_DEVICES": ""})
+    log = done.log.read_text()
+    assert done.rc == 0, done.tail(60)
+    for part in ("ddp", "zero1", "zero2", "zero3", "offload"):
+        assert f"PASS  strategy {part} (1 CPU worker)" in log, log
+    assert "SKIP  strategy tp " in log and "needs 2 CPU workers (tp 2)" in log and "needs 4 CPU workers" in log
+    for part in ("bf16 against fp32 (ddp)", "MFU (jobs/bench_mfu.py)", "collectives (jobs/bench_collectives.py)"):
+        assert f"PASS  {part} (" in log, log
+    assert "8 passed, 0 failed, 5 skipped" in log and "are still to be taken" in log
+    assert {name: path.stat().st_mtime_ns if path.exists() else None for name, path in docs.items()} == before
+    page = (tmp_path / "docs" / "gpu.md").read_text()
+    assert "| zero3 | 1 | 1 rank |" in page and "| bf16 against fp32 (ddp) | **PASS** |" in page
+    collectives = assert_page(tmp_path / "docs" / "collectives.md")
+    assert "## Against torch.distributed without Ray" in collectives and "| all_reduce | " in collectives
 
 
 @pytest.mark.timeout(30)

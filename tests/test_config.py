@@ -202,6 +202,12 @@ def test_cli_bad_input_fails_early_with_one_line(tmp_path: Path, overrides: list
 
 
 def test_cfg_job_prints_the_composed_config(tmp_path: Path):
-    result = run_cli(tmp_path, "model=gpt2_124m", "--cfg", "job")
+    result = run_cli(tmp_path, "model=gpt2_124m", "checkpoint.async=false", "--cfg", "job")
     assert result.returncode == 0, result.stderr
     assert "dim: 768" in result.stdout and "name: ddp" in result.stdout
+    assert "async_save: false" in result.stdout  # `async` is a keyword: the command line's name for the field
+
+
+def test_checkpoints_are_written_in_the_background_unless_asked_not_to(tmp_path: Path):
+    assert make_config(tmp_path).checkpoint.async_save
+    assert not make_config(tmp_path, "checkpoint.async=false").checkpoint.async_save

@@ -223,14 +223,14 @@ def train_rank(rank: int, port: int, job: dict, out: str) -> None:
     from distrain.train.loop import run_rank
 
     if rank == 1:
-        save = checkpoint.save
+        save = checkpoint.Saver.save
 
         def slow_save(*args, **kwargs):
-            checkpoint.save = save
+            checkpoint.Saver.save = save
             time.sleep(SLOW_WRITE_S)
             return save(*args, **kwargs)
 
-        checkpoint.save = slow_save
+        checkpoint.Saver.save = slow_save
     Path(out, f"rank{rank}.json").write_text(json.dumps(run_rank(job, Channel())))
 
 

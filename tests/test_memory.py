@@ -119,8 +119,7 @@ def measure(rank: int, port: int, cases: dict, out: str) -> None:
     for name, (plain, layout_dict) in cases.items():
         cfg, layout = from_plain(plain), Layout.from_dict(layout_dict)
         t = cfg.trainer
-        torch.manual_seed(t.seed)
-        model = Transformer(cfg.model, t.seq_len)
+        model = Transformer(cfg.model, t.seq_len, seed=t.seed)
         parallel = ParallelModel(model, cfg.strategy, layout, device, False, cross_entropy)
         optimizer = build_optimizer(parallel.module, cfg.optim, parallel.zero1_group)
         # The rank's slice of a global batch: the same for tensor-parallel peers.

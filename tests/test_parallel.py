@@ -1,10 +1,16 @@
 """The torch.distributed layer without Ray: mesh, layout arithmetic, DDP's skipped all-reduce,
-gradient clipping, pipeline stages that keep the full model's parameter names."""
+gradient clipping, pipeline stages that keep the full model's parameter names, models materialised
+already sharded."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
+import torch.multiprocessing as mp
+from conftest import free_port, make_config
 from torch import nn
 
 from distrain.config import ModelConfig, StrategyConfig
@@ -126,3 +132,92 @@ def test_every_schedule_name_has_a_torch_schedule():
     for name, schedule in SCHEDULES.items():
         multi = issubclass(SCHEDULE_CLASSES[name], torch.distributed.pipelining.schedules.PipelineScheduleMulti)
         assert multi == schedule.multi_stage, name
+
+
+WORLD = 4
+# Sizes that split unevenly: 4 FSDP2 shards of 50 rows, 2 of the 25 rows a tensor-parallel rank holds.
+UNEVEN = ("model.dim=36", "model.ffn_dim=50")
+# name → overrides: each rank's Learner weights, gathered, must equal the whole model's.
+SHARDED = {
+    "zero3": ("strategy=zero3",),  # Shard(0) over 4
+    "tp": ("strategy=tp",),  # tp=2 × dp_replicate=2
+    "fsdp_tp": ("strategy=fsdp_tp",),  # tp=2 × dp_shard=2: 2-D DTensors
+    "pp": ("strategy=pp",),  # pp=2 × dp_replicate=2: each stage its part
+}
+# A model whose whole fp32 weights (330 MB) dwarf a ZeRO-3 rank's share (82 MB) and its largest matrix (3 MB).
+LARGE = ("model.dim=512", "model.n_layers=24", "model.n_heads=8", "model.ffn_dim=1536")
+
+
+def rss(field: str) -> int:
+    """This process's VmRSS (now) or VmHWM (peak) in bytes."""
+    line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith(field + ":"))
+    return int(line.split()[1]) * 1024
+
+
+def build_learners(rank: int, port: int, large: tuple, cases: dict, out: str) -> None:
+    """One rank: each case's Learner's weights, gathered whole, and the peak memory a ZeRO-3 Learner
+    of the large model adds while it is built, saved to a file."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+    os.environ.update(MASTER_PORT=str(port), CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    from distrain.config import from_plain
+    from distrain.layout import Layout
+    from distrain.parallel import process_group
+    from distrain.parallel.parallelize import as_tensor
+    from distrain.train.faults import Faults
+    from distrain.train.learner import Learner
+
+    device = process_group.init_from_env()
+
+    def learner(plain: dict, layout: dict) -> Learner:
+        cfg, layout = from_plain(plain), Layout.from_dict(layout)
+        return Learner(cfg, layout, layout.data_shard(rank), device, Faults(cfg.fault, rank, None))
+
+    weights = {
+        name: {key: as_tensor(p.detach()) for key, p in learner(*case).module.named_parameters()}
+        for name, case in cases.items()
+    }
+    before = rss("VmRSS")  # after the small cases: what a first Learner imports is not counted
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM from here
+    learner(*large)
+    grown = rss("VmHWM") - before
+    torch.save({"grown": grown, "weights": weights}, Path(out, f"rank{rank}.pt"))
+    process_group.destroy()
+
+
+@pytest.mark.timeout(300)
+def test_learners_materialise_their_shards_of_the_whole_models_weights(tmp_path: Path):
+    """A Learner builds its model on the meta device and materialises only its shards: under ZeRO-3
+    on 4 ranks a rank's memory grows by its quarter of the model and one full matrix at a time,
+    never by the whole model; and under every layout the shards, gathered, are exactly the weights
+    of the model built whole with the same seed (uneven shards and 2-D DTensors included)."""
+    from distrain.config import to_plain
+    from distrain.model.size import num_params
+    from distrain.validation import validate
+
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "text.txt").write_text("the quick brown fox jumps over the lazy dog\n" * 500)
+
+    def case(*overrides: str) -> tuple:
+        cfg = make_config(tmp_path, f"cluster.num_workers={WORLD}", f"data.path={tmp_path / 'corpus'}", *overrides)
+        return to_plain(cfg), validate(cfg).as_dict()
+
+    large = case("strategy=zero3", *LARGE)
+    cases = {name: case(*UNEVEN, "trainer.seed=5", *overrides) for name, overrides in SHARDED.items()}
+    mp.spawn(build_learners, args=(free_port(), large, cases, str(tmp_path)), nprocs=WORLD)
+    ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(WORLD)]
+
+    whole_bytes = 4 * num_params(make_config(tmp_path, *LARGE).model)
+    for rank, got in enumerate(ranks):
+        assert got["grown"] < whole_bytes / 2, (
+            f"rank {rank} grew by {got['grown']} B; the whole model is {whole_bytes} B"
+        )
+
+    cfg = make_config(tmp_path, *UNEVEN)
+    want = Transformer(cfg.model, cfg.trainer.seq_len, seed=5).state_dict()
+    for name in SHARDED:
+        seen = set()
+        for rank, got in enumerate(ranks):
+            for key, value in got["weights"][name].items():
+                torch.testing.assert_close(value, want[key], rtol=0, atol=0, msg=f"{name} rank {rank} {key}")
+                seen.add(key)
+        assert seen == set(want), name

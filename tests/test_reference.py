@@ -50,8 +50,7 @@ def reference_training(cfg: TrainConfig) -> tuple[dict[str, list[float]], dict[s
     """Per-step loss, gradient norm (before clipping) and LR, and the final weights, of a plain loop
     over the whole global batch in one process."""
     o, t = cfg.optim, cfg.trainer
-    torch.manual_seed(t.seed)  # distrain's initial weights
-    model = Transformer(cfg.model, t.seq_len)
+    model = Transformer(cfg.model, t.seq_len, seed=t.seed)  # distrain's initial weights
     batches, _ = run_batches(cfg)
 
     gains = [p for name, p in model.named_parameters() if name.endswith("norm.weight")]

@@ -8,6 +8,7 @@ the step number, and a resumed run sees exactly the batches it would have seen.
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -59,6 +60,29 @@ class Batches:
         idx = torch.from_numpy(starts)[:, None] + torch.arange(self.seq_len + 1)
         windows = self.tokens[idx].long()
         return windows[:, :-1], windows[:, 1:]
+
+
+class Prefetch:
+    """A rank's slice of each step's batch, the next step's prepared on a thread while this one computes:
+    gathered from the corpus, in pinned host memory on a GPU, then copied without blocking the host, so the
+    step never waits on its input. Steps asked for out of order (a parameter-server worker's) are simply
+    prepared then."""
+
+    def __init__(self, batches: Batches, shard: tuple[int, int], device: torch.device):
+        self.batches, self.shard, self.device = batches, shard, device
+        self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch")
+        self.ahead: tuple[int, Future] | None = None
+
+    def _load(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = self.batches.get(step, *self.shard)
+        return (x.pin_memory(), y.pin_memory()) if self.device.type == "cuda" else (x, y)
+
+    def get(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        ahead = self.ahead is not None and self.ahead[0] == step
+        ready = self.ahead[1] if ahead else self.thread.submit(self._load, step)
+        self.ahead = (step + 1, self.thread.submit(self._load, step + 1))
+        x, y = ready.result()
+        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
 
 def run_batches(cfg: TrainConfig) -> tuple[Batches, Batches]:

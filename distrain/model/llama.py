@@ -9,12 +9,13 @@ are skipped in `forward`).
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -39,6 +40,11 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     cos, sin = cos[None, : x.shape[1], None, :], sin[None, : x.shape[1], None, :]
     out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
     return out.type_as(x)
+
+
+def parameter_seed(seed: int, name: str) -> int:
+    """A 64-bit seed for one parameter: stable across processes and runs (Python's `hash` is salted)."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little")
 
 
 class RMSNorm(nn.Module):
@@ -101,9 +107,14 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_seq_len: int):
+    """The model, its initial weights a function of `seed` and each parameter's name alone.
+
+    Built on the meta device (`with torch.device("meta")`) it allocates nothing: a parallel layout
+    shards it first, then `to_empty` and `init_weights` give each rank its shard of these weights."""
+
+    def __init__(self, cfg: ModelConfig, max_seq_len: int, seed: int = 0):
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.max_seq_len, self.seed = cfg, max_seq_len, seed
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
@@ -111,20 +122,36 @@ class Transformer(nn.Module):
         cos, sin = rotary_tables(cfg.dim // cfg.n_heads, max_seq_len, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        self.init_weights()
+        if not self.output.weight.is_meta:
+            self.init_weights()
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """Normal(0, std) everywhere; the projections into the residual stream are scaled by
-        1/sqrt(2 n_layers) so the stream's variance does not grow with depth (GPT-2)."""
-        std = self.cfg.init_std
+        """Every parameter its `initial_value`, drawn whole on the CPU one at a time, so the weights
+        are the same on every device and under every layout while at most one full parameter exists
+        at once. A sharded parameter (a DTensor: FSDP2, TP) keeps only its piece. The rotary tables
+        are recomputed too: after `to_empty` they hold garbage."""
         for name, p in self.named_parameters():
-            if name.endswith("norm.weight"):
-                nn.init.ones_(p)
-            elif name.endswith(("wo.weight", "w2.weight")):
-                nn.init.normal_(p, 0.0, std / math.sqrt(2 * self.cfg.n_layers))
+            full = self.initial_value(name, p.shape)
+            if isinstance(p, DTensor):  # a local split of the full tensor, no communication
+                p.to_local().copy_(distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local())
             else:
-                nn.init.normal_(p, 0.0, std)
+                p.copy_(full)
+        cos, sin = rotary_tables(self.cfg.dim // self.cfg.n_heads, self.max_seq_len, self.cfg.rope_theta)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+
+    def initial_value(self, name: str, shape: torch.Size) -> torch.Tensor:
+        """Parameter `name`'s full initial value, from its own generator seeded by (seed, name).
+        Normal(0, std), norms' gains 1; the projections into the residual stream are scaled by
+        1/sqrt(2 n_layers) so the stream's variance does not grow with depth (GPT-2)."""
+        if name.endswith("norm.weight"):
+            return torch.ones(shape, device="cpu")
+        std = self.cfg.init_std
+        if name.endswith(("wo.weight", "w2.weight")):
+            std /= math.sqrt(2 * self.cfg.n_layers)
+        generator = torch.Generator().manual_seed(parameter_seed(self.seed, name))
+        return torch.empty(shape, device="cpu").normal_(0.0, std, generator=generator)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens

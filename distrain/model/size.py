@@ -16,9 +16,11 @@ def num_params(cfg: ModelConfig) -> int:
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs (forward + backward) per token: 6 per weight that multiplies the token
-    (every matrix but the embedding lookup) plus the attention scores and their weighted sum,
-    2·seq_len·dim each per layer, halved by the causal mask, times 3 for the backward pass."""
+    """Training FLOPs (forward + backward) per token, counted as PaLM does (Chowdhery et al. 2022,
+    appendix B): 6·N + 12·L·H·Q·T, N the weights that multiply the token (every matrix but the embedding
+    lookup), L layers, H heads of Q dimensions, T the sequence length. The attention term counts the
+    scores and their weighted sum over the whole sequence, as PaLM and Megatron do (the causal mask's
+    saved half is not subtracted), so MFU compares with theirs."""
     matmul_weights = num_params(cfg) - cfg.vocab_size * cfg.dim - (2 * cfg.n_layers + 1) * cfg.dim
-    attention = 3 * cfg.n_layers * 2 * 2 * seq_len * cfg.dim / 2
-    return 6 * matmul_weights + attention
+    head_dim = cfg.dim // cfg.n_heads
+    return 6 * matmul_weights + 12 * cfg.n_layers * cfg.n_heads * head_dim * seq_len

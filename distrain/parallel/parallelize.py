@@ -2,6 +2,11 @@
 
     pipeline split → tensor parallel → activation checkpointing → compile → data parallel
 
+A model built on the meta device is materialised inside the last step (`materialize`): after
+FSDP2's `fully_shard`, so that a rank allocates and initialises only its shards; before DDP and
+`replicate`, which need real parameters when they wrap a model. No rank ever holds the whole model
+unless its layout says it must.
+
 The trainer sees only `ParallelModel`: one step's forward and backward, evaluation, gradient
 clipping across stages, and the module whose parameters the optimizer and checkpoints hold.
 """
@@ -57,6 +62,22 @@ def stage_union(parts: list[nn.Module]) -> nn.Module:
     return union
 
 
+def materialize(model: nn.Module, device: torch.device, offload: bool = False) -> None:
+    """Allocate a meta-built model's parameters and buffers (only this rank's shards of sharded ones)
+    on `device` and fill them with the model's initial weights (`init_weights`). With `offload` the
+    parameters go to CPU memory, where FSDP2's CPUOffloadPolicy keeps them, and only the buffers
+    (the rotary tables) to `device`, where the model computes. A model that already holds real
+    tensors is left as it is."""
+    if not any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+        return
+    model.to_empty(device=torch.device("cpu") if offload else device)
+    model.init_weights()
+    if offload:
+        for module in model.modules():
+            for name, buffer in list(module.named_buffers(recurse=False)):
+                setattr(module, name, buffer.to(device))
+
+
 class ParallelModel:
     """One rank's share of the model under a strategy: its stages, wrapped, and how to step them.
 
@@ -73,7 +94,7 @@ class ParallelModel:
         loss_fn: LossFn,
         collective: bool = True,
     ):
-        self.cfg, self.layout, self.loss_fn = cfg, layout, loss_fn
+        self.cfg, self.layout, self.device, self.loss_fn = cfg, layout, device, loss_fn
         self.mesh = build_mesh(layout, device.type) if collective else None
         self.dp_mesh = submesh(self.mesh, DATA_PARALLEL) if collective else None
         self.vocab_sharded_loss = layout.tp > 1 and cfg.loss_parallel
@@ -102,12 +123,15 @@ class ParallelModel:
 
     def apply_data_parallel(self, model: nn.Module, bf16: bool) -> nn.Module:
         """DDP where nothing else shards the model; FSDP2 for ZeRO-2/3; and for a replicated model
-        that holds DTensors (TP) or is a pipeline stage, FSDP2's `replicate`, which composes with both."""
+        that holds DTensors (TP) or is a pipeline stage, FSDP2's `replicate`, which composes with both.
+        A meta-built model is materialised after sharding and before replicating (module docstring)."""
         c, mesh = self.cfg, self.dp_mesh
-        if mesh is None:  # every worker is taken by tensor or pipeline parallelism
-            return model
-        if c.zero >= 2:
+        if mesh is not None and c.zero >= 2:
             apply_fsdp(model, mesh, reshard_after_forward=c.zero == 3, bf16=bf16, offload=c.offload)
+            materialize(model, self.device, offload=c.offload)
+            return model
+        materialize(model, self.device)
+        if mesh is None:  # every worker is taken by tensor or pipeline parallelism
             return model
         if self.layout.tp == 1 and self.layout.pp == 1:
             return apply_ddp(model, mesh, c.bucket_cap_mb)

@@ -68,8 +68,7 @@ class ParameterServer:
         self.needed = self.workers - p.backup_workers  # gradients that close a synchronous round
         self.bound = p.max_staleness
         self.alpha = p.elastic_alpha(self.workers)
-        torch.manual_seed(t.seed)  # the same initial weights as the workers and every other strategy
-        model = Transformer(cfg.model, t.seq_len)
+        model = Transformer(cfg.model, t.seq_len, seed=t.seed)  # the workers' and every strategy's weights
         self.pieces = model_shards(model, p.num_servers)[index]
         self.flat = ShardView(model, self.pieces).gather(grad=False).clone()
         self.slots = [

@@ -25,7 +25,7 @@ from distrain.layout import Layout
 from distrain.ps.shard import ShardView, as_tensor, model_shards
 from distrain.train.faults import Faults
 from distrain.train.learner import Learner, local_device
-from distrain.train.metrics import peak_memory_bytes
+from distrain.train.metrics import memory_peaks
 from distrain.train.optim import build_optimizer, lr_at, set_lr
 
 
@@ -102,7 +102,7 @@ class PSWorker:
             "bytes_pushed": pushed,
             "bytes_pulled": self.pulled_bytes,
             "time": time.time(),
-            "peak_memory_bytes": peak_memory_bytes(self.learner.device),
+            **memory_peaks(self.learner.device),
         }
         self.pulled_bytes = 0
         return record

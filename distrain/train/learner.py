@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from distrain.config import TrainConfig, resolve_precision
-from distrain.data.loader import Batches, run_batches
+from distrain.data.loader import Batches, Prefetch, run_batches
 from distrain.layout import Layout
 from distrain.model.llama import Transformer
 from distrain.parallel.parallelize import ParallelModel
@@ -53,13 +53,13 @@ class Learner:
         self.cfg, self.device, self.shard, self.faults = cfg, device, shard, faults
         self.precision = resolve_precision(cfg.trainer.precision, gpu=device.type == "cuda")
         s = cfg.strategy
-        torch.manual_seed(cfg.trainer.seed)  # the same initial weights on every rank and in every engine
-        # Plain ZeRO-3 (and offload) moves each block to the device as it shards it: the whole model
-        # need never fit there.
-        fsdp_only = collective and s.zero == 3 and layout.tp == 1 and layout.pp == 1
-        model = Transformer(cfg.model, cfg.trainer.seq_len).to("cpu" if fsdp_only else device)
+        # Built on the meta device, materialised by ParallelModel once laid out: a rank allocates only
+        # its shards, and their values are the same in every layout and engine (Transformer).
+        with torch.device("meta"):
+            model = Transformer(cfg.model, cfg.trainer.seq_len, seed=cfg.trainer.seed)
         self.parallel = ParallelModel(model, s, layout, device, self.precision == "bf16", cross_entropy, collective)
         self.train_batches, self.val_batches = run_batches(cfg)
+        self.inputs = Prefetch(self.train_batches, shard, device)
 
     @property
     def module(self) -> nn.Module:
@@ -80,7 +80,7 @@ class Learner:
         self.faults.hold()
         start = time.perf_counter()
         with self.autocast():
-            loss_sum = self.parallel.forward_backward(*self.batch(self.train_batches, step))
+            loss_sum = self.parallel.forward_backward(*self.inputs.get(step))
         self.faults.straggle(time.perf_counter() - start)
         return loss_sum
 

@@ -28,7 +28,7 @@ from distrain.parallel import process_group
 from distrain.tracking import Tracker, run_results
 from distrain.train.faults import Faults
 from distrain.train.learner import Learner
-from distrain.train.metrics import peak_flops, peak_memory_bytes
+from distrain.train.metrics import Readback, memory_peaks, peak_flops
 from distrain.train.optim import build_optimizer, local_optimizer, lr_at, set_lr
 
 STATE_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -73,28 +73,41 @@ class Trainer:
         self.plain_config, self.run_dir, self.started_at = job["config"], Path(job["run_dir"]), job["started_at"]
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         assert layout.world_size == self.world, f"{layout} does not cover the {self.world} ranks"
+        self.window = [time.perf_counter(), 0]  # when this logging window's training began, and its steps
         faults = Faults(cfg.fault, self.rank, channel)
         self.learner = Learner(cfg, layout, layout.data_shard(self.rank), device, faults)
         with self.outside_steps():  # the mesh's groups now exist: they get start-up's timeout too
             self.optimizer = build_optimizer(self.learner.module, cfg.optim, self.learner.parallel.zero1_group)
-            self.step, self.loss, self.save_s = 0, math.nan, 0.0
+            self.step, self.loss = 0, math.nan
+            self.saver = checkpoint.Saver(
+                self.run_dir / "checkpoints",
+                cfg.checkpoint.keep,
+                background=cfg.checkpoint.async_save,
+                pin=device.type == "cuda",
+                timeout_s=outside_steps_timeout_s(cfg.cluster),
+            )
             if job["resume_from"]:
                 self.load(job["resume_from"])
             self.learner.settle(self.step + 1)
             self.tracker = None
             if self.rank == 0:
                 self.tracker = Tracker(str(self.run_dir), job["config"], self.step, job["wandb_run_id"])
+        self.vote: tuple[dist.Work, torch.Tensor] | None = None  # the stop vote in flight (agree_on_stop)
         channel.report({"step": self.step, "max_steps": cfg.trainer.max_steps, "loaded_at": time.time()})
 
     # -- reductions over the ranks ----------------------------------------------------------------
 
     def global_mean(self, local_sum: torch.Tensor) -> float:
-        """Mean over the global batch of per-micro-batch means (equal sizes, so the batch mean).
-        Every rank that computes a loss (tensor-parallel peers hold the same one; ranks without
-        the last pipeline stage hold none and add zero) is counted once per micro-batch."""
+        """Mean over the global batch of per-micro-batch means (equal sizes, so the batch mean), from the
+        local sums of the micro-batch losses; `mean_of` gives it from their sum over the ranks."""
         total = local_sum.detach().clone()
         dist.all_reduce(total)
-        return total.item() / (self.layout.micro_batches * self.layout.loss_holders)
+        return self.mean_of(total.item())
+
+    def mean_of(self, total: float) -> float:
+        """Every rank that computes a loss (tensor-parallel peers hold the same one; ranks without the last
+        pipeline stage hold none and add zero) is counted once per micro-batch."""
+        return total / (self.layout.micro_batches * self.layout.loss_holders)
 
     def evaluate(self) -> float:
         self.channel.report({"phase": Phase.EVAL})
@@ -109,21 +122,27 @@ class Trainer:
         lets a rank take there: one rank slow to write its checkpoint shard (or to load, or to start W&B)
         must not fail the others waiting for it at a barrier. Every rank leaves together, so that the
         next step's collectives, back on cluster.collective_timeout_s, do not wait for a slow one either."""
+        start = time.perf_counter()
         process_group.set_timeout(outside_steps_timeout_s(self.cfg.cluster))
         yield
         dist.barrier()
         process_group.set_timeout(self.cfg.cluster.collective_timeout_s)
+        self.window[0] += time.perf_counter() - start  # not training time
 
     # -- the loop -------------------------------------------------------------------------------
 
     def fit(self) -> dict:
+        """The step loop. Nothing in a step waits on the host for the device or for other ranks beyond the
+        gradient's own collectives: a logged step's loss and gradient norm are read back once the next step
+        has been queued (`Readback`), the stop vote is counted a step after it is cast (`agree_on_stop`),
+        inputs are prepared a step ahead (`Prefetch`) and checkpoints are written in the background
+        (`checkpoint.Saver`)."""
         t = self.cfg.trainer
-        tokens_per_step = t.global_batch_size * t.seq_len
-        flops_token = flops_per_token(self.cfg.model, t.seq_len)
-        peak = peak_flops(self.device, self.learner.precision)
-        first_step_s, val_loss, stopped = None, None, False
-        window_start, window_steps = time.perf_counter(), 0
-        fit_start = time.perf_counter()
+        self.fit_start = time.perf_counter()
+        self.window = [time.perf_counter(), 0]
+        self.unread: tuple[int, dict, Readback] | None = None  # a logged step whose scalars are in flight
+        self.first_step_s, self.val_loss, stopped = None, None, False
+        memory_peaks(self.device, reset=True)
 
         while self.step < t.max_steps:
             self.step += 1
@@ -134,78 +153,107 @@ class Trainer:
             grad_norm = self.learner.clip(self.cfg.optim.grad_clip)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-            window_steps += 1
-            if first_step_s is None:
-                first_step_s = time.time() - self.started_at
+            self.window[1] += 1
+            if self.first_step_s is None:
+                self.first_step_s = time.time() - self.started_at
                 self.channel.report({"first_step_at": time.time()})
+            self.log_read()
             last = self.step == t.max_steps
             evaluate_now = (t.eval_interval > 0 and self.step % t.eval_interval == 0) or last
-            progress = {"phase": Phase.TRAIN, "step": self.step, "max_steps": t.max_steps}
             if self.step % t.log_interval == 0 or evaluate_now:
-                self.loss = self.global_mean(loss_sum)  # waits for the window's steps to finish
-                elapsed = time.perf_counter() - window_start
-                tokens_per_s = tokens_per_step * window_steps / elapsed
-                metrics = {
-                    "loss": self.loss,
-                    "lr": self.optimizer.param_groups[0]["lr"],
-                    "grad_norm": grad_norm.item(),
-                    "tokens_per_s": tokens_per_s,
-                    "step_time_s": elapsed / window_steps,
-                    "peak_memory_bytes": peak_memory_bytes(self.device),
-                }
-                if peak is not None:
-                    metrics["mfu"] = flops_token * tokens_per_s / (peak * self.world)
-                if evaluate_now:
-                    val_loss = metrics["val_loss"] = self.evaluate()
-                if self.tracker is not None:
-                    self.tracker.log(self.step, metrics)
-                progress.update(metrics)
-                window_start, window_steps = time.perf_counter(), 0  # evaluation is not training time
-            self.channel.report(progress)
-            stopped, save_fits = self.agree_on_stop()
+                self.log_started(loss_sum, grad_norm)
+            if evaluate_now:
+                self.val_loss = self.evaluate()
+                self.log_read(val_loss=self.val_loss)
+            self.channel.report({"phase": Phase.TRAIN, "step": self.step, "max_steps": t.max_steps})
+            self.saver.check()
+            stopped, save_fits = self.agree_on_stop(last)
             if (self.cfg.checkpoint.interval and self.step % self.cfg.checkpoint.interval == 0) or last:
-                window_start += self.checkpoint()  # saving is not training time either
+                self.checkpoint(wait=last or stopped)
             elif stopped and save_fits:
-                self.checkpoint()
+                self.checkpoint(wait=True)
             if stopped:
                 break
+        if self.vote is not None:
+            self.vote[0].wait()  # no collective is left in flight
+        self.log_read()
+        self.saver.close()
+        return self.finish(stopped and self.step < t.max_steps)
 
+    def log_started(self, loss_sum: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        """Close this logging window: its figures now, its loss and gradient norm on their way to the host."""
+        t = self.cfg.trainer
+        elapsed = time.perf_counter() - self.window[0]
+        tokens_per_s = t.global_batch_size * t.seq_len * self.window[1] / elapsed
+        metrics = {
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "tokens_per_s": tokens_per_s,
+            "step_time_s": elapsed / self.window[1],
+            **memory_peaks(self.device, reset=True),
+        }
+        peak = peak_flops(self.device, self.learner.precision)
+        if peak is not None:
+            metrics["mfu"] = flops_per_token(self.cfg.model, t.seq_len) * tokens_per_s / (peak * self.world)
+        self.unread = (self.step, metrics, Readback(loss_sum, grad_norm))
+        self.window = [time.perf_counter(), 0]
+
+    def log_read(self, **extra: float) -> None:
+        """Log the step `log_started` left in flight, if any, with `extra` figures (its validation loss)."""
+        if self.unread is None:
+            return
+        step, metrics, readback = self.unread
+        self.unread = None
+        loss_total, grad_norm = readback.read()
+        self.loss = self.mean_of(loss_total)
+        metrics = {"loss": self.loss, "grad_norm": grad_norm, **metrics, **extra}
+        if self.tracker is not None:
+            self.tracker.log(step, metrics)
+        self.channel.report(metrics)
+
+    def finish(self, stopped: bool) -> dict:
         wandb_run_id = self.tracker.wandb_run_id if self.tracker is not None else None
         results = run_results(
             self.cfg,
             self.step,
             self.loss,
-            val_loss,
-            first_step_s,
-            time.perf_counter() - fit_start,
+            self.val_loss,
+            self.first_step_s,
+            time.perf_counter() - self.fit_start,
             self.world,
             wandb_run_id,
-            stopped and self.step < t.max_steps,
+            stopped,
         )
         if self.tracker is not None:
             self.tracker.close(results)
         return results if self.rank == 0 else {}
 
-    def agree_on_stop(self) -> tuple[bool, bool]:
-        """Whether the supervisor asked any rank to stop, and whether a checkpoint still fits before
-        its deadline (judged by the last save's duration). One all-reduce of two numbers in CPU
-        memory per step gives every rank the same answer at the same step."""
-        votes = torch.tensor([self.channel.stop_deadline or 0.0, time.time() + self.save_s], dtype=torch.float64)
-        dist.all_reduce(votes, op=dist.ReduceOp.MAX)
-        deadline, ready_by = votes.tolist()
+    def agree_on_stop(self, last: bool) -> tuple[bool, bool]:
+        """Whether the supervisor asked any rank to stop, and whether a checkpoint still fits before its
+        deadline (judged by the last save's duration, start to commit). Every rank casts its vote after each
+        step, an all-reduce (MAX) of two numbers in CPU memory that runs while the next step computes, and
+        counts the previous step's: every rank gets the same answer at the same step, a step after the
+        request, and no step waits for the vote. The last step's vote is counted at once."""
+        votes = torch.tensor([self.channel.stop_deadline or 0.0, time.time() + self.saver.last_save_s])
+        votes = votes.to(torch.float64)
+        cast = (dist.all_reduce(votes, op=dist.ReduceOp.MAX, async_op=True), votes)
+        counted, self.vote = (cast, None) if last else (self.vote, cast)
+        if counted is None:
+            return False, False
+        counted[0].wait()
+        deadline, ready_by = counted[1].tolist()
         return deadline > 0, ready_by <= deadline
 
     # -- checkpoints ----------------------------------------------------------------------------
 
-    def checkpoint(self) -> float:
-        """Save, telling the supervisor that this rank is saving (slow, not hung); return the seconds."""
+    def checkpoint(self, wait: bool) -> None:
+        """Save (in the background with checkpoint.async), telling the supervisor that this rank is saving
+        (slow, not hung) while the step waits for it; `wait`: until it has committed."""
         self.channel.report({"phase": Phase.CHECKPOINT})
-        start = time.perf_counter()
         with self.outside_steps():
             self.save()
-        self.save_s = time.perf_counter() - start
+            if wait:
+                self.saver.wait()
         self.channel.report({"phase": Phase.TRAIN})
-        return self.save_s
 
     def state(self) -> tuple[dict, dict]:
         """What a checkpoint holds, and the hyperparameters it leaves out. Keyed by full-model parameter
@@ -231,9 +279,7 @@ class Trainer:
         rank_state = {"cpu_rng": torch.get_rng_state()}
         if self.device.type == "cuda":
             rank_state["cuda_rng"] = torch.cuda.get_rng_state(self.device)
-        checkpoint.save(
-            self.run_dir / "checkpoints", self.step, self.state()[0], meta, rank_state, self.cfg.checkpoint.keep
-        )
+        self.saver.save(self.step, self.state()[0], meta, rank_state)
 
     def load(self, path: str) -> None:
         """Restore weights, optimizer, step, data position and RNG."""

@@ -1,0 +1,62 @@
+"""The step path's parts that keep a step from waiting: inputs prepared a step ahead, scalars read back a
+step late, checkpoints staged then written in the background, memory peaks per logging window."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from distrain import checkpoint
+from distrain.data.loader import Batches, Prefetch
+from distrain.train.metrics import Readback, memory_peaks
+from distrain.train.optim import kernels
+
+pytestmark = [pytest.mark.usefixtures("process_group"), pytest.mark.timeout(60)]
+
+
+def test_prefetched_batches_are_the_loaders_in_order_and_out_of_order():
+    batches = Batches(np.arange(5000, dtype=np.uint8), seq_len=16, batch_size=8, seed=3)
+    prefetch = Prefetch(batches, (1, 2), torch.device("cpu"))
+    for step in [1, 2, 3, 7, 8, 2]:  # a jump and a step back: prepared then, not taken from the one ahead
+        got, want = prefetch.get(step), batches.get(step, 1, 2)
+        assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True)), step
+
+
+def test_readback_gives_the_reduced_loss_and_the_norm():
+    loss, norm = Readback(torch.tensor(2.5), torch.tensor(0.75)).read()
+    assert (loss, norm) == (2.5, 0.75)  # one rank: its own sum
+
+
+def test_a_background_checkpoint_holds_the_state_at_save_time(tmp_path):
+    """The step goes on while the write happens: a write that read the live tensors would catch the
+    next optimizer step's values."""
+    model = nn.Linear(64, 64)
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    saver = checkpoint.Saver(tmp_path, keep=2, background=True)
+    saver.save(1, {"model": model.state_dict()}, {"step": 1, "world_size": 1}, {})
+    assert saver.pending is not None  # returned before the commit: the write is the thread's
+    with torch.no_grad():
+        model.weight.fill_(2.0)  # the next step
+    saver.close()
+    path = checkpoint.latest(tmp_path)
+    assert path is not None and path.name == "step_00000001"
+    state = {"model": nn.Linear(64, 64).state_dict()}
+    dcp.load(state, checkpoint_id=str(path))
+    assert torch.equal(state["model"]["weight"], torch.ones(64, 64))
+
+
+def test_memory_peaks_start_again_after_a_reset():
+    memory_peaks(torch.device("cpu"), reset=True)
+    big = torch.ones(64 << 20)  # 256 MiB, touched, then freed
+    del big
+    high = memory_peaks(torch.device("cpu"), reset=True)["peak_memory_bytes"]
+    low = memory_peaks(torch.device("cpu"))["peak_memory_bytes"]
+    assert high - low > 200 << 20
+
+
+def test_the_optimizer_takes_foreach_kernels_off_the_gpu():
+    assert kernels([torch.zeros(2)]) == {"foreach": True}
