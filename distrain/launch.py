@@ -40,6 +40,9 @@ from distrain.validation import validate
 LOCK_FILE = ".lock"  # held by the driver while the run trains: one writer per run directory
 DEFAULT_STOP_GRACE_S = 30.0
 RAY_JOB_STOP_WAIT_DEFAULT_S = 3.0  # Ray's own default (dashboard/modules/job/job_supervisor.py)
+# The workers' modules, named rather than imported: they import torch, which the driver never needs
+# (seconds of its start, on the path to the first step).
+TRAINER, PROCESS_GROUP = "distrain.train.loop", "distrain.parallel.process_group"
 
 
 class AllReduceEngine:
@@ -59,19 +62,14 @@ class AllReduceEngine:
             "started_at": started,
         }
 
-    def warm_up(self) -> tuple[Callable[..., Any], tuple]:
-        from distrain.train.loop import warm_up
-
-        return warm_up, (self.job,)
+    def warm_up(self) -> tuple[str, tuple]:
+        return f"{TRAINER}:warm_up", (self.job,)
 
     def begin(self, group: WorkerGroup, attempt: Attempt) -> Work:
         """The attempt's work; and what the group runs in the ranks after a failure: an abort of the
         collectives that ranks whose peer died wait in (on NCCL they would wait out the collective timeout,
         then be killed), and a check on the device before a process is kept."""
-        from distrain.parallel import process_group
-        from distrain.train.loop import run_rank
-
-        group.recover_with(process_group.check_device, process_group.abort)
+        group.recover_with(f"{PROCESS_GROUP}:check_device", f"{PROCESS_GROUP}:abort")
         latest = checkpoint.latest(self.run_dir / "checkpoints")
         attempt.info["resumed_from_step"] = checkpoint.read_meta(latest)["step"] if latest else 0
         layout = self.layouts[len(group.table)]
@@ -81,7 +79,7 @@ class AllReduceEngine:
             "resume_from": latest and str(latest),
             "use_gpu": group.spec.gpus_per_worker > 0,  # Ray gave each rank a GPU: it must train on it
         }
-        return Work(run_rank, (job,))
+        return Work(f"{TRAINER}:run_rank", (job,))
 
     def tick(self, suspect: bool) -> None:
         pass
@@ -144,10 +142,12 @@ def worker_env(c: ClusterConfig) -> tuple[tuple[str, str], ...]:
     return tuple(sorted({**env, **c.env_vars}.items()))
 
 
-def train(cfg: TrainConfig) -> dict:
+def train(cfg: TrainConfig, startup: dict[str, float] | None = None) -> dict:
     """Train the run `cfg` describes, resuming from its newest committed checkpoint if it has one,
     under the supervisor (restarts, hangs, node loss, SIGTERM); return the summary also written to
-    summary.json. With `cfg.plan`, write nothing and return the layout's description instead."""
+    summary.json. With `cfg.plan`, write nothing and return the layout's description instead.
+    `startup`: wall-clock marks of the caller's own start (jobs/train.py: its imports, Hydra's compose),
+    which summary.json's `startup` holds with this driver's (started_at, connected_at: Ray is up)."""
     started = time.time()
     layout = validate(cfg)
     if not os.path.isabs(cfg.run.storage) and attach_address(cfg.cluster.address):
@@ -166,7 +166,7 @@ def train(cfg: TrainConfig) -> dict:
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     with exclusive_lock(run_dir / LOCK_FILE):
-        supervisor, summary, progress = _prepare(cfg, layout, run_dir, started)
+        supervisor, summary, progress = _prepare(cfg, layout, run_dir, {**(startup or {}), "started_at": started})
         try:
             with stop_signals(supervisor.request_stop):
                 finished = supervisor.run()
@@ -185,9 +185,10 @@ def train(cfg: TrainConfig) -> dict:
     return summary
 
 
-def _prepare(cfg: TrainConfig, layout: Layout, run_dir: Path, started: float) -> tuple:
+def _prepare(cfg: TrainConfig, layout: Layout, run_dir: Path, startup: dict[str, float]) -> tuple:
     """The supervisor of the run (its engine: collective training or the parameter server), the
-    summary it starts from (the run's history, its W&B id), and the console progress line."""
+    summary it starts from (the run's history, its W&B id, the start-up marks), and the console progress line."""
+    started = startup["started_at"]
     resume_from = checkpoint.latest(run_dir / "checkpoints")
     meta = checkpoint.read_meta(resume_from) if resume_from else {}
     if resume_from:
@@ -203,6 +204,7 @@ def _prepare(cfg: TrainConfig, layout: Layout, run_dir: Path, started: float) ->
     spec = placeable_spec(cfg, layout, progress.message)
     summary = {
         "status": "failed",
+        "startup": {**startup, "connected_at": time.time()},
         "restarts": 0,
         "resumed_from": str(resume_from) if resume_from else None,
         "wandb_run_id": wandb_run_id,

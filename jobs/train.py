@@ -4,11 +4,14 @@ Bad input gets one line and exit status 2, a failed run exit status 1 (what `ray
 reports as FAILED)."""
 
 import sys
+import time
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from distrain.cli import CONF_DIR, BadInput, check_group_choices, plan_overrides, register
+
+STARTUP: dict[str, float] = {}  # wall-clock marks of this process's own start, for summary.json
 
 
 def fail(message: str, code: int = 2) -> None:
@@ -20,6 +23,7 @@ def fail(message: str, code: int = 2) -> None:
 def main(cfg: DictConfig) -> None:
     """Train (or with `plan=true` print the layout). Imports here, not at the top, so `--cfg job`
     and a bad group choice do not wait for Ray to load."""
+    STARTUP["composed_at"] = time.time()
     from distrain.cluster.placement import PlacementError, WorkerFailure
     from distrain.cluster.runtime import CapacityError
     from distrain.config import ConfigError
@@ -28,7 +32,7 @@ def main(cfg: DictConfig) -> None:
 
     config = OmegaConf.to_object(cfg)
     try:
-        summary = train(config)
+        summary = train(config, STARTUP)
     except (ConfigError, CapacityError, PlacementError, LockedError) as e:
         fail(str(e))
     except WorkerFailure as e:
@@ -47,6 +51,7 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    STARTUP["imported_at"] = time.time()
     sys.argv[1:] = plan_overrides(sys.argv[1:])
     try:
         check_group_choices(sys.argv[1:])

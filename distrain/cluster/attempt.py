@@ -29,14 +29,17 @@ class Mark(enum.StrEnum):
 
     SINCE = "since"  # the failure (or start, or resize) it follows
     TORN_DOWN = "torn_down_at"
-    PLACED = "placed_at"
+    RESERVED = "reserved_at"  # a new group's placement group ready (absent when the group was refilled or kept)
+    PLACED = "placed_at"  # its actors started and ranked
+    LAUNCHED = "launched_at"  # the ranks' calls sent
+    RUNNING = "running_at"  # rank 0's call began: its function imported (torch, for the trainer)
     JOINED = "joined_at"  # rank 0 joined the process group
     LOADED = "loaded_at"  # model built, checkpoint loaded
     FIRST_STEP = "first_step_at"
     ENDED = "ended_at"
 
 
-RANK_MARKS = (Mark.JOINED, Mark.LOADED, Mark.FIRST_STEP)
+RANK_MARKS = (Mark.RUNNING, Mark.JOINED, Mark.LOADED, Mark.FIRST_STEP)
 RECOVERY = {  # the recovery (or start-up) an attempt begins with, phase by phase: name → (from, to)
     "teardown_s": (Mark.SINCE, Mark.TORN_DOWN),
     "placement_s": (Mark.TORN_DOWN, Mark.PLACED),

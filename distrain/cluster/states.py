@@ -12,11 +12,11 @@ Any state but the two final ones may also end in Failed (an error the run cannot
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from distrain.cluster.attempt import Attempt, Failure, Heartbeats
+from distrain.cluster.worker import Fn
 
 if TYPE_CHECKING:
     from distrain.cluster.worker_group import WorkerGroup
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 class Work:
     """What an attempt's ranks run, fn(*args, channel), and where the engine's other actors run."""
 
-    fn: Callable[..., Any]
+    fn: Fn
     args: tuple
     others: list[dict] = field(default_factory=list)
 
@@ -43,7 +43,7 @@ class Engine(Protocol):
 
     replaces_workers: bool  # a failed worker is replaced while the others go on; else the group restarts
 
-    def warm_up(self) -> tuple[Callable[..., Any], tuple]:
+    def warm_up(self) -> tuple[Fn, tuple]:
         """fn and args a hot spare runs while it waits for a rank: what the rank's function imports and reads."""
 
     def begin(self, group: WorkerGroup, attempt: Attempt) -> Work:

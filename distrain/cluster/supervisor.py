@@ -139,10 +139,13 @@ class Supervisor:
             table = self._new_group(s)
         now = time.time()
         timings = {Mark.SINCE: s.since, Mark.TORN_DOWN: s.torn_down_at or now, Mark.PLACED: now}
+        if (self.group.reserved_at or 0) >= s.since:  # a group of its own, not refilled or kept
+            timings[Mark.RESERVED] = self.group.reserved_at
         attempt = Attempt(len(self.attempts) + 1, len(table), {}, timings)
         self.attempts.append(attempt)
         self.work = self.engine.begin(self.group, attempt)
         self.group.launch(self.work.fn, *self.work.args)
+        timings[Mark.LAUNCHED] = time.time()
         self._write_placement(attempt)
         return Running(attempt, Heartbeats(len(table), self.step_times), next_node_check=self._next_node_check())
 

@@ -12,7 +12,9 @@ from typing import Any, Protocol
 import ray
 from ray.exceptions import RayError
 
-WarmUp = tuple[Callable[..., Any], tuple]  # what a spare runs while it waits: fn(*args)
+from distrain.cluster.worker import Fn
+
+WarmUp = tuple[Fn, tuple]  # what a spare runs while it waits: fn(*args)
 
 
 @dataclass

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fcntl
 import gc
+import importlib
 import os
 import socket
 import struct
@@ -15,6 +16,18 @@ from collections.abc import Callable
 from typing import Any
 
 import ray
+
+Fn = Callable[..., Any] | str  # a function, or one named "package.module:function" (`resolve`)
+
+
+def resolve(fn: Fn) -> Callable[..., Any]:
+    """The function itself, or the one `fn` names, its module imported here: the driver hands workers the
+    trainer's functions without importing their modules (torch) itself, and each worker imports them as
+    its call begins, its environment (threads, visible devices) already set."""
+    if not isinstance(fn, str):
+        return fn
+    module, _, name = fn.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 class Channel:
@@ -50,10 +63,10 @@ class Worker:
             "pid": os.getpid(),
         }
 
-    def warm(self, fn: Callable[..., Any], *args: Any) -> dict:
-        """A hot spare's wait: fn(*args) loads what the rank function will need (arriving, fn
-        imports its module: torch and the trainer); then where this worker runs."""
-        fn(*args)
+    def warm(self, fn: Fn, *args: Any) -> dict:
+        """A hot spare's wait: fn(*args) loads what the rank function will need (fn's module: torch
+        and the trainer); then where this worker runs."""
+        resolve(fn)(*args)
         return self.node_info()
 
     def free_port(self) -> int:
@@ -68,13 +81,15 @@ class Worker:
         that arrives meanwhile must reach the channel that run will read."""
         self.channel = Channel()
 
-    def run(self, fn: Callable[..., Any], env: dict[str, str], *args: Any) -> Any:
+    def run(self, fn: Fn, env: dict[str, str], *args: Any) -> Any:
         """Call fn(*args, channel) with the rank's environment. What the process holds before the
         call (its imports: a third of a million objects with torch) is frozen out of the collector's
         sight, so that collecting what the call left behind, before it returns, takes milliseconds
         rather than the quarter of a second a full collection takes: a failed rank's return is on
         the path of every recovery."""
         os.environ.update(env)
+        fn = resolve(fn)
+        self.channel.report({"running_at": time.time()})
         gc.freeze()
         try:
             return fn(*args, self.channel)
@@ -98,10 +113,10 @@ class Worker:
                 parts.append(f"Thread {names.get(ident, ident)}:\n{stack}")
         return "\n".join(parts)
 
-    def call(self, fn: Callable[[], Any]) -> Any:
+    def call(self, fn: Fn) -> Any:
         """fn() in this process, on the thread `run` leaves free: what the engine hands the group for after
         a failure (a check that the device still works, an abort of the collectives `run` is blocked in)."""
-        return fn()
+        return resolve(fn)()
 
 
 SIOCGIFADDR = 0x8915  # Linux: an interface's IPv4 address

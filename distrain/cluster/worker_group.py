@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -22,7 +21,7 @@ from distrain.cluster.placement import (
     number_nodes,
     rank_table,
 )
-from distrain.cluster.worker import RemoteWorker
+from distrain.cluster.worker import Fn, RemoteWorker
 
 
 class WorkerGroup:
@@ -40,10 +39,11 @@ class WorkerGroup:
         self._asked: dict = {}  # rank → (its unanswered progress question, when asked)
         self._progress: dict[int, dict] = {}
         self.port = 0  # the rendezvous port of the last launch on every rank
+        self.reserved_at: float | None = None  # when this group's own start found its placement group ready
         # What `release_unhealthy` runs in the ranks' processes, as the engine says (`recover_with`); None: a
         # ping that touches no device, and no abort.
-        self.health_check: Callable[[], bool] | None = None
-        self.abort_collectives: Callable[[], bool] | None = None
+        self.health_check: Fn | None = None
+        self.abort_collectives: Fn | None = None
 
     def __enter__(self) -> WorkerGroup:
         return self
@@ -60,7 +60,7 @@ class WorkerGroup:
         come back). A group of the same spec kept by an earlier run of this driver is taken instead."""
         kept = warm.reuse(self.spec)
         if kept is not None:
-            self.__dict__.update(kept.__dict__, warm_up=self.warm_up)
+            self.__dict__.update(kept.__dict__, warm_up=self.warm_up, reserved_at=None)
             return self.table
         try:
             return self._start(patient)
@@ -80,6 +80,10 @@ class WorkerGroup:
             )
         warm.make_room(self.held())
         self.pg = placement_group(s.bundles(), strategy=s.placement_strategy)
+        # The actors are asked for at once: Ray starts each as soon as its bundle is reserved.
+        of_rank = [i // s.node_group for i in range(s.num_workers)]
+        actors = [self._actor(b) for b in of_rank]
+        self.workers = actors  # shutdown finds them, even if the next lines fail
         try:
             ray.get(self.pg.ready(), timeout=s.placement_timeout_s)
         except GetTimeoutError as e:
@@ -88,9 +92,7 @@ class WorkerGroup:
                 f"cluster.placement_timeout_s={s.placement_timeout_s:g}; the cluster has "
                 f"{ray.available_resources()} free"
             ) from e
-        of_rank = [i // s.node_group for i in range(s.num_workers)]
-        actors = [self._actor(b) for b in of_rank]
-        self.workers = actors  # shutdown finds them, even if the next lines fail
+        self.reserved_at = time.time()
         self.free_bundles = [blocks + i for i in range(s.spares)]  # spares start once a step is done: `restock`
         return self._rank(actors, self._started(actors, of_rank))
 
@@ -154,7 +156,7 @@ class WorkerGroup:
             envs.append({k: str(v) for k, v in env.items()})
         return envs
 
-    def launch(self, fn: Callable[..., Any], *args: Any, ranks: list[int] | None = None) -> None:
+    def launch(self, fn: Fn, *args: Any, ranks: list[int] | None = None) -> None:
         """Start fn(*args, channel) on every rank (or on `ranks` only, beside calls still running),
         on a fresh rendezvous port; `poll` collects the results."""
         if ranks is None:  # a new rendezvous; ranks started beside running ones keep the last one's port
@@ -168,7 +170,7 @@ class WorkerGroup:
             self._asked.pop(r, None)
             self._progress.pop(r, None)
 
-    def run(self, fn: Callable[..., Any], *args: Any, ranks: list[int] | None = None) -> list[Any]:
+    def run(self, fn: Fn, *args: Any, ranks: list[int] | None = None) -> list[Any]:
         """Run fn(*args, channel) on every rank (or on `ranks`) once, with no recovery (the
         supervisor's job): the first rank that raises or dies raises WorkerFailure. The results in
         rank order (None for ranks not run)."""
@@ -272,9 +274,7 @@ class WorkerGroup:
 
     # -- replacing ------------------------------------------------------------------------------
 
-    def recover_with(
-        self, health_check: Callable[[], bool] | None, abort_collectives: Callable[[], bool] | None
-    ) -> None:
+    def recover_with(self, health_check: Fn | None, abort_collectives: Fn | None) -> None:
         """What `release_unhealthy` runs in a rank's process, beside its call: `health_check`, true if the
         process can still work (on GPUs a real device operation: after a sticky CUDA error a process still
         answers pings, then fails every attempt); `abort_collectives`, which ends the collectives a still
