@@ -55,6 +55,8 @@ SMOKES = [
     ("bench_ps", 240, True, ["## One straggler", "| PS sync |"]),
     # the spare, warm at the kill, took the dead rank
     ("bench_recovery", 240, True, ["| distrain + 1 hot spare, 2 workers | 1 |", "| yes |"]),
+    # the three ways trained the same (one final loss each), and the background's cost was computed
+    ("bench_checkpoint", 180, False, ["| background (`async=true`) |", "In the background a checkpoint costs"]),
 ]
 
 
