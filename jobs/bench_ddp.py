@@ -10,6 +10,7 @@ command to the first completed step. Writes docs/ddp.md.
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import sys
@@ -36,14 +37,19 @@ class Result:
     own_first_step_s: float | None = None  # distrain's summary.json first_step_s, timed inside the driver
 
 
-def parse_args(argv: list[str] | None = None):
-    p = harness.parser(__doc__, "docs/ddp.md", repeats=5)
+def add_job_options(p: argparse.ArgumentParser, steps: int) -> None:
+    """The DDP job every runner trains (`command` reads them): bench_startup times the same job."""
     p.add_argument("--workers", type=int, default=2, help="DDP ranks for every runner")
-    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--steps", type=int, default=steps)
     p.add_argument("--model", default="nano", help="a conf/model/*.yaml name")
     p.add_argument("--global-batch", type=int, default=32)
     p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=128)
+
+
+def parse_args(argv: list[str] | None = None):
+    p = harness.parser(__doc__, "docs/ddp.md", repeats=5)
+    add_job_options(p, steps=60)
     p.add_argument("--warmup", type=int, default=10, help="first steps left out of the step time")
     p.add_argument("--timeout", type=float, default=1200.0, help="seconds one run may take")
     args = harness.parse(p, argv)

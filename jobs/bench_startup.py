@@ -65,12 +65,7 @@ class Result:
 
 def parse_args(argv: list[str] | None = None):
     p = harness.parser(__doc__, "docs/startup.md", repeats=3)
-    p.add_argument("--workers", type=int, default=2, help="ranks for every runner")
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--model", default="nano", help="a conf/model/*.yaml name")
-    p.add_argument("--global-batch", type=int, default=32)
-    p.add_argument("--micro-batch", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=128)
+    bench_ddp.add_job_options(p, steps=3)
     p.add_argument("--baseline", default="", help="a checkout of an earlier commit, measured beside this one")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds one run may take")
     args = harness.parse(p, argv)

@@ -139,6 +139,8 @@ class Trainer:
         (`checkpoint.Saver`)."""
         t = self.cfg.trainer
         self.fit_start = time.perf_counter()
+        peak = peak_flops(self.device, self.learner.precision)  # a logged step's FLOP/s as MFU: once, here
+        self.flops_to_mfu = flops_per_token(self.cfg.model, t.seq_len) / (peak * self.world) if peak else None
         self.window = [time.perf_counter(), 0]
         self.unread: tuple[int, dict, Readback] | None = None  # a logged step whose scalars are in flight
         self.first_step_s, self.val_loss, stopped = None, None, False
@@ -191,9 +193,8 @@ class Trainer:
             "step_time_s": elapsed / self.window[1],
             **memory_peaks(self.device, reset=True),
         }
-        peak = peak_flops(self.device, self.learner.precision)
-        if peak is not None:
-            metrics["mfu"] = flops_per_token(self.cfg.model, t.seq_len) * tokens_per_s / (peak * self.world)
+        if self.flops_to_mfu is not None:
+            metrics["mfu"] = self.flops_to_mfu * tokens_per_s
         self.unread = (self.step, metrics, Readback(loss_sum, grad_norm))
         self.window = [time.perf_counter(), 0]
 
