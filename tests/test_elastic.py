@@ -34,6 +34,7 @@ from conftest import (  # noqa: E402
 )
 from test_placement import _alive, _descendants, run_script  # noqa: E402
 
+from distrain import checkpoint  # noqa: E402
 from distrain.tracking import read_metrics  # noqa: E402
 
 STEPS = 40
@@ -100,16 +101,15 @@ def test_a_run_shrinks_on_node_loss_grows_back_and_moves_off_a_draining_node(tmp
     assert placements[0][lost_rank]["node_id"] == lost, attempts[0]["cause"]
     assert "ActorDiedError" in attempts[0]["cause"] or "ActorUnavailableError" in attempts[0]["cause"]
     assert attempts[0]["timings"]["ended_at"] - events["removed_at"] < 10
-    # The shrunk attempt resumed from the newest checkpoint committed before the loss: checkpoint
-    # k is committed before step k + 1 is logged, so one at least as new as the newest before the
-    # removal. The lost ranks may still have trained and logged a few steps (their processes
-    # notice the dead raylet a moment later), not more than one checkpoint interval: their log
-    # lines after the checkpoint were set aside, and are the only ones (the later resumptions start
-    # from a checkpoint taken at the previous attempt's last step).
+    # The shrunk attempt resumed from the newest checkpoint committed before the loss, or one the
+    # ranks committed a moment later (written in the background). The lost ranks may still have
+    # trained and logged a few steps (their processes notice the dead raylet a moment later), not
+    # more than one checkpoint interval: their log lines after the checkpoint were set aside, and are
+    # the only ones (the later resumptions start from a checkpoint taken at the previous attempt's
+    # last step).
     resumed = attempts[1]["info"]["resumed_from_step"]
     assert events["removed_step"] >= REMOVE_AT
-    committed_before = (events["removed_step"] - 1) // CHECKPOINT_EVERY * CHECKPOINT_EVERY
-    assert resumed % CHECKPOINT_EVERY == 0 and resumed >= committed_before, (resumed, events["removed_step"])
+    assert resumed % CHECKPOINT_EVERY == 0 and resumed >= events["committed_step"], (resumed, events)
     aside = run_dir / "metrics.superseded.jsonl"  # absent if the node went just after a checkpoint
     superseded = [json.loads(line)["step"] for line in (aside.read_text().splitlines() if aside.exists() else [])]
     assert superseded == list(range(resumed + 1, resumed + 1 + len(superseded))), (resumed, superseded)
@@ -256,7 +256,13 @@ def main(storage: Path) -> None:
             hold.write_text("")  # from here on every attempt waits at its first step until released
             pids.update(_descendants(os.getpid()))
             victim = next(n for n in nodes if n.node_id == attempt_placement(run_dir, 1)[0]["node_id"])
-            events.update(removed_node=victim.node_id, removed_step=logged_step(run_dir), removed_at=time.time())
+            newest = checkpoint.latest(run_dir / "checkpoints")
+            events.update(
+                removed_node=victim.node_id,
+                removed_step=logged_step(run_dir),
+                committed_step=checkpoint.read_meta(newest)["step"] if newest else 0,
+                removed_at=time.time(),
+            )
             cluster.remove_node(victim, allow_graceful=False)
             log(f"removed node {victim.node_id[:8]} at step {events['removed_step']}")
 

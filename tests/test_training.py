@@ -116,3 +116,23 @@ def test_resume_on_a_different_number_of_workers(tmp_path: Path):
     assert sorted(got) == list(range(1, 21))
     for step in want:
         assert got[step] == pytest.approx(want[step], abs=1e-5), step
+
+
+def test_a_checkpoint_commits_after_its_steps_metrics_line(tmp_path: Path):
+    """Metrics lines come a step late, but a run resumed from checkpoint k starts at step k + 1: line k
+    must be written before checkpoint k can be loaded. Rank 0 straggles (each step ×30) so a background
+    commit lands well inside the next step, when a lagged line k would still be unwritten."""
+    cfg = make_config(
+        tmp_path,
+        "cluster.num_workers=1",
+        "trainer.max_steps=5",
+        "checkpoint.interval=2",
+        "checkpoint.keep=5",
+        "fault.straggler=0",
+        "fault.straggler_slowdown=30",
+    )
+    train(cfg)
+    written = {m["step"]: m["time"] for m in map(json.loads, (Path(cfg.run_dir) / "metrics.jsonl").open())}
+    for step in (2, 4, 5):
+        committed = (step_dir(Path(cfg.run_dir) / "checkpoints", step) / COMMIT_MARKER).stat().st_mtime
+        assert written[step] <= committed, step

@@ -248,7 +248,10 @@ class Trainer:
 
     def checkpoint(self, wait: bool) -> None:
         """Save (in the background with checkpoint.async), telling the supervisor that this rank is saving
-        (slow, not hung) while the step waits for it; `wait`: until it has committed."""
+        (slow, not hung) while the step waits for it; `wait`: until it has committed. The step's metrics
+        line is written first: a run resumed from this checkpoint starts at the next step and would never
+        write it."""
+        self.log_read()
         self.channel.report({"phase": Phase.CHECKPOINT})
         with self.outside_steps():
             self.save()
