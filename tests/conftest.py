@@ -16,6 +16,7 @@ os.environ.pop("RAY_ADDRESS", None)
 os.environ.pop("WANDB_API_KEY", None)
 
 from distrain.cli import CONF_DIR, compose  # noqa: E402, F401  (CONF_DIR: for test modules)
+from distrain.cluster.attempt import Mark  # noqa: E402
 from distrain.config import TrainConfig  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -85,16 +86,15 @@ def final_weights(cfg: TrainConfig) -> dict:
     return state["model"]
 
 
-RECOVERY_MARKS = ("since", "torn_down_at", "placed_at", "joined_at", "loaded_at", "first_step_at")
-
-
 def assert_recovery_in_order(timings: dict, after: float, logged_at: float | None = None, context: str = "") -> None:
-    """An attempt's start-up marks (summary.json → attempts → timings) one after another: from the failure
-    the supervisor saw, no earlier than `after` (what the test did to cause it), to the first step, no
-    later than `logged_at` (that step's metrics line) when given."""
-    marks = [timings[m] for m in RECOVERY_MARKS]
+    """An attempt's marks (summary.json → attempts → timings) one after another: from the failure the
+    supervisor saw, no earlier than `after` (what the test did to cause it), through its placement group,
+    actors, calls, the ranks' imports, rendezvous and load, to the first step, no later than `logged_at`
+    (that step's metrics line) when given, and its end once it has one. A group refilled or kept has no
+    reservation of its own."""
+    marks = [timings[m] for m in Mark if m in timings or m not in (Mark.RESERVED, Mark.ENDED)]
     assert after <= marks[0] and marks == sorted(marks), (timings, context)
-    assert logged_at is None or marks[-1] <= logged_at, (timings, logged_at, context)
+    assert logged_at is None or timings[Mark.FIRST_STEP] <= logged_at, (timings, logged_at, context)
 
 
 def logged(cfg: TrainConfig, key: str = "loss") -> dict[int, float]:

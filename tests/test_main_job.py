@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from conftest import REPO, assert_recovery_in_order
 
 from distrain.data.corpus import load_tokens, unigram_entropy
 
@@ -58,6 +58,14 @@ def test_main_job_learns_well_below_the_unigram_entropy(tmp_path: Path):
     assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
     assert all(REQUIRED_METRICS <= m.keys() for m in metrics)
     assert "mfu" not in metrics[-1]  # a CPU has no known peak
+
+    # Its start, mark by mark: the script's imports, Hydra's compose, the driver's start, then the first
+    # attempt's placement group, actors, calls, the ranks' imports, rendezvous and build, to the first
+    # step's metrics line.
+    own = [summary["startup"][m] for m in ("imported_at", "composed_at", "started_at")]
+    assert own == sorted(own), summary["startup"]
+    assert_recovery_in_order(summary["attempts"][0]["timings"], own[-1], metrics[0]["time"])
+    assert "reserved_at" in summary["attempts"][0]["timings"]  # its own placement group
 
     assert f"step {STEPS}/{STEPS}" in result.stdout and "ETA" in result.stdout  # the console progress line
     assert (run_dir / "checkpoints" / f"step_{STEPS:08d}" / "COMMITTED").exists()

@@ -138,7 +138,7 @@ class Supervisor:
         if table is None:
             table = self._new_group(s)
         now = time.time()
-        timings = {Mark.SINCE: s.since, Mark.TORN_DOWN: s.torn_down_at or now, Mark.PLACED: now}
+        timings = {Mark.SINCE: s.since, Mark.TORN_DOWN: s.torn_down_at, Mark.PLACED: now}
         if (self.group.reserved_at or 0) >= s.since:  # a group of its own, not refilled or kept
             timings[Mark.RESERVED] = self.group.reserved_at
         attempt = Attempt(len(self.attempts) + 1, len(table), {}, timings)
@@ -155,6 +155,7 @@ class Supervisor:
         if self.group is not None:
             self.group.shutdown()
             self.group = None
+        s.torn_down_at = s.torn_down_at or time.time()  # the placement below is not part of the teardown
         full = self.world_sizes[0]
         try:
             return self._start_group(full, patient=s.patient)
