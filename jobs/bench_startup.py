@@ -46,7 +46,7 @@ PHASES = [
     ("connected_at", "Ray start (embedded) or attach"),
     ("reserved_at", "supervisor, placement group"),
     ("placed_at", "actor processes started"),
-    ("launched_at", "driver sends the ranks' calls"),
+    ("launched_at", "driver prepares the attempt"),
     ("running_at", "worker imports (torch, trainer)"),
     ("joined_at", "rendezvous (process group)"),
     ("loaded_at", "model build, data, optimizer"),
@@ -289,9 +289,9 @@ def body(args, trials: list[harness.Trial], baseline: str) -> str:
             "- *supervisor, placement group*: from Ray being up to the workers' bundles reserved, with the "
             "driver's work before it (the supervisor; a driver that imports the trainer to hand the workers its "
             "functions imports torch here).",
-            "- *driver sends the ranks' calls*: the attempt's preparation (checkpoint lookup, the engine's "
-            "functions) and the calls' round trips (rendezvous port, channel reset).",
-            "- *worker imports*: from the calls sent to rank 0's call running, its function imported.",
+            "- *driver prepares the attempt*: checkpoint lookup, the engine's functions.",
+            "- *worker imports*: from the calls about to be sent (their round trips: rendezvous port, channel "
+            "reset) to rank 0's call running, its function imported.",
             "",
             "## Every run",
             "",

@@ -31,7 +31,7 @@ class Mark(enum.StrEnum):
     TORN_DOWN = "torn_down_at"
     RESERVED = "reserved_at"  # a new group's placement group ready (absent when the group was refilled or kept)
     PLACED = "placed_at"  # its actors started and ranked
-    LAUNCHED = "launched_at"  # the ranks' calls sent
+    LAUNCHED = "launched_at"  # the ranks' calls about to be sent
     RUNNING = "running_at"  # rank 0's call began: its function imported (torch, for the trainer)
     JOINED = "joined_at"  # rank 0 joined the process group
     LOADED = "loaded_at"  # model built, checkpoint loaded

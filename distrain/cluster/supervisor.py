@@ -144,8 +144,8 @@ class Supervisor:
         attempt = Attempt(len(self.attempts) + 1, len(table), {}, timings)
         self.attempts.append(attempt)
         self.work = self.engine.begin(self.group, attempt)
+        timings[Mark.LAUNCHED] = time.time()  # before the calls go: a warm rank may begin before the last is sent
         self.group.launch(self.work.fn, *self.work.args)
-        timings[Mark.LAUNCHED] = time.time()
         self._write_placement(attempt)
         return Running(attempt, Heartbeats(len(table), self.step_times), next_node_check=self._next_node_check())
 
