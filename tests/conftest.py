@@ -15,6 +15,7 @@ os.environ["RAY_USAGE_STATS_ENABLED"] = "0"  # and send nothing anywhere else
 os.environ.pop("RAY_ADDRESS", None)
 os.environ.pop("WANDB_API_KEY", None)
 
+from distrain import checkpoint  # noqa: E402
 from distrain.cli import CONF_DIR, compose  # noqa: E402, F401  (CONF_DIR: for test modules)
 from distrain.cluster.attempt import Mark  # noqa: E402
 from distrain.config import TrainConfig  # noqa: E402
@@ -126,6 +127,12 @@ def logged_step(run_dir: Path) -> int:
         except ValueError:
             pass
     return step
+
+
+def committed_step(run_dir: Path) -> int:
+    """The step of the run's newest committed checkpoint right now, 0 if none."""
+    newest = checkpoint.latest(run_dir / "checkpoints")
+    return checkpoint.read_meta(newest)["step"] if newest else 0
 
 
 def attempt_placement(run_dir: Path, attempt: int | None = None) -> list[dict] | None:
