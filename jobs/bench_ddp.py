@@ -261,8 +261,17 @@ def reading(trials: list[harness.Trial]) -> str:
     )
 
 
-def body(args, trials: list[harness.Trial]) -> str:
+def job_settings(args) -> str:
+    """The job `add_job_options` describes, as a page states it (bench_startup's page too)."""
     accum = args.global_batch // (args.micro_batch * args.workers)
+    return (
+        f"model `{args.model}`, {args.workers} DDP ranks, global batch {args.global_batch} × {args.seq_len} tokens, "
+        f"micro-batch {args.micro_batch} ({accum} per rank and step), {precision()}, {args.steps} steps, "
+        "`OMP_NUM_THREADS=1`"
+    )
+
+
+def body(args, trials: list[harness.Trial]) -> str:
     return "\n".join(
         [
             "distrain's DDP (`jobs/train.py`: an embedded Ray cluster, one worker actor per rank) beside the",
@@ -274,10 +283,8 @@ def body(args, trials: list[harness.Trial]) -> str:
             "same machine. Each logs metrics every step: distrain to metrics.jsonl (`trainer.log_interval=1`),",
             "torchrun's rank 0 to its console, Ray Train's ranks through `ray.train.report`.",
             "",
-            f"- Settings: model `{args.model}`, {args.workers} DDP ranks, global batch {args.global_batch} × "
-            f"{args.seq_len} tokens, micro-batch {args.micro_batch} ({accum} micro-batch(es) per rank and step), "
-            f"{precision()}, {args.steps} steps, `OMP_NUM_THREADS=1`; distrain with `logger.wandb.mode=disabled "
-            f"checkpoint.interval=0 trainer.eval_interval=0 trainer.log_interval=1`.",
+            f"- Settings: {job_settings(args)}; distrain with `logger.wandb.mode=disabled "
+            "checkpoint.interval=0 trainer.eval_interval=0 trainer.log_interval=1`.",
             f"- Step time: median over steps {args.warmup + 1}–{args.steps - 1} of the wall-clock time between "
             "consecutive step records (so logging counts); *self-reported* is the median of each runner's own "
             "`step_time_s` (distrain's leaves out most of its per-step logging, Ray Train's its "

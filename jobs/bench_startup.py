@@ -246,7 +246,6 @@ def label(key: str) -> str:
 
 
 def body(args, trials: list[harness.Trial], baseline: str) -> str:
-    accum = args.global_batch // (args.micro_batch * args.workers)
     return "\n".join(
         [
             "How long each runner takes from the command's launch to its first completed training step, and",
@@ -254,9 +253,7 @@ def body(args, trials: list[harness.Trial], baseline: str) -> str:
             "(or attaches to) Ray, places a worker actor per rank, and the workers then do what torchrun's ranks",
             "do (import torch, rendezvous, build the model, load the data, step).",
             "",
-            f"- Job: model `{args.model}`, {args.workers} ranks, DDP, global batch {args.global_batch} × "
-            f"{args.seq_len} tokens, micro-batch {args.micro_batch} ({accum} per rank and step), "
-            f"{bench_ddp.precision()}, {args.steps} steps, `OMP_NUM_THREADS=1`; distrain with "
+            f"- Job: {bench_ddp.job_settings(args)}; distrain with "
             "`logger.wandb.mode=disabled checkpoint.interval=0 trainer.eval_interval=0`.",
             "- *Attached*: `cluster.address=` a head that `ray start --head --node-ip-address=127.0.0.1` started "
             "before the first run (token authentication; no dashboard), which ran one small job first and stays "
