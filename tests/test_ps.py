@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import ray
 import torch
-from conftest import final_weights, logged, make_config
+from conftest import committed_step, final_weights, logged, make_config
 from test_fault_tolerance import in_background, when
 from torch import nn
 
@@ -700,11 +700,6 @@ def assert_same_training(cfg: TrainConfig, reference: tuple[dict, dict]) -> None
     assert lines == want_lines  # with the loss and gradient norm the training had, to the last bit
 
 
-def newest_checkpoint(run_dir: Path) -> int:
-    latest = checkpoint.latest(run_dir / "checkpoints")
-    return checkpoint.read_meta(latest)["step"] if latest else 0
-
-
 def first_four_steps(tmp_path: Path, overrides: tuple[str, ...]) -> None:
     """The run's first part, a run of 4 steps: lines 1..4 and a checkpoint of step 4 (a run of 4
     steps, because where the checkpoint of an unfinished run lands depends on when the driver looks:
@@ -713,7 +708,7 @@ def first_four_steps(tmp_path: Path, overrides: tuple[str, ...]) -> None:
     cfg = make_config(tmp_path, *overrides, "trainer.max_steps=4")
     assert train(cfg)["status"] == "completed"
     run_dir = Path(cfg.run_dir)
-    assert newest_checkpoint(run_dir) == 4
+    assert committed_step(run_dir) == 4
     assert [m["step"] for m in read_metrics(cfg.run_dir)] == [1, 2, 3, 4]
     assert not (run_dir / "attempts" / "002-placement.json").exists()
     (run_dir / "placement.json").unlink()
@@ -775,7 +770,7 @@ def test_sigterm_saves_the_servers_and_a_rerun_resumes_exactly(uninterrupted, tm
     stopper.join(JOIN_S)
     assert not stopper.is_alive() and not stopper.errors, stopper.errors
     assert summary["status"] == "stopped" and [a["outcome"] for a in summary["attempts"]] == ["stopped"]
-    saved = newest_checkpoint(run_dir)
+    saved = committed_step(run_dir)
     # The stop reaches a worker either held before step 5 (it then does step 5) or before its first pull.
     assert saved in ((4, 5) if mode == "async" else (4,))
     hold.unlink()
