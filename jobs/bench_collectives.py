@@ -410,6 +410,12 @@ def reading(rows: list[Row], world: int, backend: str) -> str:
         f"{table[fastest]['min_time_us']:,.1f} µs at {human(table[fastest]['min_at_bytes'])}: what every small "
         "message pays, whatever its size."
     )
+    if world == 1:
+        return text + (
+            " With one rank nothing crosses a link: nccl-tests' bus-bandwidth factor is 0 for all-reduce, "
+            "all-gather and reduce-scatter, and broadcast's and reduce's figures are the size over a call that "
+            "moves nothing. The times are each call's floor on this device; bandwidth needs two or more ranks."
+        )
     if {"all_reduce", "all_gather", "reduce_scatter"} <= set(table):
         ar, parts = table["all_reduce"]["peak_busbw_gbps"], [table[op]["peak_busbw_gbps"] for op in OPS[3:5]]
         text += (
