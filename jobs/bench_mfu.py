@@ -39,8 +39,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default="llama_1b", help="a conf/model/*.yaml name (default llama_1b)")
     p.add_argument("--steps", type=int, default=30, help="training steps per run (default 30)")
     p.add_argument("--warmup", type=int, default=10, help="first steps left out: compilation, allocator (default 10)")
-    p.add_argument("--global-batch", type=int, default=8, help="sequences per step (default 8)")
-    p.add_argument("--micro-batch", type=int, default=4, help="sequences per forward/backward (default 4)")
+    p.add_argument("--global-batch", type=int, default=16, help="sequences per step (default 16)")
+    # 8, not 4: on an H100 micro-batch 4 gave 49.6% MFU compiled, 8 gave 54.0%.
+    p.add_argument("--micro-batch", type=int, default=8, help="sequences per forward/backward (default 8)")
     p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default 2048)")
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"a subset of {','.join(VARIANTS)}")
     p.add_argument("--peak-tflops", type=float, default=None, help="the GPU's dense bf16 peak, if distrain lacks it")
