@@ -25,16 +25,16 @@ or SKIP, and its figure), then a summary, and exits 1 if any part failed:
 Parts 1 and 2 write docs/gpu.md (--out); every page's header names the GPU. The benchmarks run as commands
 of their own, so their pages name their own command and each finds the GPU free.
 
-The budget on one H100, under the 10 minutes one command may take (estimated: not yet timed on one):
+The budget on one H100, under the 10 minutes one command may take (timed on one, 2026-11-24, docs/gpu.md):
 
 | part                                                                  | seconds |
 | --------------------------------------------------------------------- | ------: |
-| Ray's start, the first worker (CUDA, NCCL)                            |      20 |
-| 1. ddp, zero1, zero2, zero3, offload at 1 worker, kept warm, 20 steps |      50 |
-| 2. ddp in fp32                                                        |      10 |
-| 3. bench_mfu: 2 runs of llama_1b × 30 steps, compilation, checkpoints |     300 |
-| 4. bench_collectives: 1 KB–256 MB, 2 passes of each side              |      60 |
-| total                                                                 |    ~440 |
+| 1. Ray's start and ddp at 1 worker (CUDA, NCCL), 20 steps             |      18 |
+| 1. zero1, zero2, zero3, offload at 1 worker, kept warm, 20 steps each |      15 |
+| 2. ddp in fp32                                                        |       2 |
+| 3. bench_mfu: 2 runs of llama_1b × 30 steps, compilation              |     134 |
+| 4. bench_collectives: 1 KB–256 MB, 2 passes of each side              |     184 |
+| total                                                                 |     366 |
 
 Without a GPU it runs in CPU mode, which checks that the scripts work: the same parts at tiny sizes (the
 tests' tiny model, 8 steps; gloo; --workers CPU workers in place of GPUs, default 1 as on one H100; bf16

@@ -360,7 +360,7 @@ def index(docs: Path = DOCS) -> str:
     pages = {}
     for page in sorted(docs.glob("*.md")):
         text = page.read_text()
-        script = re.search(r"jobs/(bench_\w+)\.py", text)
+        script = re.search(r"jobs/(\w+)\.py", text)  # the first: the page's own command
         if page.name != "benchmarks.md" and script:
             pages.setdefault(script[1], []).append((page.name, COMMIT_LINE.search(text)))
     rows = []
