@@ -49,8 +49,12 @@ class StrategyConfig:
     # dims) means "all the workers the other dimensions leave".
     dp_replicate: int = -1
     dp_shard: int = 1
-    tp: int = 1
+    tp: int = 1  # tensor-parallel ranks in all, laid out as tp_mode says
     pp: int = 1
+    # 1d: Megatron (DTensor); 2d: a q×q grid, SUMMA (tp = q²); 2.5d: tp_depth stacked q×q grids (tp = d·q²);
+    # 3d: a q×q×q cube (tp = q³). See distrain/parallel/tpnd/.
+    tp_mode: str = "1d"
+    tp_depth: int = 1  # 2.5d's d
     # 0: replicated (DDP); 1: optimizer state sharded over dp_shard (ZeroRedundancyOptimizer over DDP);
     # 2: and gradients (FSDP2, parameters kept gathered between forward and backward); 3: and parameters.
     zero: int = 0

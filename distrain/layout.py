@@ -13,6 +13,39 @@ from dataclasses import asdict, dataclass
 from distrain.config import ConfigError, TrainConfig
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")  # outermost to innermost
+TP_MODES = ("1d", "2d", "2.5d", "3d")
+
+
+def _root(n: int, k: int) -> int | None:
+    """The integer k-th root of n, if n is a k-th power."""
+    r = round(n ** (1 / k))
+    return next((c for c in (r - 1, r, r + 1) if c >= 1 and c**k == n), None)
+
+
+def tp_grid(mode: str, tp: int, depth: int = 1) -> tuple[tuple[str, int], ...]:
+    """The tensor-parallel sub-mesh: its dims (outermost first) and sizes, whose product is tp. The
+    ranks keep their row-major order, so the grid is a reshape of the one `tp` dim. 3d's names are the
+    indices of Y_ij = Σ_k X_ik W_kj, its batch axis i innermost (distrain/parallel/tpnd/cube.py)."""
+    _require(mode in TP_MODES, f"strategy.tp_mode={mode!r} is not a tensor-parallel mode; choose one of: "
+             f"{', '.join(TP_MODES)}")  # fmt: skip
+    _require(depth >= 1, f"strategy.tp_depth={depth}: must be at least 1")
+    _require(depth == 1 or mode == "2.5d", f"strategy.tp_depth={depth} is for strategy.tp_mode=2.5d only")
+    if mode == "1d":
+        return (("tp", tp),)
+    if mode == "3d":
+        q = _root(tp, 3)
+        _require(q is not None, f"strategy.tp={tp} is not a cube; tp_mode=3d needs q³ ranks (8, 27, 64, …)")
+        return (("tp_j", q), ("tp_k", q), ("tp_i", q))
+    _require(tp % depth == 0, f"strategy.tp={tp} is not divisible by strategy.tp_depth={depth}")
+    q = _root(tp // depth, 2)
+    if mode == "2d":
+        _require(q is not None, f"strategy.tp={tp} is not a square; tp_mode=2d needs q² ranks (4, 9, 16, …)")
+        return (("tp_row", q), ("tp_col", q))
+    _require(
+        q is not None,
+        f"strategy.tp={tp} is not tp_depth × a square = {depth} × q²; tp_mode=2.5d needs d·q² ranks (8 = 2 × 2², …)",
+    )
+    return (("tp_depth", depth), ("tp_row", q), ("tp_col", q))
 
 
 @dataclass(frozen=True)
@@ -47,6 +80,8 @@ class Layout:
     micro_batches: int = 1  # per step on each data-parallel rank: accumulation, or the pipeline's m
     stages_per_rank: int = 1
     schedule: str = "1f1b"
+    tp_mode: str = "1d"
+    tp_depth: int = 1
 
     @classmethod
     def resolve(cls, cfg: TrainConfig, world_size: int | None = None) -> Layout:
@@ -93,7 +128,11 @@ class Layout:
             f"trainer.global_batch_size={t.global_batch_size} is not divisible by trainer.micro_batch_size × "
             f"data-parallel size = {t.micro_batch_size} × {dp} = {per_step}; use a multiple of {per_step}",
         )
-        layout = cls(s.pp, dp_replicate, dp_shard, s.tp, t.global_batch_size // per_step, stages_per_rank, s.schedule)
+        tp_grid(s.tp_mode, s.tp, s.tp_depth)
+        layout = cls(
+            s.pp, dp_replicate, dp_shard, s.tp, t.global_batch_size // per_step, stages_per_rank, s.schedule,
+            s.tp_mode, s.tp_depth,
+        )  # fmt: skip
         layout._check_sharding(cfg)
         layout._check_pipeline(cfg)
         return layout
@@ -175,6 +214,14 @@ class Layout:
 
     def sizes(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in MESH_DIMS}
+
+    def mesh_sizes(self) -> dict[str, int]:
+        """The device mesh's dims: `sizes()` with tp laid out as its grid."""
+        grid = dict(tp_grid(self.tp_mode, self.tp, self.tp_depth))
+        sizes: dict[str, int] = {}
+        for name, size in self.sizes().items():
+            sizes.update(grid if name == "tp" else {name: size})
+        return sizes
 
     # -- ranks ------------------------------------------------------------------------------------
 

@@ -8,7 +8,7 @@ import os
 
 from distrain.config import ClusterConfig, ConfigError, TrainConfig
 from distrain.data.corpus import corpus_files
-from distrain.layout import SCHEDULES, Layout
+from distrain.layout import SCHEDULES, Layout, tp_grid
 
 OPTIMIZERS = ("adamw", "sgd")
 WANDB_MODES = (None, "online", "offline", "disabled")
@@ -54,6 +54,9 @@ def _validate_tensor_parallel(cfg: TrainConfig) -> None:
     m, s, t = cfg.model, cfg.strategy, cfg.trainer
     if s.tp == 1:
         return
+    if s.tp_mode != "1d":
+        _validate_tensor_parallel_grid(cfg)
+        return
     sizes = {"n_heads": m.n_heads, "n_kv_heads": m.n_kv_heads or m.n_heads, "ffn_dim": m.ffn_dim}
     sizes["vocab_size"] = m.vocab_size
     for key, v in sizes.items():
@@ -62,6 +65,37 @@ def _validate_tensor_parallel(cfg: TrainConfig) -> None:
         t.seq_len % s.tp == 0,
         f"strategy.tp={s.tp} does not divide trainer.seq_len={t.seq_len} (sequence parallelism shards it); "
         f"change one of them",
+    )
+
+
+def _validate_tensor_parallel_grid(cfg: TrainConfig) -> None:
+    """2-D, 2.5-D and 3-D: the grid must divide every split dimension (distrain/parallel/tpnd/grid.py)."""
+    m, s, t = cfg.model, cfg.strategy, cfg.trainer
+    grid = dict(tp_grid(s.tp_mode, s.tp, s.tp_depth))
+    mode = f"strategy.tp_mode={s.tp_mode} (tp={s.tp}"
+    mode += f", tp_depth={s.tp_depth})" if s.tp_mode == "2.5d" else ")"
+    for key, value in (("pp", s.pp), ("zero", s.zero)):
+        _require(
+            value == (1 if key == "pp" else 0),
+            f"{mode} does not combine with strategy.{key}={value} yet; use data parallelism "
+            f"(strategy.dp_replicate) beside it, or strategy.tp_mode=1d",
+        )
+    for key in ("offload", "compile"):
+        _require(not getattr(s, key), f"{mode} does not support strategy.{key}=true; set it to false")
+    head_dim, kv = m.dim // m.n_heads, m.n_kv_heads or m.n_heads
+    q = grid.get("tp_row", grid.get("tp_k"))
+    split = q * q if s.tp_mode == "3d" else q  # 3-D splits a weight's output features over two axes
+    features = {"dim": m.dim, "ffn_dim": m.ffn_dim, "vocab_size": m.vocab_size}
+    features |= {"n_heads × head_dim": m.n_heads * head_dim, "n_kv_heads × head_dim": kv * head_dim}
+    for key, value in features.items():
+        _require(value % split == 0, f"{mode} splits model.{key}={value} {split} ways; choose sizes it divides")
+    for key, value in (("n_heads", m.n_heads), ("n_kv_heads", kv)):
+        _require(value % q == 0, f"{mode} splits the heads {q} ways, but model.{key}={value}; choose sizes it divides")
+    rows = q * q if s.tp_mode == "3d" else q * s.tp_depth  # the grid splits each micro-batch's sequences
+    _require(
+        t.micro_batch_size % rows == 0,
+        f"{mode} splits each micro-batch {rows} ways, but trainer.micro_batch_size={t.micro_batch_size}; "
+        f"use a multiple of {rows}",
     )
 
 

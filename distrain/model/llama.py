@@ -200,3 +200,16 @@ def tp_plan(model: Transformer, loss_parallel: bool) -> dict[str, ParallelStyle]
             f"{block}.feed_forward.w3": ColwiseParallel(),
         }
     return plan
+
+
+def grid_tp_plan(model: Transformer) -> dict[str, str]:
+    """The plan for 2-D, 2.5-D and 3-D tensor parallelism (distrain/parallel/tpnd/): every weight's role.
+    "in" projections read the residual stream, "out" projections write to it; the grid decides how
+    each is split. Attention's heads follow Q, K and V's output features, so each rank keeps whole heads."""
+    plan = {"tok_embeddings": "embedding", "norm": "norm", "output": "in"}
+    for name in model.layers:
+        block = f"layers.{name}"
+        plan |= {f"{block}.attention_norm": "norm", f"{block}.ffn_norm": "norm"}
+        plan |= {f"{block}.attention.{w}": "in" for w in ("wq", "wk", "wv")} | {f"{block}.attention.wo": "out"}
+        plan |= {f"{block}.feed_forward.{w}": "in" for w in ("w1", "w3")} | {f"{block}.feed_forward.w2": "out"}
+    return plan

@@ -11,7 +11,7 @@ DATA_PARALLEL = ("dp_replicate", "dp_shard")
 
 def build_mesh(layout: Layout, device_type: str) -> DeviceMesh:
     """Dims of size 1 are left out (no groups to build); `submesh` treats them as absent."""
-    kept = [(name, size) for name, size in layout.sizes().items() if size > 1] or [("dp_replicate", 1)]
+    kept = [(name, size) for name, size in layout.mesh_sizes().items() if size > 1] or [("dp_replicate", 1)]
     return init_device_mesh(device_type, tuple(s for _, s in kept), mesh_dim_names=tuple(n for n, _ in kept))
 
 

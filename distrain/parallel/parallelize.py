@@ -14,6 +14,7 @@ clipping across stages, and the module whose parameters the optimizer and checkp
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 
 import torch
@@ -27,7 +28,9 @@ from distrain.config import StrategyConfig
 from distrain.layout import Layout
 from distrain.parallel.data_parallel import apply_ddp, apply_fsdp, apply_replicate, no_gradient_sync
 from distrain.parallel.dims import DATA_PARALLEL, build_mesh, submesh
-from distrain.parallel.tensor_parallel import apply_tp, loss_context
+from distrain.parallel.tensor_parallel import apply_tp, apply_tp_grid, loss_context
+from distrain.parallel.tpnd.grad_sync import GradSync
+from distrain.parallel.tpnd.layers import grid_cross_entropy
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -97,7 +100,8 @@ class ParallelModel:
         self.cfg, self.layout, self.device, self.loss_fn = cfg, layout, device, loss_fn
         self.mesh = build_mesh(layout, device.type) if collective else None
         self.dp_mesh = submesh(self.mesh, DATA_PARALLEL) if collective else None
-        self.vocab_sharded_loss = layout.tp > 1 and cfg.loss_parallel
+        self.vocab_sharded_loss = layout.tp > 1 and layout.tp_mode == "1d" and cfg.loss_parallel
+        self.grid, self.grad_sync = None, None  # 2-D, 2.5-D, 3-D tensor parallelism
 
         parts = {0: model}
         if layout.pp > 1:
@@ -105,8 +109,11 @@ class ParallelModel:
 
             parts = split_stages(model, self.mesh["pp"], layout)
         for part in parts.values():
-            if layout.tp > 1:
+            if layout.tp > 1 and layout.tp_mode == "1d":
                 apply_tp(part, self.mesh["tp"], self.vocab_sharded_loss)
+            elif layout.tp > 1:
+                self.grid = apply_tp_grid(part, self.mesh, layout.tp_mode)
+                self.loss_fn = functools.partial(grid_cross_entropy, self.grid)
             if cfg.activation_checkpoint:
                 apply_activation_checkpointing(part)
             if cfg.compile:
@@ -123,9 +130,14 @@ class ParallelModel:
 
     def apply_data_parallel(self, model: nn.Module, bf16: bool) -> nn.Module:
         """DDP where nothing else shards the model; FSDP2 for ZeRO-2/3; and for a replicated model
-        that holds DTensors (TP) or is a pipeline stage, FSDP2's `replicate`, which composes with both.
+        that holds DTensors (TP) or is a pipeline stage, FSDP2's `replicate`, which composes with both;
+        for the grid layouts (2-D, 2.5-D, 3-D) distrain's own gradient sync.
         A meta-built model is materialised after sharding and before replicating (module docstring)."""
         c, mesh = self.cfg, self.dp_mesh
+        if self.grid is not None:
+            materialize(model, self.device)
+            self.grad_sync = GradSync(model, self.grid, mesh.get_group() if mesh is not None else None)
+            return model
         if mesh is not None and c.zero >= 2:
             apply_fsdp(model, mesh, reshard_after_forward=c.zero == 3, bf16=bf16, offload=c.offload)
             materialize(model, self.device, offload=c.offload)
@@ -143,8 +155,9 @@ class ParallelModel:
         return self.dp_mesh.get_group() if self.cfg.zero == 1 and self.dp_mesh is not None else None
 
     def no_sync(self, last: bool) -> contextlib.AbstractContextManager:
-        """For a non-final micro-batch: keep its gradient local (no collective) until the last one."""
-        if last or self.dp_mesh is None:
+        """For a non-final micro-batch: keep its gradient local (no collective) until the last one.
+        (The grid layouts' gradient sync runs once, after the last, in any case.)"""
+        if last or self.dp_mesh is None or self.grad_sync is not None:
             return contextlib.nullcontext()
         return no_gradient_sync(self.module)
 
@@ -164,6 +177,8 @@ class ParallelModel:
                     if train:
                         (loss / len(micro)).backward()
                 total += as_tensor(loss.detach())
+            if train and self.grad_sync is not None:
+                self.grad_sync()
             return total
 
     def settle_buckets(self, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -183,8 +198,8 @@ class ParallelModel:
         """The norm of the whole model's gradient, over shards, tensor-parallel peers and stages;
         scale the gradient down to max_norm when it is positive and the norm exceeds it."""
         params = [p for p in self.module.parameters() if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-        norm = as_tensor(norm)
+        grads = [p.grad for p in params]
+        norm = self.grid.total_norm(grads) if self.grid is not None else as_tensor(torch.nn.utils.get_total_norm(grads))
         if self.pipeline is not None:
             norm = norm.pow(2)
             dist.all_reduce(norm, group=self.mesh["pp"].get_group())
