@@ -235,16 +235,28 @@ class Layout:
             rank //= size
         return {name: coord[name] for name in MESH_DIMS}
 
+    def tp_coordinate(self, rank: int) -> dict[str, int]:
+        """Rank → its position on the tensor-parallel grid's dims (the tp coordinate, reshaped)."""
+        t, coord = self.coordinate(rank)["tp"], {}
+        for name, size in reversed(tp_grid(self.tp_mode, self.tp, self.tp_depth)):
+            coord[name], t = t % size, t // size
+        return dict(reversed(coord.items()))
+
     def data_shard(self, rank: int) -> tuple[int, int]:
         """The rank's slice of the global batch: its index over the data-parallel dims, and their size."""
         c = self.coordinate(rank)
         return c["dp_replicate"] * self.dp_shard + c["dp_shard"], self.dp
 
+    def mesh_coordinate(self, rank: int) -> dict[str, int]:
+        """Rank → its position on each device-mesh dim (`mesh_sizes`): tp as its grid."""
+        c = self.coordinate(rank)
+        return {**{name: c[name] for name in MESH_DIMS[:-1]}, **self.tp_coordinate(rank)}  # tp is innermost
+
     def groups(self, dim: str) -> list[list[int]]:
-        """The ranks of every process group along `dim` (ranks equal on every other dim)."""
+        """The ranks of every process group along mesh dim `dim` (ranks equal on every other dim)."""
         by_rest: dict[tuple, list[int]] = {}
         for rank in range(self.world_size):
-            c = self.coordinate(rank)
+            c = self.mesh_coordinate(rank)
             by_rest.setdefault(tuple(v for k, v in c.items() if k != dim), []).append(rank)
         return list(by_rest.values())
 

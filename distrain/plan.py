@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from distrain.config import ModelConfig, TrainConfig, resolve_precision
-from distrain.layout import MESH_DIMS, SCHEDULES, Layout, stage_layers
+from distrain.layout import MESH_DIMS, SCHEDULES, Layout, stage_layers, tp_grid
 from distrain.model.size import num_params
 
 FP32 = 4  # bytes: master weights, gradients and optimizer state are fp32 whatever the precision
@@ -39,10 +39,20 @@ def human(n: float) -> str:
     return f"{n:.0f} B" if i == 0 else f"{n:.1f} {units[i]}"
 
 
-def stage_params(m: ModelConfig, stage: int, stages: int, tp: int) -> int:
+def weight_split(layout: Layout) -> tuple[int, int]:
+    """Into how many blocks tensor parallelism splits (every matrix, every norm's gain): 1-D splits the
+    matrices over tp and copies the gains; the grids split both, 2.5-D copying its q×q grid over depth."""
+    grid = dict(tp_grid(layout.tp_mode, layout.tp, layout.tp_depth))
+    if layout.tp_mode == "1d":
+        return layout.tp, 1
+    q = grid.get("tp_col", grid.get("tp_k"))
+    return (q * q if layout.tp_mode == "2.5d" else layout.tp), q
+
+
+def stage_params(m: ModelConfig, stage: int, stages: int, layout: Layout) -> int:
     """Parameters one tensor-parallel rank of a pipeline stage holds. Stage 0 has the embedding
     (vocab×dim), the last stage the final norm and the output head (vocab×dim); tensor parallelism
-    splits every matrix over tp and replicates the norms' gains (dim each, two per block)."""
+    splits the matrices and the norms' gains (dim each, two per block) as `weight_split` says."""
     block = num_params(replace(m, n_layers=1)) - num_params(replace(m, n_layers=0))
     n = len(stage_layers(m.n_layers, stages)[stage])
     matrices, norms = n * (block - 2 * m.dim), n * 2 * m.dim
@@ -50,7 +60,8 @@ def stage_params(m: ModelConfig, stage: int, stages: int, tp: int) -> int:
         matrices += m.vocab_size * m.dim
     if stage == stages - 1:
         matrices, norms = matrices + m.vocab_size * m.dim, norms + m.dim
-    return matrices // tp + norms
+    matrix_blocks, norm_blocks = weight_split(layout)
+    return matrices // matrix_blocks + norms // norm_blocks
 
 
 def optimizer_states(cfg: TrainConfig) -> int:
@@ -96,7 +107,7 @@ def rank_memory(cfg: TrainConfig, layout: Layout, pp_rank: int, precision: str) 
     too (P/N). Offload keeps the ZeRO-3 numbers in CPU memory."""
     s = cfg.strategy
     stages, n_stages = layout.stages(pp_rank), layout.num_stages
-    p = sum(stage_params(cfg.model, i, n_stages, layout.tp) for i in stages)
+    p = sum(stage_params(cfg.model, i, n_stages, layout) for i in stages)
 
     def shard(n: int, level: int) -> int:  # sharded over dp_shard from ZeRO `level` up (rounded up: padding)
         return -(-n // layout.dp_shard) if s.zero >= level else n
@@ -136,8 +147,40 @@ def mesh_lines(layout: Layout, table: list[dict]) -> list[str]:
 
 def group_lines(layout: Layout) -> list[str]:
     """The ranks of each process group, for every mesh dim of size > 1."""
-    lines = [f"  {d}: " + " ".join(_group(g) for g in layout.groups(d)) for d in MESH_DIMS if getattr(layout, d) > 1]
+    lines = [
+        f"  {d}: " + " ".join(_group(g) for g in layout.groups(d)) for d, n in layout.mesh_sizes().items() if n > 1
+    ]
     return lines or ["  none: a single rank"]
+
+
+def _chunk(index: int, chunks: int, n: int) -> str:
+    return f"{index * n // chunks}-{(index + 1) * n // chunks - 1}"
+
+
+def grid_lines(cfg: TrainConfig, layout: Layout) -> list[str]:
+    """Which block of the activations and weights each rank of one tensor-parallel group holds (every
+    group holds the same blocks): the residual stream's sequences of a micro-batch and hidden features,
+    and a dim×dim projection's block (distrain/parallel/tpnd/grid.py)."""
+    b, h = cfg.trainer.micro_batch_size, cfg.model.dim
+    grid = dict(tp_grid(layout.tp_mode, layout.tp, layout.tp_depth))
+    how = {"2d": "SUMMA", "2.5d": "SUMMA on each depth's grid", "3d": "3-D matmul"}[layout.tp_mode]
+    lines = [f"tensor-parallel grid ({layout.tp_mode}: {' × '.join(f'{d}={n}' for d, n in grid.items())}, {how}); "
+             f"a micro-batch of {b} sequences, hidden {h}; projection W[out, in] as nn.Linear holds it:"]  # fmt: skip
+    for rank in range(layout.tp):
+        c = layout.tp_coordinate(rank)
+        where = ", ".join(f"{d} {v}" for d, v in c.items())
+        if layout.tp_mode == "3d":
+            q = grid["tp_k"]
+            rows, hidden = _chunk(c["tp_i"] * q + c["tp_j"], q * q, b), _chunk(c["tp_k"], q, h)
+            reading = f"W[out {_chunk(c['tp_j'] * q + c['tp_i'], q * q, h)}, in {hidden}]"
+            writing = f"W[out {_chunk(c['tp_k'] * q + c['tp_i'], q * q, h)}, in {_chunk(c['tp_j'], q, h)}]"
+            block = f"projections reading the stream {reading}, writing to it {writing}"
+        else:
+            q, depth = grid["tp_col"], grid.get("tp_depth", 1)
+            rows, hidden = _chunk(c.get("tp_depth", 0) * q + c["tp_row"], depth * q, b), _chunk(c["tp_col"], q, h)
+            block = f"W[out {hidden}, in {_chunk(c['tp_row'], q, h)}]" + (" (copied over depth)" if depth > 1 else "")
+        lines.append(f"  rank {rank} ({where}): sequences {rows}, hidden {hidden}; {block}")
+    return lines
 
 
 def pipeline_lines(cfg: TrainConfig, layout: Layout) -> list[str]:
@@ -202,13 +245,14 @@ def describe(cfg: TrainConfig, layout: Layout, table: list[dict]) -> str:
     precision = resolve_precision(cfg.trainer.precision, gpu)
     nodes = len({e["node_id"] for e in table})
     where = f"{len(table)} ranks on {nodes} node{'s' * (nodes > 1)}, {'GPU' if gpu else 'CPU'}, {precision}"
-    shape = " × ".join(f"{d}={v}" for d, v in layout.sizes().items())
+    shape = " × ".join(f"{d}={v}" for d, v in layout.mesh_sizes().items())
     lines = [
         f"distrain plan: {where}; strategy {s.name} (zero {s.zero}{', offload' if s.offload else ''}); mesh {shape}; "
         f"model {num_params(cfg.model):,} parameters",
         "mesh:",
         *mesh_lines(layout, table),
         *(["process groups:", *group_lines(layout)] if cfg.ps.mode is None else server_lines(cfg)),
+        *(grid_lines(cfg, layout) if layout.tp > 1 and layout.tp_mode != "1d" else []),
         *(pipeline_lines(cfg, layout) if layout.pp > 1 else []),
         *memory_lines(cfg, layout, precision),
     ]

@@ -144,3 +144,19 @@ def attempt_placement(run_dir: Path, attempt: int | None = None) -> list[dict] |
         return json.loads(path.read_text())
     except (FileNotFoundError, ValueError):  # not yet, or being written
         return None
+
+
+def fake_table(n: int, per_node: int, gpus: bool) -> list[dict]:
+    """What WorkerGroup.start returns, for n workers on nodes of per_node workers each."""
+    return [
+        {
+            "rank": r,
+            "worker_index": n - 1 - r,
+            "pid": 1000 + r,
+            "node_id": f"node{r // per_node}",
+            "node_ip": f"10.0.0.{r // per_node + 1}",
+            "node_rank": r // per_node,
+            "gpu_ids": [r % per_node] if gpus else [],
+        }
+        for r in range(n)
+    ]

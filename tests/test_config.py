@@ -97,6 +97,21 @@ from distrain.validation import validate
         (["cluster.spares=-1"], "cluster.spares"),
         (["cluster.local_cpus=-1"], "cluster.local_cpus"),
         (["+cluster.env_vars.MASTER_ADDR=10.0.0.1"], "cluster.env_vars.MASTER_ADDR"),
+        # 2-D, 2.5-D, 3-D tensor parallelism: the grid's shape, and the sizes it splits (the tests' model:
+        # dim 32, 2 heads, ffn 64, vocab 256, micro-batch 2).
+        (["strategy.tp_mode=4d"], "strategy.tp_mode"),
+        (["strategy=tp2d", "strategy.tp=8", "cluster.num_workers=8"], "not a square"),
+        (["strategy=tp2p5d", "strategy.tp=12", "cluster.num_workers=12"], "tp_depth × a square"),
+        (["strategy=tp3d", "strategy.tp=4", "cluster.num_workers=4"], "not a cube"),
+        (["strategy=tp2d", "strategy.tp_depth=2", "cluster.num_workers=4"], "strategy.tp_depth"),
+        (["strategy=tp2d", "cluster.num_workers=4", "model.vocab_size=257"], "model.vocab_size"),
+        (["strategy=tp3d", "cluster.num_workers=8", "trainer.micro_batch_size=4", "model.ffn_dim=66"], "model.ffn_dim"),
+        (["strategy=tp2d", "cluster.num_workers=4", "model.n_heads=1", "model.dim=16"], "model.n_heads"),
+        (["strategy=tp3d", "cluster.num_workers=8"], "trainer.micro_batch_size"),
+        (["strategy=tp2p5d", "cluster.num_workers=8"], "trainer.micro_batch_size"),
+        (["strategy=tp2d", "strategy.pp=2", "cluster.num_workers=8"], "strategy.pp=2"),
+        (["strategy=tp2d", "strategy.zero=2", "strategy.dp_shard=2", "cluster.num_workers=8"], "strategy.zero=2"),
+        (["strategy=tp2d", "strategy.compile=true", "cluster.num_workers=4"], "strategy.compile"),
     ],
 )
 def test_validate_names_the_key(tmp_path: Path, overrides: list[str], key: str):
@@ -180,6 +195,7 @@ def run_cli(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
         (["strategy=magic"], "unknown strategy 'magic'"),
         (["strategy=pp", "strategy.schedule=zigzag"], "strategy.schedule='zigzag'"),
         (["strategy=3d", "cluster.num_workers=6"], "cluster.num_workers=6 is not divisible"),
+        (["strategy=tp3d", "strategy.tp=4", "cluster.num_workers=4"], "strategy.tp=4 is not a cube"),
         (["cluster.num_workers=0"], "cluster.num_workers=0"),
         (["trainer.global_batch_size=30"], "trainer.global_batch_size=30"),
         (["data.path=/nonexistent/corpus"], "data.path='/nonexistent/corpus'"),

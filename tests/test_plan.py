@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, TINY, make_config
+from conftest import REPO, TINY, fake_table, make_config
 
 from distrain.cli import PLAN_HYDRA_OVERRIDES, plan_overrides
 from distrain.config import TrainConfig
@@ -23,22 +23,6 @@ from distrain.validation import validate
 def planned(tmp_path: Path, *overrides: str) -> tuple[TrainConfig, Layout]:
     cfg = make_config(tmp_path, *overrides)
     return cfg, validate(cfg)
-
-
-def fake_table(n: int, per_node: int, gpus: bool) -> list[dict]:
-    """What WorkerGroup.start returns, for n workers on nodes of per_node workers each."""
-    return [
-        {
-            "rank": r,
-            "worker_index": n - 1 - r,
-            "pid": 1000 + r,
-            "node_id": f"node{r // per_node}",
-            "node_ip": f"10.0.0.{r // per_node + 1}",
-            "node_rank": r // per_node,
-            "gpu_ids": [r % per_node] if gpus else [],
-        }
-        for r in range(n)
-    ]
 
 
 @pytest.mark.timeout(30)
@@ -119,7 +103,7 @@ def test_pipeline_stages_list_their_layers(tmp_path: Path):
     }
     for stage, prefixes in owned.items():
         counted = sum(p.numel() for name, p in model.named_parameters() if name.startswith(prefixes))
-        assert stage_params(cfg.model, stage, 4, 1) == counted, f"stage {stage}"
+        assert stage_params(cfg.model, stage, 4, Layout.single()) == counted, f"stage {stage}"
     # pp rank 1 holds stages 1 and 3: its fp32 parameters are theirs.
     assert rank_memory(cfg, layout, 1, "fp32").params == 4 * sum(
         p.numel() for name, p in model.named_parameters() if name.startswith(owned[1] + owned[3])
