@@ -6,10 +6,10 @@ or SKIP, and its figure), then a summary, and exits 1 if any part failed:
 1. **strategies**: a short NCCL run of every preset in conf/strategy/ that fits on G GPUs, through
    distrain's own driver (`distrain.launch.train`, what `python jobs/train.py` runs): `model=nano`, 20
    steps, `trainer.precision=bf16`. Each gets the most workers ≤ G its layout accepts; tp, pp, hsdp and
-   fsdp_tp need 2, 3d needs 4, and a preset that needs more than G is skipped, saying so. Their degrees
-   are not lowered to fit: at tp=1, pp=1 or dp_shard=1 a preset runs ddp's or zero3's code, not its own.
-   It passes when every logged loss is finite and the last is below the first. (strategy=ps trains
-   through Ray's object store, not NCCL: jobs/bench_ps.py covers it.)
+   fsdp_tp need 2, 3d and tp2d 4, tp2p5d and tp3d 8, and a preset that needs more than G is skipped,
+   saying so. Their degrees are not lowered to fit: at tp=1, pp=1 or dp_shard=1 a preset runs ddp's or
+   zero3's code, not its own. It passes when every logged loss is finite and the last is below the
+   first. (strategy=ps trains through Ray's object store, not NCCL: jobs/bench_ps.py covers it.)
 2. **bf16 against fp32**: ddp's run again in fp32, on the same seed, data and workers. It passes when the
    final losses are within 2% of each other (relative). bf16 autocast rounds every matmul input to 8
    mantissa bits (0.4%), so the curves drift apart a little: over 20 steps of the nano model they stayed
@@ -59,6 +59,7 @@ import harness  # first: it keeps Ray on loopback
 import processes
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "offload", "tp", "pp", "hsdp", "fsdp_tp", "3d")
+STRATEGIES += ("tp2d", "tp2p5d", "tp3d")  # 4 and 8 GPUs
 TOLERANCE = 0.02  # bf16's final loss against fp32's, relative
 MOST_WORKERS = 64  # how far to look for the worker count a preset needs
 RUN = ["checkpoint.interval=0", "trainer.eval_interval=0", "trainer.eval_batches=1", "cluster.reuse_workers=true"]
