@@ -74,12 +74,16 @@ def _validate_tensor_parallel_grid(cfg: TrainConfig) -> None:
     grid = dict(tp_grid(s.tp_mode, s.tp, s.tp_depth))
     mode = f"strategy.tp_mode={s.tp_mode} (tp={s.tp}"
     mode += f", tp_depth={s.tp_depth})" if s.tp_mode == "2.5d" else ")"
-    for key, value in (("pp", s.pp), ("zero", s.zero)):
-        _require(
-            value == (1 if key == "pp" else 0),
-            f"{mode} does not combine with strategy.{key}={value} yet; use data parallelism "
-            f"(strategy.dp_replicate) beside it, or strategy.tp_mode=1d",
-        )
+    _require(
+        s.zero == 0,
+        f"{mode} does not combine with strategy.zero={s.zero} (FSDP2 takes at most two tensor-parallel "
+        f"placements); use data parallelism (strategy.dp_replicate) beside it, or strategy.tp_mode=1d",
+    )
+    _require(
+        s.pp == 1 or not SCHEDULES[s.schedule].split_backward,
+        f"{mode} does not combine with strategy.schedule={s.schedule} (its backward is computed whole); "
+        f"choose another schedule",
+    )
     for key in ("offload", "compile"):
         _require(not getattr(s, key), f"{mode} does not support strategy.{key}=true; set it to false")
     head_dim, kv = m.dim // m.n_heads, m.n_kv_heads or m.n_heads

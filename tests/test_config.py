@@ -109,7 +109,16 @@ from distrain.validation import validate
         (["strategy=tp2d", "cluster.num_workers=4", "model.n_heads=1", "model.dim=16"], "model.n_heads"),
         (["strategy=tp3d", "cluster.num_workers=8"], "trainer.micro_batch_size"),
         (["strategy=tp2p5d", "cluster.num_workers=8"], "trainer.micro_batch_size"),
-        (["strategy=tp2d", "strategy.pp=2", "cluster.num_workers=8"], "strategy.pp=2"),
+        (
+            [
+                "strategy=tp2d",
+                "strategy.pp=2",
+                "strategy.schedule=interleaved_zb",
+                "model.n_layers=4",
+                "cluster.num_workers=8",
+            ],
+            "strategy.schedule=interleaved_zb",
+        ),
         (["strategy=tp2d", "strategy.zero=2", "strategy.dp_shard=2", "cluster.num_workers=8"], "strategy.zero=2"),
         (["strategy=tp2d", "strategy.compile=true", "cluster.num_workers=4"], "strategy.compile"),
     ],

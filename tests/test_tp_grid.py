@@ -23,6 +23,7 @@ GRIDS = {
     "2.5d": (8, ["strategy=tp2p5d", "trainer.micro_batch_size=4"]),  # d=2 grids of 2×2: 4 sequences per micro-batch
     "3d": (8, ["strategy=tp3d", "trainer.micro_batch_size=4"]),  # 2×2×2: q² = 4 sequences per micro-batch
     "dp2_2d": (8, ["strategy=tp2d"]),  # two 2×2 grids, data-parallel
+    "pp2_2d": (8, ["strategy=tp2d", "strategy.pp=2"]),  # a 2×2 grid per pipeline stage (1f1b, 4 micro-batches)
 }
 
 

@@ -205,8 +205,11 @@ def tp_plan(model: Transformer, loss_parallel: bool) -> dict[str, ParallelStyle]
 def grid_tp_plan(model: Transformer) -> dict[str, str]:
     """The plan for 2-D, 2.5-D and 3-D tensor parallelism (distrain/parallel/tpnd/): every weight's role.
     "in" projections read the residual stream, "out" projections write to it; the grid decides how
-    each is split. Attention's heads follow Q, K and V's output features, so each rank keeps whole heads."""
-    plan = {"tok_embeddings": "embedding", "norm": "norm", "output": "in"}
+    each is split. Attention's heads follow Q, K and V's output features, so each rank keeps whole heads.
+    Parts a pipeline stage dropped are left out."""
+    plan = {"tok_embeddings": "embedding"} if model.tok_embeddings is not None else {}
+    if model.output is not None:
+        plan |= {"norm": "norm", "output": "in"}
     for name in model.layers:
         block = f"layers.{name}"
         plan |= {f"{block}.attention_norm": "norm", f"{block}.ffn_norm": "norm"}

@@ -124,9 +124,11 @@ class ParallelModel:
         if layout.pp > 1:
             from distrain.parallel.pipeline import Pipeline
 
-            self.pipeline = Pipeline(parts, self.mesh["pp"], device, layout, loss_fn)
+            self.pipeline = Pipeline(parts, self.mesh["pp"], device, layout, self.loss_fn)
         self.parts = list(parts.values())
         self.module = self.parts[0] if len(self.parts) == 1 else stage_union(self.parts)
+        if self.grid is not None:
+            self.grad_sync = GradSync(self.module, self.grid, self.dp_mesh.get_group() if self.dp_mesh else None)
 
     def apply_data_parallel(self, model: nn.Module, bf16: bool) -> nn.Module:
         """DDP where nothing else shards the model; FSDP2 for ZeRO-2/3; and for a replicated model
@@ -134,9 +136,8 @@ class ParallelModel:
         for the grid layouts (2-D, 2.5-D, 3-D) distrain's own gradient sync.
         A meta-built model is materialised after sharding and before replicating (module docstring)."""
         c, mesh = self.cfg, self.dp_mesh
-        if self.grid is not None:
+        if self.grid is not None:  # gradients summed by GradSync (__init__)
             materialize(model, self.device)
-            self.grad_sync = GradSync(model, self.grid, mesh.get_group() if mesh is not None else None)
             return model
         if mesh is not None and c.zero >= 2:
             apply_fsdp(model, mesh, reshard_after_forward=c.zero == 3, bf16=bf16, offload=c.offload)
@@ -167,6 +168,7 @@ class ParallelModel:
         with loss_context(self.vocab_sharded_loss):
             if self.pipeline is not None:
                 losses = [as_tensor(loss.detach()) for loss in self.pipeline.step(x, y, train)]
+                self.sync_gradients(train)
                 return torch.stack(losses).sum() if losses else torch.zeros((), device=x.device)
             n = self.layout.micro_batches
             micro = list(zip(x.chunk(n), y.chunk(n), strict=True))
@@ -177,9 +179,13 @@ class ParallelModel:
                     if train:
                         (loss / len(micro)).backward()
                 total += as_tensor(loss.detach())
-            if train and self.grad_sync is not None:
-                self.grad_sync()
+            self.sync_gradients(train)
             return total
+
+    def sync_gradients(self, train: bool) -> None:
+        """The grid layouts reduce gradients here, once per step; the other wrappers did during the backward."""
+        if train and self.grad_sync is not None:
+            self.grad_sync()
 
     def settle_buckets(self, x: torch.Tensor, y: torch.Tensor) -> None:
         """DDP reduces its first backward's gradients in a bucket laid out in reverse parameter
