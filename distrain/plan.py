@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 from distrain.config import ModelConfig, TrainConfig, resolve_precision
 from distrain.layout import MESH_DIMS, SCHEDULES, Layout, stage_layers, tp_grid
 from distrain.model.size import num_params
+from distrain.tpcost import weight_split
 
 FP32 = 4  # bytes: master weights, gradients and optimizer state are fp32 whatever the precision
 
@@ -39,20 +40,10 @@ def human(n: float) -> str:
     return f"{n:.0f} B" if i == 0 else f"{n:.1f} {units[i]}"
 
 
-def weight_split(layout: Layout) -> tuple[int, int]:
-    """Into how many blocks tensor parallelism splits (every matrix, every norm's gain): 1-D splits the
-    matrices over tp and copies the gains; the grids split both, 2.5-D copying its q×q grid over depth."""
-    grid = dict(tp_grid(layout.tp_mode, layout.tp, layout.tp_depth))
-    if layout.tp_mode == "1d":
-        return layout.tp, 1
-    q = grid.get("tp_col", grid.get("tp_k"))
-    return (q * q if layout.tp_mode == "2.5d" else layout.tp), q
-
-
 def stage_params(m: ModelConfig, stage: int, stages: int, layout: Layout) -> int:
     """Parameters one tensor-parallel rank of a pipeline stage holds. Stage 0 has the embedding
     (vocab×dim), the last stage the final norm and the output head (vocab×dim); tensor parallelism
-    splits the matrices and the norms' gains (dim each, two per block) as `weight_split` says."""
+    splits the matrices and the norms' gains (dim each, two per block) as tpcost.weight_split says."""
     block = num_params(replace(m, n_layers=1)) - num_params(replace(m, n_layers=0))
     n = len(stage_layers(m.n_layers, stages)[stage])
     matrices, norms = n * (block - 2 * m.dim), n * 2 * m.dim
@@ -60,7 +51,7 @@ def stage_params(m: ModelConfig, stage: int, stages: int, layout: Layout) -> int
         matrices += m.vocab_size * m.dim
     if stage == stages - 1:
         matrices, norms = matrices + m.vocab_size * m.dim, norms + m.dim
-    matrix_blocks, norm_blocks = weight_split(layout)
+    matrix_blocks, norm_blocks = weight_split(layout.tp_mode, layout.tp, layout.tp_depth)
     return matrices // matrix_blocks + norms // norm_blocks
 
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from distrain.layout import tp_grid
+
 MODES = ("1d", "2d", "2.5d", "3d")
 
 
@@ -36,18 +38,19 @@ def linears(s: dict[str, int]) -> list[tuple[int, int]]:
 
 
 def grid(mode: str, p: int, depth: int = 1) -> tuple[int, int]:
-    """(q, d): the side of the grid and its depth; p = 1 is no tensor parallelism."""
+    """(q, d): the side of the grid and its depth (layout.tp_grid's); 1-D and p = 1 are (1, 1)."""
+    dims = dict(tp_grid(mode, p, depth)) if p > 1 else {}
+    return dims.get("tp_col", dims.get("tp_k", 1)), dims.get("tp_depth", 1)
+
+
+def weight_split(mode: str, p: int, depth: int = 1) -> tuple[int, int]:
+    """Into how many blocks tensor parallelism splits (every matrix, every norm's gain): 1-D splits the
+    matrices over p and copies the gains; 2-D and 2.5-D split matrices over the q×q grid (2.5-D copying it
+    over depth) and gains over q; 3-D matrices over q³ and gains over q."""
     if p == 1 or mode == "1d":
-        return 1, 1
-    if mode == "3d":
-        q = round(p ** (1 / 3))
-    else:
-        depth = depth if mode == "2.5d" else 1
-        q = round((p // depth) ** 0.5)
-    d = depth if mode == "2.5d" else 1
-    if (q**3 if mode == "3d" else d * q * q) != p:
-        raise ValueError(f"tp_mode={mode} cannot lay out p={p} ranks (depth {depth})")
-    return q, d
+        return p, 1
+    q, _ = grid(mode, p, depth)
+    return (q**3 if mode == "3d" else q * q), q
 
 
 def linear_traffic(mode: str, q: int, d: int, n: int, i: int, o: int) -> float:
@@ -106,7 +109,8 @@ def block_activations(s: dict[str, int], mode: str, p: int, depth: int, n: int) 
     (input, 1/rms, input/rms, output), Q and K rotated and V (h + 2k), attention's output and log-sum-exp
     (h + H), and SwiGLU's four (4f). 1-D keeps 1/p of those but each sublayer's all-gathered input whole
     (and not the sharded norm output); 2-D and 2.5-D 1/p of all, their 1/rms over the features' q ranks;
-    3-D 1/p as well, plus the gathered X (n/q rows) and W (1/q²) each 3-D linear keeps for its backward."""
+    3-D 1/p as well, plus the gathered X (n/q rows) and W (1/q²) each 3-D linear keeps for its backward, in
+    place of the local norm outputs and SwiGLU product."""
     h, k, f, H = s["h"], s["k"], s["f"], s["H"]
     per_token = 8 * h + 2 * k + 4 * f + H + 2
     if p == 1:
@@ -117,7 +121,8 @@ def block_activations(s: dict[str, int], mode: str, p: int, depth: int, n: int) 
     if mode == "3d":
         gathered_x = n * (6 * h + f) / q**2
         gathered_w = (2 * h * h + 2 * h * k + 3 * h * f) / q**2
-        return n * (per_token - 2) / p + 2 * n / q**2 + gathered_x + gathered_w
+        # the norms' outputs and SwiGLU's product are kept only gathered (in gathered_x)
+        return n * (per_token - 2 - 2 * h - f) / p + 2 * n / q**2 + gathered_x + gathered_w
     return n * (per_token - 2) / p + 2 * n / (d * q)
 
 
@@ -129,12 +134,7 @@ def tp_memory(model: Any, mode: str, p: int, depth: int, micro_batch: int, seq_l
     s, n = shape(model), micro_batch * seq_len
     matrices = sum(i * o for i, o in linears(s)) + s["V"] * s["h"]
     gains = (2 * s["L"] + 1) * s["h"]
-    if p == 1:
-        weights = matrices + gains
-    elif mode == "1d":
-        weights = matrices / p + gains
-    else:
-        q, d = grid(mode, p, depth)
-        weights = matrices / (q**3 if mode == "3d" else q**2) + gains / q
+    matrix_blocks, gain_blocks = weight_split(mode, p, depth)
+    weights = matrices / matrix_blocks + gains / gain_blocks
     activations = s["L"] * block_activations(s, mode, p, depth, n)
     return {"weights": weights * bytes_per_elem, "activations": activations * bytes_per_elem}

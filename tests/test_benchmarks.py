@@ -57,6 +57,8 @@ SMOKES = [
     ("bench_recovery", 240, True, ["| distrain + 1 hot spare, 2 workers | 1 |", "| yes |"]),
     # the three ways trained the same (one final loss each), and the background's cost was computed
     ("bench_checkpoint", 180, False, ["| background (`async=true`) |", "In the background a checkpoint costs"]),
+    # the grid's bytes were counted, and matched the theory's
+    ("bench_tp", 180, True, ["| 2-D, 2×2 | 4 |", "| yes |"]),
 ]
 
 
