@@ -35,7 +35,13 @@ SMOKE_BATCH, SMOKE_SEQ = 4, 16
 # with q ≥ 2, so at 4 it is 2-D), and one process as the baseline.
 CASES = [("1d", 1, 1), ("1d", 4, 1), ("2d", 4, 1), ("1d", 8, 1), ("2.5d", 8, 2), ("3d", 8, 1)]
 SMOKE_CASES = [("1d", 2, 1), ("2d", 4, 1)]
-THEORY_P = {"1d": [1, 2, 4, 8, 16, 32, 64], "2d": [1, 4, 16, 64], "2.5d": [1, 8, 32], "3d": [1, 8, 64]}
+# Every p up to 64 each mode can lay out (2.5-D at depth 2): the theory's lines, and where they cross 1-D's.
+THEORY_P = {
+    "1d": [1, 2, 4, 8, 16, 32, 64],
+    "2d": [1, 4, 9, 16, 25, 36, 49, 64],
+    "2.5d": [1, 8, 18, 32, 50],
+    "3d": [1, 8, 27, 64],
+}
 COLOURS = {"1d": "#1f77b4", "2d": "#ff7f0e", "2.5d": "#2ca02c", "3d": "#d62728"}
 MIB = 2**20
 
