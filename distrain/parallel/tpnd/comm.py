@@ -4,6 +4,8 @@ gloo's all-gather and reduce-scatter concatenate along. A group of None is a gri
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
@@ -60,30 +62,28 @@ def reduce(x: torch.Tensor, group: Group, dst: int) -> torch.Tensor:
     return x
 
 
-class AllGather(torch.autograd.Function):
+class Mirrored(torch.autograd.Function):
+    """A collective whose backward is its mirror image: an all-gather's gradient is reduce-scattered,
+    a reduce-scatter's all-gathered."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Group, forward: Callable, backward: Callable) -> torch.Tensor:
+        ctx.group, ctx.mirror = group, backward
+        return forward(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        return ctx.mirror(grad, ctx.group), None, None, None
+
+
+def gather_rows(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Rows from every member, in member order; backward: each member's rows of the summed gradient."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:
-        ctx.group = group
-        return all_gather(x, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return reduce_scatter(grad, ctx.group), None
+    return Mirrored.apply(x, group, all_gather, reduce_scatter)
 
 
-class ReduceScatter(torch.autograd.Function):
+def scatter_rows(x: torch.Tensor, group: Group) -> torch.Tensor:
     """The sum over members, each keeping its rows; backward: every member's rows of the gradient."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:
-        ctx.group = group
-        return reduce_scatter(x, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return all_gather(grad, ctx.group), None
+    return Mirrored.apply(x, group, reduce_scatter, all_gather)
 
 
 class SumSharded(torch.autograd.Function):

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import torch
 
-from distrain.parallel.tpnd.comm import AllGather, Group, ReduceScatter
+from distrain.parallel.tpnd.comm import Group, gather_rows, scatter_rows
 
 
 def cube_matmul(x: torch.Tensor, w: torch.Tensor, gather: Group, weights: Group, reduce: Group) -> torch.Tensor:
     """x [rows, ..., in/q] · w [out/q² rows of out/q, in/q]ᵀ: gather x's rows over `gather`, w's over
     `weights`, reduce-scatter the product's rows over `reduce`."""
-    x = AllGather.apply(x, gather)
-    w = AllGather.apply(w, weights)
-    return ReduceScatter.apply(x @ w.T, reduce)
+    x = gather_rows(x, gather)
+    w = gather_rows(w, weights)
+    return scatter_rows(x @ w.T, reduce)

@@ -15,12 +15,15 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Replicate, Shard
 
-from distrain.parallel.tpnd.comm import Group, ReduceScatter, all_reduce, index, size
+from distrain.parallel.tpnd.comm import Group, all_reduce, index, scatter_rows, size
 from distrain.parallel.tpnd.cube import cube_matmul
 from distrain.parallel.tpnd.summa import summa
 
 
 class Grid:
+    """What every scheme shares; a subclass names its dims (outermost first) and says, per role, the
+    weight's placements (`weight_layout`) and how the linear, the embedding and the loss's rows go."""
+
     dims: tuple[str, ...]
 
     def __init__(self, mesh: DeviceMesh):
@@ -35,21 +38,15 @@ class Grid:
     def placements(self, role: str) -> tuple[Placement, ...]:
         """The weight's DTensor placements on `self.mesh`, one per present dim."""
         by_dim = self.weight_layout(role)
-        return tuple(by_dim[d] for d in self.dims if self.along[d] is not None)
-
-    def replicated_dims(self, role: str) -> list[str]:
-        """Grid dims over which a weight is copied: its gradient is summed over them."""
-        by_dim = self.weight_layout(role)
-        return [d for d in self.dims if self.along[d] is not None and isinstance(by_dim[d], Replicate)]
+        return tuple(by_dim[d] for d in self.placed_dims)
 
     def total_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """The 2-norm of the whole gradient: each rank's squares (a block copied over grid dims counted
         once over its copies), summed over the grid, one scalar all-reduce per grid dim."""
         squares = torch.zeros((), device=grads[0].device)
         for g in grads:
-            copies = math.prod(self.size[d] for d, p in zip(self.placed_dims, g.placements, strict=True)
-                               if isinstance(p, Replicate))  # fmt: skip
-            squares += g.to_local().float().pow(2).sum() / copies
+            copied = [d for d, p in zip(self.placed_dims, g.placements, strict=True) if isinstance(p, Replicate)]
+            squares += g.to_local().float().pow(2).sum() / math.prod(self.size[d] for d in copied)
         for d in self.dims:
             squares = all_reduce(squares, self.along[d])
         return squares.sqrt()
@@ -63,7 +60,7 @@ class Grid:
         inside = (local >= 0) & (local < weight.shape[0])
         h = torch.nn.functional.embedding(local.clamp(0, weight.shape[0] - 1), weight) * inside.unsqueeze(-1)
         for group in self.embedding_reduce():
-            h = ReduceScatter.apply(h, group)
+            h = scatter_rows(h, group)
         return h
 
     def logit_rows(self, n: int) -> slice:
