@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import os
 
+from distrain import tpcost
 from distrain.config import ClusterConfig, ConfigError, TrainConfig
 from distrain.data.corpus import corpus_files
-from distrain.layout import SCHEDULES, Layout, tp_grid
+from distrain.layout import SCHEDULES, Layout
 
 OPTIMIZERS = ("adamw", "sgd")
 WANDB_MODES = (None, "online", "offline", "disabled")
@@ -71,7 +72,7 @@ def _validate_tensor_parallel(cfg: TrainConfig) -> None:
 def _validate_tensor_parallel_grid(cfg: TrainConfig) -> None:
     """2-D, 2.5-D and 3-D: the grid must divide every split dimension (distrain/parallel/tpnd/grid.py)."""
     m, s, t = cfg.model, cfg.strategy, cfg.trainer
-    grid = dict(tp_grid(s.tp_mode, s.tp, s.tp_depth))
+    q, _ = tpcost.grid(s.tp_mode, s.tp, s.tp_depth)
     mode = f"strategy.tp_mode={s.tp_mode} (tp={s.tp}"
     mode += f", tp_depth={s.tp_depth})" if s.tp_mode == "2.5d" else ")"
     _require(
@@ -87,7 +88,6 @@ def _validate_tensor_parallel_grid(cfg: TrainConfig) -> None:
     for key in ("offload", "compile"):
         _require(not getattr(s, key), f"{mode} does not support strategy.{key}=true; set it to false")
     head_dim, kv = m.dim // m.n_heads, m.n_kv_heads or m.n_heads
-    q = grid.get("tp_row", grid.get("tp_k"))
     split = q * q if s.tp_mode == "3d" else q  # 3-D splits a weight's output features over two axes
     features = {"dim": m.dim, "ffn_dim": m.ffn_dim, "vocab_size": m.vocab_size}
     features |= {"n_heads × head_dim": m.n_heads * head_dim, "n_kv_heads × head_dim": kv * head_dim}

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor
 
 from distrain.parallel.tpnd.comm import Group, all_reduce, size
 from distrain.parallel.tpnd.grid import Grid
@@ -18,9 +18,7 @@ class GradSync:
         self.dp = size(dp_group)
         buckets: dict[tuple[str, ...], list[nn.Parameter]] = {}
         for p in module.parameters():
-            names = p.device_mesh.mesh_dim_names if isinstance(p, DTensor) else ()
-            copied = tuple(n for n, pl in zip(names, p.placements, strict=True) if isinstance(pl, Replicate))
-            buckets.setdefault(copied, []).append(p)
+            buckets.setdefault(grid.copied_dims(p), []).append(p)
         self.buckets = [
             ([dp_group, *(grid.along[d] for d in dims)], params)
             for dims, params in buckets.items()

@@ -13,7 +13,7 @@ import math
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Placement, Replicate, Shard
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from distrain.parallel.tpnd.comm import Group, all_reduce, index, scatter_rows, size
 from distrain.parallel.tpnd.cube import cube_matmul
@@ -40,13 +40,17 @@ class Grid:
         by_dim = self.weight_layout(role)
         return tuple(by_dim[d] for d in self.placed_dims)
 
+    def copied_dims(self, t: torch.Tensor) -> tuple[str, ...]:
+        """The grid dims a weight (or its gradient) is copied on, not split over; none for a plain tensor."""
+        placements = t.placements if isinstance(t, DTensor) else ()
+        return tuple(d for d, p in zip(self.placed_dims, placements, strict=True) if isinstance(p, Replicate))
+
     def total_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """The 2-norm of the whole gradient: each rank's squares (a block copied over grid dims counted
         once over its copies), summed over the grid, one scalar all-reduce per grid dim."""
         squares = torch.zeros((), device=grads[0].device)
         for g in grads:
-            copied = [d for d, p in zip(self.placed_dims, g.placements, strict=True) if isinstance(p, Replicate)]
-            squares += g.to_local().float().pow(2).sum() / math.prod(self.size[d] for d in copied)
+            squares += g.to_local().float().pow(2).sum() / math.prod(self.size[d] for d in self.copied_dims(g))
         for d in self.dims:
             squares = all_reduce(squares, self.along[d])
         return squares.sqrt()
