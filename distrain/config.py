@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,13 +59,21 @@ class StrategyConfig:
     # 0: replicated (DDP); 1: optimizer state sharded over dp_shard (ZeroRedundancyOptimizer over DDP);
     # 2: and gradients (FSDP2, parameters kept gathered between forward and backward); 3: and parameters.
     zero: int = 0
-    offload: bool = False  # parameters, gradients, optimizer state and its step on the CPU (zero=3 only)
+    # none | cpu: parameters, gradients, optimizer state and its step in host memory (zero=3 only) |
+    # nvme: the same, but the optimizer state in files under nvme_path, streamed (distrain/train/nvme.py)
+    offload: str = "none"
+    nvme_path: str | None = None  # a directory on a local disk of every node; None: the system's temporary one
+    nvme_buffer_mb: float = 256.0  # host memory that streams the optimizer state (3 buffers of a chunk each)
     schedule: str = "1f1b"  # pipeline schedule; see layout.SCHEDULES
     stages_per_rank: int | None = None  # None: 2 for the multi-stage schedules, else 1
     loss_parallel: bool = True  # with tp: the loss on vocabulary-sharded logits, never gathered
     activation_checkpoint: bool = False  # recompute each block's activations in the backward pass
     compile: bool = False  # torch.compile each block
     bucket_cap_mb: float = 25.0  # DDP gradient buckets
+
+    def nvme_directory(self, run_name: str) -> str:
+        """Where offload=nvme puts a run's scratch files on this node."""
+        return os.path.join(self.nvme_path or tempfile.gettempdir(), f"distrain-{run_name}")
 
 
 @dataclass
@@ -212,6 +221,13 @@ class TrainConfig:
     @property
     def run_dir(self) -> str:
         return os.path.join(self.run.storage, self.run.name)
+
+
+def attach_address(address: str | None) -> str | None:
+    """The existing cluster to attach to: `address`, else RAY_ADDRESS (how `ray job submit` runs
+    us); None (or "local") means an embedded cluster on this machine."""
+    address = address or os.environ.get("RAY_ADDRESS")
+    return None if address in (None, "", "local") else address
 
 
 def resolve_precision(precision: str, gpu: bool) -> str:

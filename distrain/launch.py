@@ -25,11 +25,11 @@ from distrain import checkpoint
 from distrain.cluster.attempt import Attempt
 from distrain.cluster.placement import GroupSpec
 from distrain.cluster.policy import Policy
-from distrain.cluster.runtime import attach_address, check_capacity, connect, gpu_count, wait_for_gpus
+from distrain.cluster.runtime import check_capacity, connect, gpu_count, wait_for_gpus
 from distrain.cluster.states import Work
 from distrain.cluster.supervisor import Supervisor
 from distrain.cluster.worker_group import WorkerGroup
-from distrain.config import ClusterConfig, ConfigError, TrainConfig, to_plain
+from distrain.config import ClusterConfig, ConfigError, TrainConfig, attach_address, to_plain
 from distrain.fsutil import exclusive_lock
 from distrain.layout import Layout
 from distrain.plan import describe

@@ -18,18 +18,19 @@ FP32 = 4  # bytes: master weights, gradients and optimizer state are fp32 whatev
 
 @dataclass(frozen=True)
 class Memory:
-    """Bytes one rank holds; with `offloaded` the model state lives in CPU memory instead of the GPU's."""
+    """Bytes one rank holds; with `offload` (cpu, nvme) the model state lives in CPU memory instead of the
+    GPU's, and under nvme the optimizer state on disk."""
 
     params: int
     grads: int
     optimizer: int
     activations: int
-    offloaded: bool = False
+    offload: str = "none"
 
     @property
     def device_total(self) -> int:
         """What the accelerator holds: everything, or with offload only the activations."""
-        state = 0 if self.offloaded else self.params + self.grads + self.optimizer
+        state = 0 if self.offload != "none" else self.params + self.grads + self.optimizer
         return state + self.activations
 
 
@@ -111,7 +112,7 @@ def rank_memory(cfg: TrainConfig, layout: Layout, pp_rank: int, precision: str) 
         grads=FP32 * shard(p, 2),
         optimizer=FP32 * shard(optimizer_states(cfg) * p, 1),
         activations=activations,
-        offloaded=s.offload,
+        offload=s.offload,
     )
 
 
@@ -187,7 +188,7 @@ def pipeline_lines(cfg: TrainConfig, layout: Layout) -> list[str]:
 
 
 def memory_lines(cfg: TrainConfig, layout: Layout, precision: str) -> list[str]:
-    o = cfg.optim
+    o, s = cfg.optim, cfg.strategy
     lines = [
         f"memory per rank (estimate: fp32 parameters, gradients and {o.name} state ({optimizer_states(cfg)} per "
         f"parameter); {precision} activations of the blocks, Korthikanti et al. 2022):"
@@ -201,12 +202,18 @@ def memory_lines(cfg: TrainConfig, layout: Layout, precision: str) -> list[str]:
         lines.append(
             f"  {who}: params {human(mem.params)}, grads {human(mem.grads)}, optimizer {human(mem.optimizer)}, "
             f"activations {human(mem.activations)} ({n} micro-batch{'es' * (n > 1)} in flight); "
-            f"total {human(mem.device_total)}{' on the device' if mem.offloaded else ''}"
+            f"total {human(mem.device_total)}{' on the device' if mem.offload != 'none' else ''}"
         )
-        if mem.offloaded:
+        if mem.offload == "cpu":
             lines.append(
                 "    offload: parameters, gradients and optimizer state sit in CPU memory; the GPU holds the "
                 "activations and the one gathered block being computed"
+            )
+        if mem.offload == "nvme":
+            lines.append(
+                f"    nvme offload: parameters and gradients sit in CPU memory, the optimizer state in files under "
+                f"{s.nvme_directory(cfg.run.name)}, streamed through {s.nvme_buffer_mb:g} MiB of host buffers; "
+                f"the GPU holds the activations and the one gathered block being computed"
             )
     return lines
 
@@ -237,8 +244,9 @@ def describe(cfg: TrainConfig, layout: Layout, table: list[dict]) -> str:
     nodes = len({e["node_id"] for e in table})
     where = f"{len(table)} ranks on {nodes} node{'s' * (nodes > 1)}, {'GPU' if gpu else 'CPU'}, {precision}"
     shape = " × ".join(f"{d}={v}" for d, v in layout.mesh_sizes().items())
+    offload = f", offload {s.offload}" if s.offload != "none" else ""
     lines = [
-        f"distrain plan: {where}; strategy {s.name} (zero {s.zero}{', offload' if s.offload else ''}); mesh {shape}; "
+        f"distrain plan: {where}; strategy {s.name} (zero {s.zero}{offload}); mesh {shape}; "
         f"model {num_params(cfg.model):,} parameters",
         "mesh:",
         *mesh_lines(layout, table),

@@ -6,14 +6,16 @@ from __future__ import annotations
 
 import os
 
-from distrain import tpcost
-from distrain.config import ClusterConfig, ConfigError, TrainConfig
+from distrain import directio, tpcost
+from distrain.config import ClusterConfig, ConfigError, TrainConfig, attach_address
 from distrain.data.corpus import corpus_files
 from distrain.layout import SCHEDULES, Layout
+from distrain.plan import rank_memory
 
 OPTIMIZERS = ("adamw", "sgd")
 WANDB_MODES = (None, "online", "offline", "disabled")
 PRECISIONS = ("auto", "fp32", "bf16")
+OFFLOADS = ("none", "cpu", "nvme")
 PS_MODES = ("sync", "async", "hogwild", "easgd")
 # What WorkerGroup.environments sets for each rank (distrain/cluster/worker_group.py).
 PER_RANK_VARIABLES = (
@@ -34,6 +36,7 @@ def validate(cfg: TrainConfig) -> Layout:
     _validate_model(cfg)
     _validate_tensor_parallel(cfg)
     _validate_offload_compile_and_checkpointing(cfg)
+    _validate_nvme(cfg, layout)
     _validate_cluster(cfg.cluster)
     _validate_elastic(cfg, layout)
     _validate_parameter_server(cfg)
@@ -85,8 +88,8 @@ def _validate_tensor_parallel_grid(cfg: TrainConfig) -> None:
         f"{mode} does not combine with strategy.schedule={s.schedule} (its backward is computed whole); "
         f"choose another schedule",
     )
-    for key in ("offload", "compile"):
-        _require(not getattr(s, key), f"{mode} does not support strategy.{key}=true; set it to false")
+    _require(s.offload == "none", f"{mode} does not support strategy.offload={s.offload}; set it to none")
+    _require(not s.compile, f"{mode} does not support strategy.compile=true; set it to false")
     head_dim, kv = m.dim // m.n_heads, m.n_kv_heads or m.n_heads
     split = q * q if s.tp_mode == "3d" else q  # 3-D splits a weight's output features over two axes
     features = {"dim": m.dim, "ffn_dim": m.ffn_dim, "vocab_size": m.vocab_size}
@@ -107,10 +110,11 @@ def _validate_offload_compile_and_checkpointing(cfg: TrainConfig) -> None:
     """Offload's prerequisites, and combinations that crash inside torch 2.13 (each reproduced),
     refused before any worker starts."""
     s = cfg.strategy
+    _require(s.offload in OFFLOADS, f"strategy.offload={s.offload!r}: choose none, cpu (what true meant) or nvme")
     _require(
-        not s.offload or (s.zero == 3 and s.tp == 1 and s.pp == 1),
-        f"strategy.offload=true is not supported with zero={s.zero}, tp={s.tp}, pp={s.pp}: it needs "
-        f"strategy.zero=3, tp=1, pp=1 (strategy=offload)",
+        s.offload == "none" or (s.zero == 3 and s.tp == 1 and s.pp == 1),
+        f"strategy.offload={s.offload} is not supported with zero={s.zero}, tp={s.tp}, pp={s.pp}: it needs "
+        f"strategy.zero=3, tp=1, pp=1 (strategy=offload or strategy=nvme)",
     )
     split = s.pp > 1 and SCHEDULES[s.schedule].split_backward
     for key, on in (("compile", s.compile), ("activation_checkpoint", s.activation_checkpoint)):
@@ -129,6 +133,31 @@ def _validate_offload_compile_and_checkpointing(cfg: TrainConfig) -> None:
         "strategy.compile=true is not supported with strategy.activation_checkpoint=true (the checkpoint's "
         "context cannot be traced); set one of them to false",
     )
+
+
+def _validate_nvme(cfg: TrainConfig, layout: Layout) -> None:
+    """NVMe offload's optimizer, host buffers and disk. The disk is checked on this machine: the whole
+    run's when the cluster is embedded here; on a cluster it is attached to, the ranks' nodes are not
+    known yet and each rank checks its own as it starts."""
+    s = cfg.strategy
+    if s.offload != "nvme":
+        return
+    _require(
+        cfg.optim.name == "adamw",
+        f"strategy.offload=nvme streams AdamW's moments, not {cfg.optim.name}'s: use optim=adamw or offload=cpu",
+    )
+    pool = int(s.nvme_buffer_mb * 2**20)
+    _require(
+        directio.chunk_bytes(pool, 2) > 0,
+        f"strategy.nvme_buffer_mb={s.nvme_buffer_mb:g} is too small for one chunk: the stream needs "
+        f"{directio.BUFFERS} buffers, each a chunk of AdamW's two moments of at least "
+        f"{directio.MIN_CHUNK_BYTES // 1024} KiB each; set it to at least {directio.min_pool_bytes(2) / 2**20:g}",
+    )
+    ranks_here = 0 if attach_address(cfg.cluster.address) else layout.world_size
+    need = ranks_here * rank_memory(cfg, layout, 0, "fp32").optimizer
+    root = os.path.dirname(s.nvme_directory(cfg.run.name))
+    trouble = directio.problem(root, need)
+    _require(trouble is None, f"strategy.nvme_path: {trouble}")
 
 
 def _validate_cluster(c: ClusterConfig) -> None:

@@ -29,8 +29,7 @@ from distrain.train.learner import cross_entropy
 from distrain.train.optim import build_optimizer, local_optimizer
 
 ADAMW_STATES = 2  # exp_avg and exp_avg_sq, each the size of the parameters
-MEMORY_CASES = {"zero0": (0, False), "zero1": (1, False), "zero2": (2, False), "zero3": (3, False)}  # (zero, offload)
-MEMORY_CASES["offload"] = (3, True)
+MEMORY_CASES = {**{f"zero{z}": (z, "none") for z in range(4)}, "offload": (3, "cpu")}  # (zero, offload)
 STRATEGIES = ["ddp", "zero1", "zero2", "zero3", "hsdp", "offload", "tp", "pp", "fsdp_tp"]
 OVERSUBSCRIBED = {"3d": 8}  # presets that need more workers than --workers: run with this many, and labelled
 KINDS = ("params", "grads", "optimizer")
@@ -131,7 +130,7 @@ def describe_layout(layout: Layout, s: StrategyConfig) -> str:
     """The mesh a config resolved to, e.g. 'dp_replicate 2 × tp 2', with its ZeRO level."""
     parts = [" × ".join(f"{name} {size}" for name, size in layout.sizes().items() if size > 1)]
     parts += [f"ZeRO-{s.zero}"] if s.zero else []
-    parts += ["offload"] if s.offload else []
+    parts += ["offload"] if s.offload != "none" else []
     parts += [layout.schedule] if layout.pp > 1 else []
     return ", ".join(parts)
 

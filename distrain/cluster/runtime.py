@@ -2,24 +2,17 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 
 from distrain.cluster.placement import GroupSpec
+from distrain.config import attach_address
 
 
 class CapacityError(RuntimeError):
     """The cluster can never hold the workers asked for."""
-
-
-def attach_address(address: str | None) -> str | None:
-    """The existing cluster to attach to: `address`, else RAY_ADDRESS (how `ray job submit` runs
-    us); None (or "local") means an embedded cluster on this machine."""
-    address = address or os.environ.get("RAY_ADDRESS")
-    return None if address in (None, "", "local") else address
 
 
 def connect(address: str | None, num_cpus: int | None = None, num_gpus: int | None = None) -> None:

@@ -140,8 +140,9 @@ class ParallelModel:
             materialize(model, self.device)
             return model
         if mesh is not None and c.zero >= 2:
-            apply_fsdp(model, mesh, reshard_after_forward=c.zero == 3, bf16=bf16, offload=c.offload)
-            materialize(model, self.device, offload=c.offload)
+            offload = c.offload != "none"  # nvme too: it moves only the optimizer state on from host memory
+            apply_fsdp(model, mesh, reshard_after_forward=c.zero == 3, bf16=bf16, offload=offload)
+            materialize(model, self.device, offload=offload)
             return model
         materialize(model, self.device)
         if mesh is None:  # every worker is taken by tensor or pipeline parallelism

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,6 +30,7 @@ from distrain.tracking import Tracker, run_results
 from distrain.train.faults import Faults
 from distrain.train.learner import Learner
 from distrain.train.metrics import Readback, memory_peaks, peak_flops
+from distrain.train.nvme import NVMeAdamW, Scratch
 from distrain.train.optim import build_optimizer, local_optimizer, lr_at, set_lr
 
 STATE_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -58,6 +60,15 @@ def outside_steps_timeout_s(c: ClusterConfig) -> float:
     return max(c.collective_timeout_s, c.setup_timeout_s)
 
 
+def nvme_scratch(cfg: TrainConfig, rank: int) -> Scratch | None:
+    """Where this rank's optimizer state lives under offload=nvme, else None."""
+    s = cfg.strategy
+    if s.offload != "nvme":
+        return None
+    root, run = os.path.split(s.nvme_directory(cfg.run.name))
+    return Scratch(Path(root), os.path.join(run, f"rank_{rank:05d}"), int(s.nvme_buffer_mb * 2**20))
+
+
 def warm_up(job: dict) -> None:
     """What a hot spare does while it waits for a rank: this module's imports (torch and the whole
     trainer, loaded as this function arrives), what torch imports on first use (DDP imports dynamo
@@ -77,12 +88,15 @@ class Trainer:
         faults = Faults(cfg.fault, self.rank, channel)
         self.learner = Learner(cfg, layout, layout.data_shard(self.rank), device, faults)
         with self.outside_steps():  # the mesh's groups now exist: they get start-up's timeout too
-            self.optimizer = build_optimizer(self.learner.module, cfg.optim, self.learner.parallel.zero1_group)
+            self.optimizer = build_optimizer(
+                self.learner.module, cfg.optim, self.learner.parallel.zero1_group, nvme_scratch(cfg, self.rank)
+            )
             self.step, self.loss = 0, math.nan
             self.saver = checkpoint.Saver(
                 self.run_dir / "checkpoints",
                 cfg.checkpoint.keep,
-                background=cfg.checkpoint.async_save,
+                # Staging a background save copies the state into host memory, which NVMe offload keeps it out of.
+                background=cfg.checkpoint.async_save and cfg.strategy.offload != "nvme",
                 pin=device.type == "cuda",
                 timeout_s=outside_steps_timeout_s(cfg.cluster),
             )
@@ -180,6 +194,8 @@ class Trainer:
             self.vote[0].wait()  # no collective is left in flight
         self.log_read()
         self.saver.close()
+        if isinstance(self.optimizer, NVMeAdamW):
+            self.optimizer.close()  # its files are scratch: the checkpoint holds the state
         return self.finish(stopped and self.step < t.max_steps)
 
     def log_started(self, loss_sum: torch.Tensor, grad_norm: torch.Tensor) -> None:

@@ -10,15 +10,18 @@ from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from distrain.config import OptimConfig
+from distrain.train.nvme import NVMeAdamW, Scratch
 
 
 def build_optimizer(
-    model: nn.Module, cfg: OptimConfig, zero_group: dist.ProcessGroup | None = None
+    model: nn.Module, cfg: OptimConfig, zero_group: dist.ProcessGroup | None = None, scratch: Scratch | None = None
 ) -> torch.optim.Optimizer:
     """Weight decay on matrices only: norms' gains are not decayed (as in GPT-2 and Llama).
-    With `zero_group` (ZeRO-1), each rank of the group holds the state of its share of the parameters."""
+    With `zero_group` (ZeRO-1), each rank of the group holds the state of its share of the parameters;
+    with `scratch` (NVMe offload), AdamW's moments live in files there."""
     params = [p for p in model.parameters() if p.requires_grad]
-    return make_optimizer([p for p in params if p.ndim >= 2], [p for p in params if p.ndim < 2], cfg, zero_group)
+    decayed, undecayed = [p for p in params if p.ndim >= 2], [p for p in params if p.ndim < 2]
+    return make_optimizer(decayed, undecayed, cfg, zero_group, scratch)
 
 
 def make_optimizer(
@@ -26,6 +29,7 @@ def make_optimizer(
     undecayed: list[torch.Tensor],
     cfg: OptimConfig,
     zero_group: dist.ProcessGroup | None = None,
+    scratch: Scratch | None = None,
 ) -> torch.optim.Optimizer:
     """The configured optimizer over two groups, weight decay on the first only (a parameter
     server's shard passes its pieces of matrices and of gains apart)."""
@@ -40,6 +44,9 @@ def make_optimizer(
     else:
         raise ValueError(f"unknown optimizer {cfg.name!r}")
     options |= kernels([*decayed, *undecayed])
+    if scratch is not None:
+        assert cls is torch.optim.AdamW, "NVMe offload streams AdamW's moments (validation says so)"
+        return NVMeAdamW(groups, scratch, **options)
     if zero_group is not None:
         return ZeroRedundancyOptimizer(groups, optimizer_class=cls, process_group=zero_group, **options)
     return cls(groups, **options)
