@@ -108,7 +108,7 @@ class Stream:
 
     def __init__(self, paths: Sequence[Path], nbytes: int, chunk: int):
         assert nbytes % BLOCK == 0 and chunk % BLOCK == 0 and chunk > 0
-        self.nbytes, self.chunk = nbytes, chunk
+        self.nbytes, self.chunk = nbytes, min(chunk, nbytes)
         self.fds = [open_direct(p, nbytes) for p in paths]
         self.buffers = [[aligned_buffer(chunk) for _ in paths] for _ in range(BUFFERS)]
         self.reader = ThreadPoolExecutor(1, thread_name_prefix="nvme-read")

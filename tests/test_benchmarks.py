@@ -59,6 +59,8 @@ SMOKES = [
     ("bench_checkpoint", 180, False, ["| background (`async=true`) |", "In the background a checkpoint costs"]),
     # the grid's bytes were counted, and matched the theory's
     ("bench_tp", 180, True, ["| 2-D, 2×2 | 4 |", "| yes |"]),
+    # three tiers trained the same, NVMe under its memory bound, the disk measured beside the step
+    ("bench_offload", 180, False, ["| `strategy=nvme` |", "within it", "identical step for step", "| overlapped |"]),
 ]
 
 
