@@ -59,6 +59,7 @@ def run_tier(tier: str, repeat: int, args, storage: Path) -> dict:
             "trainer.eval_interval=0",
             "trainer.eval_batches=1",
             "checkpoint.interval=0",
+            "checkpoint.async=false",  # a background save stages the whole state in host memory first
             f"strategy.nvme_path={storage / 'nvme'}",
             f"strategy.nvme_buffer_mb={args.buffer_mb}",
             f"run.storage={storage}",
