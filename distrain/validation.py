@@ -144,7 +144,8 @@ def _validate_nvme(cfg: TrainConfig, layout: Layout) -> None:
         return
     _require(
         cfg.optim.name == "adamw",
-        f"strategy.offload=nvme streams AdamW's moments, not {cfg.optim.name}'s: use optim=adamw or offload=cpu",
+        f"strategy.offload=nvme streams AdamW's moments, but optim.name={cfg.optim.name}: use optim=adamw, or "
+        f"strategy.offload=cpu",
     )
     pool = int(s.nvme_buffer_mb * 2**20)
     _require(

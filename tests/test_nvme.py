@@ -3,7 +3,11 @@ the same update bit for bit as CPU offload, the same checkpoints, resumable with
 
 from __future__ import annotations
 
+import json
 import os
+import signal
+import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -149,6 +153,42 @@ def test_resumes_across_nvme_and_no_offload(order: str, cpu_offload, tmp_path: P
     cfg = make_config(tmp_path, f"run.name={order}", *COMMON)
     for key in ("loss", "grad_norm"):
         assert logged(cfg, key) == logged(cpu_offload, key), key
+    assert os.listdir(scratch) == []
+
+
+@pytest.mark.timeout(300)
+def test_a_rank_killed_mid_run_resumes_from_the_checkpoint_and_ends_bit_for_bit(cpu_offload, tmp_path: Path):
+    """SIGKILL a rank once step 3's checkpoint has committed: its scratch files are left behind, the committed
+    checkpoint is untouched, the next attempt resumes from it (removing the dead process's files) and the run
+    ends as CPU offload's did; nothing is left in nvme_path."""
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    # Rank 1 a straggler: steps 4-6 take a second or so, time enough to kill it in one of them.
+    overrides = (*COMMON, *nvme(scratch), "fault.straggler=1", "cluster.restart_backoff_s=0")
+    cfg = make_config(tmp_path, "run.name=killed", *overrides)
+    run_dir = Path(cfg.run_dir)
+    committed = checkpoint.step_dir(run_dir / "checkpoints", 3) / checkpoint.COMMIT_MARKER
+    killed = []
+
+    def kill_rank_1() -> None:
+        deadline = time.monotonic() + 120
+        while not committed.exists() and time.monotonic() < deadline:
+            time.sleep(0.002)
+        ranks = json.loads((run_dir / "placement.json").read_text())
+        victim = next(e for e in ranks if e.get("rank") == 1)
+        killed.append(list(scratch.glob(f"*/rank_00001.{victim['pid']}-*")))
+        os.kill(victim["pid"], signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_rank_1, daemon=True)
+    killer.start()
+    summary = train(cfg)
+    killer.join(timeout=10)
+    assert killed and killed[0], "rank 1's scratch directory was there when it was killed"
+    assert summary["restarts"] == 1 and summary["attempts"][1]["info"]["resumed_from_step"] == 3
+    for key in ("loss", "grad_norm"):
+        assert logged(cfg, key) == logged(cpu_offload, key), key
+    want, got = checkpoint_tensors(cpu_offload.run_dir), checkpoint_tensors(cfg.run_dir)
+    assert all(torch.equal(got[key], value) for key, value in want.items())
     assert os.listdir(scratch) == []
 
 

@@ -60,12 +60,17 @@ def test_the_plan_names_the_strategy_and_its_memory(tmp_path: Path, strategy: st
 
 
 @pytest.mark.timeout(30)
-def test_offload_says_where_the_state_lives(tmp_path: Path):
-    cfg, layout = planned(tmp_path, "cluster.num_workers=4", "strategy=offload")
+@pytest.mark.parametrize("strategy", ["offload", "nvme"])
+def test_offload_says_where_the_state_lives(tmp_path: Path, strategy: str):
+    cfg, layout = planned(tmp_path, "cluster.num_workers=4", f"strategy={strategy}", f"strategy.nvme_path={tmp_path}")
     mem = rank_memory(cfg, layout, 0, "fp32")
-    assert mem.offload == "cpu" and mem.params > 0
+    assert mem.offload == cfg.strategy.offload and mem.params > 0
     assert mem.device_total == mem.activations  # the model state is not on the device
-    assert "sit in CPU memory" in describe(cfg, layout, fake_table(4, 4, gpus=True))
+    text = describe(cfg, layout, fake_table(4, 4, gpus=True))
+    assert f"(zero 3, offload {mem.offload})" in text
+    where = f"the optimizer state in files under {tmp_path}/distrain-{cfg.run.name}"
+    assert ("optimizer state sit in CPU memory" in text) == (strategy == "offload")
+    assert (where in text) == (strategy == "nvme")
 
 
 @pytest.mark.timeout(30)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import secrets
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -66,7 +67,10 @@ def nvme_scratch(cfg: TrainConfig, rank: int) -> Scratch | None:
     if s.offload != "nvme":
         return None
     root, run = os.path.split(s.nvme_directory(cfg.run.name))
-    return Scratch(Path(root), os.path.join(run, f"rank_{rank:05d}"), int(s.nvme_buffer_mb * 2**20))
+    # A directory of its own (<rank>.<pid>-<tag>): a process kept from a failed attempt may not have removed
+    # its last one yet (train/nvme.py).
+    own = f"rank_{rank:05d}.{os.getpid()}-{secrets.token_hex(4)}"
+    return Scratch(Path(root), os.path.join(run, own), int(s.nvme_buffer_mb * 2**20))
 
 
 def warm_up(job: dict) -> None:

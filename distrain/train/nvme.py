@@ -21,6 +21,7 @@ collected.
 
 from __future__ import annotations
 
+import os
 import shutil
 import weakref
 from dataclasses import dataclass
@@ -94,6 +95,7 @@ class NVMeAdamW(torch.optim.Optimizer):
         chunk = directio.chunk_bytes(scratch.buffer_bytes, len(STATES))
         assert chunk, f"{scratch.buffer_bytes} bytes cannot hold {directio.BUFFERS} buffers (validation says so)"
         nbytes = max(total, ALIGN) * FP32
+        _remove_stale(self.directory)
         trouble = directio.problem(scratch.root, nbytes * len(STATES))  # this node's; the driver checked its own
         if trouble is not None:
             raise ScratchError(f"strategy.nvme_path: {trouble}")
@@ -198,6 +200,27 @@ class NVMeAdamW(torch.optim.Optimizer):
     def close(self) -> None:
         """Remove the scratch files (also done when the optimizer is collected, or the process exits)."""
         self._remove()
+
+
+def _remove_stale(directory: Path) -> None:
+    """Remove the files of this rank's earlier processes that are gone: a killed process removes nothing. A
+    directory is named `<rank>.<pid>-<tag>`: a process still alive (a worker kept from a failed attempt)
+    removes its own when its optimizer is collected."""
+    rank, dot, _ = directory.name.rpartition(".")
+    for old in directory.parent.glob(f"{rank}.*") if dot else []:
+        pid = old.name.rpartition(".")[2].partition("-")[0]
+        if old != directory and pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's
+        return True
+    return True
 
 
 def _remove_scratch(stream: directio.Stream, directory: Path) -> None:
