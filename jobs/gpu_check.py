@@ -31,6 +31,7 @@ The budget on one H100, under the 10 minutes one command may take (timed on one,
 | --------------------------------------------------------------------- | ------: |
 | 1. Ray's start and ddp at 1 worker (CUDA, NCCL), 20 steps             |      18 |
 | 1. zero1, zero2, zero3, offload at 1 worker, kept warm, 20 steps each |      15 |
+| 1. nvme at 1 worker (not yet timed on a GPU)                          |       — |
 | 2. ddp in fp32                                                        |       2 |
 | 3. bench_mfu: 2 runs of llama_1b × 30 steps, compilation              |     134 |
 | 4. bench_collectives: 1 KB–256 MB, 2 passes of each side              |     184 |
@@ -58,7 +59,7 @@ from pathlib import Path
 import harness  # first: it keeps Ray on loopback
 import processes
 
-STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "offload", "tp", "pp", "hsdp", "fsdp_tp", "3d")
+STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "offload", "nvme", "tp", "pp", "hsdp", "fsdp_tp", "3d")
 STRATEGIES += ("tp2d", "tp2p5d", "tp3d")  # 4 and 8 GPUs
 TOLERANCE = 0.02  # bf16's final loss against fp32's, relative
 MOST_WORKERS = 64  # how far to look for the worker count a preset needs

@@ -99,12 +99,12 @@ def test_gpu_check_cpu_mode(tmp_path: Path) -> None:
     done = processes.run_command(cmd, tmp_path / "gpu_check.log", 180, env={"CUDA_VISIBLE_DEVICES": ""})
     log = done.log.read_text()
     assert done.rc == 0, done.tail(60)
-    for part in ("ddp", "zero1", "zero2", "zero3", "offload"):
+    for part in ("ddp", "zero1", "zero2", "zero3", "offload", "nvme"):
         assert f"PASS  strategy {part} (1 CPU worker)" in log, log
     assert "SKIP  strategy tp " in log and "needs 2 CPU workers (tp 2)" in log and "needs 4 CPU workers" in log
     for part in ("bf16 against fp32 (ddp)", "MFU (jobs/bench_mfu.py)", "collectives (jobs/bench_collectives.py)"):
         assert f"PASS  {part} (" in log, log
-    assert "8 passed, 0 failed, 8 skipped" in log and "are still to be taken" in log
+    assert "9 passed, 0 failed, 8 skipped" in log and "are still to be taken" in log
     assert all(f"SKIP  strategy {grid} " in log for grid in ("tp2d", "tp2p5d", "tp3d"))  # 4 and 8 workers
     assert {name: path.stat().st_mtime_ns if path.exists() else None for name, path in docs.items()} == before
     page = (tmp_path / "docs" / "gpu.md").read_text()
