@@ -113,26 +113,24 @@ class Stream:
         self.buffers = [[aligned_buffer(chunk) for _ in paths] for _ in range(BUFFERS)]
         self.reader = ThreadPoolExecutor(1, thread_name_prefix="nvme-read")
         self.writer = ThreadPoolExecutor(1, thread_name_prefix="nvme-write")
-        self.io_s = {"read": 0.0, "write": 0.0}  # seconds inside reads and writes (their threads), cumulative
 
     @property
     def chunks(self) -> int:
         return -(-self.nbytes // self.chunk)
 
-    def _move(self, k: int, move: Callable, kind: str) -> None:
-        start, offset = time.perf_counter(), k * self.chunk
+    def _move(self, k: int, move: Callable) -> None:
+        offset = k * self.chunk
         size = min(self.chunk, self.nbytes - offset)
         for fd, buffer in zip(self.fds, self.buffers[k % BUFFERS], strict=True):
             move(fd, memoryview(buffer)[:size], offset)
-        self.io_s[kind] += time.perf_counter() - start
 
     def run(self, update: Callable[[int, int], None], overlap: bool = True) -> None:
         """`update(k, b)` for every chunk k in order, once chunk k of each file is in buffer b."""
         if not overlap:
             for k in range(self.chunks):
-                self._move(k, read_into, "read")
+                self._move(k, read_into)
                 update(k, k % BUFFERS)
-                self._move(k, write_from, "write")
+                self._move(k, write_from)
             return
         reads: dict[int, Future] = {}
         writes: dict[int, Future] = {}
@@ -141,7 +139,7 @@ class Stream:
             if j < self.chunks:
                 if j - BUFFERS in writes:  # the buffer is free once its last chunk is on disk
                     writes.pop(j - BUFFERS).result()
-                reads[j] = self.reader.submit(self._move, j, read_into, "read")
+                reads[j] = self.reader.submit(self._move, j, read_into)
 
         try:
             read_ahead(0)
@@ -149,7 +147,7 @@ class Stream:
                 read_ahead(k + 1)
                 reads.pop(k).result()
                 update(k, k % BUFFERS)
-                writes[k] = self.writer.submit(self._move, k, write_from, "write")
+                writes[k] = self.writer.submit(self._move, k, write_from)
         finally:  # nothing left moving into or out of a buffer, whatever happened
             for future in [*reads.values(), *writes.values()]:
                 future.exception()

@@ -106,7 +106,7 @@ class NVMeAdamW(torch.optim.Optimizer):
             shutil.rmtree(self.directory, ignore_errors=True)
             reserve = f"cannot reserve {len(STATES) * nbytes} bytes in {self.directory}"
             raise ScratchError(f"strategy.nvme_path: {reserve}: {e.strerror}") from None
-        self.chunk = chunk // FP32
+        self.chunk = self.stream.chunk // FP32  # elements; the stream's: no larger than the files
         self.moments = [[torch.frombuffer(b, dtype=torch.float32) for b in buffers] for buffers in self.stream.buffers]
         self.pieces = self._pieces()
         self._remove = weakref.finalize(self, _remove_scratch, self.stream, self.directory)
