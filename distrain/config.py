@@ -24,8 +24,12 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
-    """The shape comes from a preset in conf/model/ (model=nano, gpt2_124m, llama_1b)."""
+    """The shape comes from a preset in conf/model/ (model=nano, gpt2_124m, llama_1b, ...)."""
 
+    # What builds the model: a class or function (cfg: ModelConfig, max_seq_len: int, seed: int) -> nn.Module
+    # keeping the contract of distrain/model/contract.py. Shipped families: distrain.model.llama.Transformer,
+    # distrain.model.gpt2.GPT2; a user's own: `model._target_=pkg.module.fn`.
+    _target_: str = "distrain.model.llama.Transformer"
     name: str = MISSING
     dim: int = MISSING
     n_layers: int = MISSING
@@ -36,6 +40,10 @@ class ModelConfig:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     init_std: float = 0.02
+    tie_embeddings: bool = False  # the head's weight is the token embedding's (GPT-2; some Llamas)
+    n_positions: int | None = None  # learned positions' table (GPT-2); None: trainer.seq_len
+    # A Hugging Face model directory (config.json + safetensors): the model's shape and first weights come from it.
+    init_from: str | None = None
 
 
 @dataclass
@@ -98,6 +106,20 @@ class DataConfig:
     name: str = "stdlib"  # a label for the corpus (runs, W&B); path decides what is read
     path: str | None = None  # a directory or glob of text files; None: the running Python's stdlib source
     val_fraction: float = 0.05
+    # Token shards written by jobs/prepare_data.py (their tokenizer inside); when set, training reads them,
+    # not `path`. prepare_data.py writes here.
+    shards: str | None = None
+    text_field: str = "text"  # the field holding a document's text in JSONL files
+
+
+@dataclass
+class TokenizerConfig:
+    """How text becomes tokens: bytes (vocabulary 256, nothing to train), or a byte-level BPE (Hugging Face
+    `tokenizers`) that jobs/prepare_data.py trains on the corpus or loads from `path`."""
+
+    name: str = "bytes"  # bytes | bpe
+    path: str | None = None  # bpe: a tokenizer.json, or a directory holding one (an imported model's); None: train one
+    vocab_size: int = 8192  # bpe: the vocabulary prepare_data.py trains
 
 
 @dataclass
@@ -178,6 +200,7 @@ class WandbConfig:
     mode: str | None = None  # None: online with an API key, else offline | online | offline | disabled
     project: str = "distrain"
     entity: str | None = None
+    log_checkpoints: bool = False  # each committed checkpoint as a W&B artifact (a reference to its directory)
 
 
 @dataclass
@@ -209,6 +232,7 @@ class TrainConfig:
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
     ps: PSConfig = field(default_factory=PSConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
