@@ -11,6 +11,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from distrain.config import ConfigError
 
 if TYPE_CHECKING:
@@ -76,6 +78,9 @@ class Tokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         raise NotImplementedError
 
+    def encode_batch(self, texts: list[str]) -> list[Sequence[int]]:
+        return [self.encode(t) for t in texts]
+
     def to_json(self) -> str:
         """The tokenizer.json text."""
         raise NotImplementedError
@@ -111,6 +116,10 @@ class ByteTokenizer(Tokenizer):
     def decode(self, ids: Sequence[int]) -> str:
         return bytes(ids).decode("utf-8", errors="replace")
 
+    def encode_batch(self, texts: list[str]) -> list[Sequence[int]]:
+        """The bytes as arrays: no Python integer per token."""
+        return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8) for t in texts]
+
     def to_json(self) -> str:
         return byte_tokenizer_json()
 
@@ -129,7 +138,7 @@ class BPETokenizer(Tokenizer):
     def encode(self, text: str) -> list[int]:
         return self.hf.encode(text, add_special_tokens=False).ids
 
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+    def encode_batch(self, texts: list[str]) -> list[Sequence[int]]:
         """Many texts at once, on the library's threads."""
         return [e.ids for e in self.hf.encode_batch(texts, add_special_tokens=False)]
 
@@ -212,4 +221,3 @@ def run_tokenizer(cfg: TrainConfig) -> Tokenizer:
             "data.shards=DIR, then train with data.shards=DIR"
         )
     return tokenizer
-
