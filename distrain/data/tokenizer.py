@@ -179,14 +179,14 @@ def train_bpe(texts: Iterable[str], vocab_size: int, length: int | None = None) 
     return BPETokenizer(hf, EOS)
 
 
-def load_tokenizer(path: str | Path) -> Tokenizer:
+def load_tokenizer(path: str | Path, key: str = "tokenizer.path") -> Tokenizer:
     """A tokenizer.json, or a directory holding one (an imported Hugging Face model's, or shards'); its
     tokenizer_config.json, when there, names the end-of-text token. The byte tokenizer's own file loads
-    back as the byte tokenizer."""
+    back as the byte tokenizer. `key`: the setting that named `path`, for the error."""
     path = Path(path)
     file = path / "tokenizer.json" if path.is_dir() else path
     if not file.is_file():
-        raise ConfigError(f"no tokenizer.json at {str(path)!r}; give a tokenizer.json or a directory holding one")
+        raise ConfigError(f"{key}={str(path)!r} has no tokenizer.json; give a tokenizer.json or a directory holding one")
     text = file.read_text(encoding="utf-8")
     if text == byte_tokenizer_json():
         return ByteTokenizer()
@@ -213,7 +213,7 @@ def config_tokenizer(cfg: TrainConfig) -> Tokenizer | None:
 def run_tokenizer(cfg: TrainConfig) -> Tokenizer:
     """What a run trains on: the tokenizer stored with data.shards, else the one the config names."""
     if cfg.data.shards:
-        return load_tokenizer(cfg.data.shards)
+        return load_tokenizer(cfg.data.shards, "data.shards")
     tokenizer = config_tokenizer(cfg)
     if tokenizer is None:
         raise ConfigError(
