@@ -186,7 +186,7 @@ def load_tokenizer(path: str | Path, key: str = "tokenizer.path") -> Tokenizer:
     path = Path(path)
     file = path / "tokenizer.json" if path.is_dir() else path
     if not file.is_file():
-        raise ConfigError(f"{key}={str(path)!r} has no tokenizer.json; give a tokenizer.json or a directory holding one")
+        raise ConfigError(f"{key}={str(path)!r} has no tokenizer.json; give a tokenizer.json or a folder holding one")
     text = file.read_text(encoding="utf-8")
     if text == byte_tokenizer_json():
         return ByteTokenizer()
