@@ -33,7 +33,7 @@ class WorkLine(_Line):
 
     def __init__(self, label: str, total: int, interval_s: float = 10.0, stream=None):
         super().__init__(interval_s, stream)
-        self.label, self.total, self.last_print = label, max(total, 1), 0.0
+        self.label, self.total, self.last_print = label, max(total, 1), self.start
 
     def update(self, done: int, detail: str = "", final: bool = False) -> None:
         now = time.time()

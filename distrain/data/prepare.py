@@ -24,12 +24,13 @@ if TYPE_CHECKING:
     from distrain.config import TrainConfig
 
 SHARD_TOKENS = 1 << 26  # 64 Mi tokens a file: 128 MiB of uint16
-BATCH_BYTES = 1 << 20  # text encoded at once: the tokenizer's threads share it
+BATCH_BYTES = 1 << 18  # text encoded at once (its ids, as Python ints, take ~15× its size): the threads share it
 
 
 def is_validation(unit: int, val_fraction: float) -> bool:
-    """Every (1/val_fraction)-th unit, spread evenly: exactly ⌊n · val_fraction⌋ of the first n."""
-    return math.floor((unit + 1) * val_fraction) > math.floor(unit * val_fraction)
+    """Every (1/val_fraction)-th unit, spread evenly, the first halfway through the first period: of the
+    first n units, n · val_fraction rounded go to validation (one from n = 10 on at 0.05)."""
+    return math.floor((unit + 1) * val_fraction + 0.5) > math.floor(unit * val_fraction + 0.5)
 
 
 def prepare(
