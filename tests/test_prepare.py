@@ -239,16 +239,17 @@ def test_bpe_shards_train_the_same_on_one_and_two_workers(tmp_path: Path, bpe_sh
         runs[workers] = bpe_config(tmp_path, bpe_shards, f"run.name=w{workers}", f"cluster.num_workers={workers}",
                                    "trainer.max_steps=20", "trainer.eval_interval=10")  # fmt: skip
         train(runs[workers])
+    worst = {}
     for key in ("loss", "grad_norm"):
         want, got = logged(runs[1], key), logged(runs[2], key)
-        assert sorted(want) == list(range(1, 21))
-        for step in want:
-            assert got[step] == pytest.approx(want[step], abs=1e-5, rel=1e-5), (key, step)
+        assert sorted(want) == sorted(got) == list(range(1, 21))
+        worst[key] = max(abs(got[step] - want[step]) / max(1, abs(want[step])) for step in want)
     assert logged(runs[1])[20] < logged(runs[1])[1] - 0.5  # it learns
     one, two = final_weights(runs[1]), final_weights(runs[2])
     assert one["output.weight"].shape[0] == VOCAB
-    for name, tensor in one.items():
-        torch.testing.assert_close(two[name], tensor, atol=1e-5, rtol=0, msg=name)
+    worst["weights"] = max((two[name] - tensor).abs().max().item() for name, tensor in one.items())
+    print(f"1 vs 2 workers on BPE shards, largest differences: {worst}")
+    assert max(worst.values()) <= 1e-5, worst
 
 
 @pytest.mark.timeout(300)
