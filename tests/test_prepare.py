@@ -130,15 +130,18 @@ def test_memory_stays_bounded_on_a_corpus_six_times_larger(tmp_path: Path, kind:
     streamed (a file read whole, or its tokens kept, would add at least 5 MB), BPE training included."""
     rng = np.random.default_rng(0)
     words = ["".join(rng.choice(list("abcdefghij"), size=n)) for n in rng.integers(2, 9, size=2000)]
+    lines = [" ".join(rng.choice(words, size=180)) + "\n" for _ in range(500)]
     peaks = []
     for mb in (1, 6):
         folder = tmp_path / f"c{mb}"
         folder.mkdir()
-        with open(folder / "a.txt", "w") as f:
-            for _ in range(mb * 2**20 // 1000):
-                f.write(" ".join(rng.choice(words, size=180)) + "\n")
+        for name in ("a.txt", "b.txt"):
+            with open(folder / name, "w") as f:
+                for i in range(mb * 2**19 // 1000):
+                    f.write(lines[i % len(lines)])
         tracemalloc.start()
-        shards_of(tmp_path, f"out{mb}", f"data.path={folder}", f"tokenizer={kind}", "tokenizer.vocab_size=400")
+        corpus = (f"data.path={folder}", "data.val_fraction=0.5", f"tokenizer={kind}", "tokenizer.vocab_size=400")
+        shards_of(tmp_path, f"out{mb}", *corpus)
         peaks.append(tracemalloc.get_traced_memory()[1])
         tracemalloc.stop()
     print(f"{kind}: peak Python allocation {peaks[0] / 2**20:.1f} MB (1 MB) vs {peaks[1] / 2**20:.1f} MB (6 MB)")

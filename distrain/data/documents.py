@@ -55,14 +55,27 @@ def _jsonl(fh, file: str, text_field: str) -> Iterator[tuple[str, bool, int]]:
 
 
 def _text(fh, piece_bytes: int) -> Iterator[tuple[str, bool, int]]:
-    """Lines (each read at most `piece_bytes` at a time) gathered into pieces; invalid UTF-8 becomes U+FFFD."""
+    """The file's pieces, the last one marked (held back one piece to know it)."""
+    chunks = _chunks(fh, piece_bytes)
+    held = next(chunks)
+    for chunk in chunks:
+        yield held[0], False, held[1]
+        held = chunk
+    yield held[0], True, held[1]
+
+
+def _chunks(fh, piece_bytes: int) -> Iterator[tuple[str, int]]:
+    """Lines (each read at most `piece_bytes` at a time) gathered into pieces; invalid UTF-8 becomes U+FFFD.
+    An empty file is one empty piece; no other piece is empty."""
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     parts: list[str] = []
-    size = 0
+    size, pieces_made = 0, 0
     for line in iter(lambda: fh.readline(piece_bytes), b""):
         parts.append(decoder.decode(line))
         size += len(line)
         if size >= piece_bytes:
-            yield "".join(parts), False, size
-            parts, size = [], 0
-    yield "".join(parts) + decoder.decode(b"", final=True), True, size
+            yield "".join(parts), size
+            parts, size, pieces_made = [], 0, pieces_made + 1
+    tail = "".join(parts) + decoder.decode(b"", final=True)
+    if tail or not pieces_made:
+        yield tail, size
