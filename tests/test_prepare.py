@@ -221,9 +221,11 @@ def test_bad_shards_are_refused_in_one_line_before_any_worker(tmp_path: Path, bp
 
 def test_a_resume_needs_the_same_shards():
     saved = {"run": {"name": "r"}, "data": {"shards": "/a"}}
-    check_same_shards(saved, saved)
-    with pytest.raises(ConfigError, match="data.shards='/a', this config has '/b'"):
-        check_same_shards(saved, {"run": {"name": "r"}, "data": {"shards": "/b"}})
+    check_same_shards(saved, {"run": {"name": "r"}, "data": {"shards": "/b/../a/"}})  # the same folder
+    for other in ("/b", None):
+        with pytest.raises(ConfigError, match=f"data.shards='/a', this config has {other!r}"):
+            check_same_shards(saved, {"run": {"name": "r"}, "data": {"shards": other}})
+    check_same_shards({"run": {"name": "r"}, "data": {}}, {"run": {"name": "r"}, "data": {"shards": None}})
 
 
 def bpe_config(tmp_path: Path, shards: Path, *overrides: str):

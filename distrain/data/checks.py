@@ -4,6 +4,7 @@ and, for a resume, from launch.check_resumable): each broken one a one-line Conf
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -61,7 +62,7 @@ def check_same_shards(saved: dict, current: dict) -> None:
     """A resume reads the shards its checkpoint's run read: other tokens would not continue that run
     (and other ids could mean other words)."""
     old, new = saved["data"].get("shards"), current["data"].get("shards")
-    if old != new:
+    if old != new and (old is None or new is None or os.path.realpath(old) != os.path.realpath(new)):
         raise ConfigError(
             f"run {current['run']['name']!r} was trained with data.shards={old!r}, this config has {new!r}: "
             f"resume with the same data.shards, or start a new run.name"
