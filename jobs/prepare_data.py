@@ -1,7 +1,7 @@
 """Text → token shards for training:
 
-    python jobs/prepare_data.py data.path=DIR_OR_GLOB tokenizer=bpe data.shards=OUT [tokenizer.vocab_size=8192]
-        [tokenizer.path=TOKENIZER_JSON_OR_DIR] [data.text_field=text] [data.val_fraction=0.05]
+    .venv/bin/python jobs/prepare_data.py data.path=DIR_OR_GLOB tokenizer=bpe data.shards=OUT
+        [tokenizer.vocab_size=8192] [tokenizer.path=TOKENIZER] [data.text_field=text] [data.val_fraction=0.05]
 
 The same Hydra overrides as jobs/train.py. Bad input gets one line and exit status 2; at the end it prints
 the command that trains on the shards."""

@@ -15,7 +15,7 @@ from distrain.data.tokenizer import load_tokenizer
 if TYPE_CHECKING:
     from distrain.config import TrainConfig
 
-PREPARE = "python jobs/prepare_data.py data.path=... tokenizer=bpe data.shards=DIR"
+PREPARE = "jobs/prepare_data.py data.path=... tokenizer=bpe data.shards=DIR"
 
 
 def check_data(cfg: TrainConfig) -> None:

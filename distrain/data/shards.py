@@ -67,9 +67,9 @@ def read_index(directory: str | Path) -> dict[str, Any]:
     directory = Path(directory)
     where = f"data.shards={str(directory)!r}"
     if not directory.is_dir():
-        raise ConfigError(f"{where} does not exist; write it with python jobs/prepare_data.py data.shards=...")
+        raise ConfigError(f"{where} does not exist; write it with jobs/prepare_data.py data.shards=...")
     if not (directory / INDEX).is_file():
-        raise ConfigError(f"{where} has no {INDEX}: not prepared; run python jobs/prepare_data.py data.shards=...")
+        raise ConfigError(f"{where} has no {INDEX}: not prepared; run jobs/prepare_data.py data.shards=...")
     try:
         index = json.loads((directory / INDEX).read_text())
         dtype = np.dtype(index["dtype"])

@@ -217,7 +217,7 @@ def run_tokenizer(cfg: TrainConfig) -> Tokenizer:
     tokenizer = config_tokenizer(cfg)
     if tokenizer is None:
         raise ConfigError(
-            "tokenizer=bpe trains on token shards: run python jobs/prepare_data.py data.path=... tokenizer=bpe "
+            "tokenizer=bpe trains on token shards: run jobs/prepare_data.py data.path=... tokenizer=bpe "
             "data.shards=DIR, then train with data.shards=DIR"
         )
     return tokenizer
