@@ -117,7 +117,8 @@ class TokenizerConfig:
     """How text becomes tokens: bytes (vocabulary 256, nothing to train), or a byte-level BPE (Hugging Face
     `tokenizers`) that jobs/prepare_data.py trains on the corpus or loads from `path`."""
 
-    name: str = "bytes"  # bytes | bpe
+    # bytes | bpe | None: the tokenizer stored with data.shards, else the one at `path`, else bytes
+    name: str | None = None
     path: str | None = None  # bpe: a tokenizer.json, or a directory holding one (an imported model's); None: train one
     vocab_size: int = 8192  # bpe: the vocabulary prepare_data.py trains
 

@@ -49,8 +49,7 @@ def main(argv: list[str]) -> None:
         f"tokens ({index['dtype']}) from {splits['train']['documents'] + splits['val']['documents']:,} documents; "
         f"{tok['kind']} tokenizer of {tok['vocab_size']:,} tokens"
     )
-    choice = " tokenizer=bpe" if tok["kind"] == "bpe" else ""
-    train = f"{python()} jobs/train.py data.shards={out}{choice} model.vocab_size={tok['vocab_size']}"
+    train = f"{python()} jobs/train.py data.shards={out} model.vocab_size={tok['vocab_size']}"
     print(f"distrain: train on them with: {train}")
 
 

@@ -170,7 +170,7 @@ def test_the_job_prints_the_train_command_and_refuses_bad_input_in_one_line(tmp_
     assert done.returncode == 0, done.stderr
     assert "tokenizing" in done.stdout and "100%" in done.stdout  # the progress line
     command = done.stdout.strip().splitlines()[-1].split(" jobs/train.py ")[1].split()
-    assert command == [f"data.shards={out}", "tokenizer=bpe", f"model.vocab_size={VOCAB}"]
+    assert command == [f"data.shards={out}", f"model.vocab_size={VOCAB}"]  # the shards' own tokenizer
     validate(compose(["trainer.seq_len=32", *command]))  # the printed command passes the checks
     for args, message in (
         ([f"data.path={corpus}"], "data.shards is not set"),
@@ -201,7 +201,7 @@ def test_bad_shards_are_refused_in_one_line_before_any_worker(tmp_path: Path, bp
         ([*good, "model.vocab_size=300"], f"set model.vocab_size={VOCAB}"),
         ([*good, f"tokenizer.path={other}"], "another tokenizer than tokenizer.path"),
         (
-            [f"data.shards={bpe_shards}", f"model.vocab_size={VOCAB}"],
+            [f"data.shards={bpe_shards}", f"model.vocab_size={VOCAB}", "tokenizer=bytes"],
             "tokenizer=bpe, this config names tokenizer=bytes",
         ),
         ([f"data.shards={bytes_shards}", "tokenizer=bpe"], "tokenizer=bytes, this config names tokenizer=bpe"),

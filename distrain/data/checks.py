@@ -22,7 +22,7 @@ def check_data(cfg: TrainConfig) -> None:
     """Token shards that exist, are whole, come from the tokenizer the config names, fit the model's
     vocabulary and hold a window of trainer.seq_len in each split; a BPE only through shards."""
     d, t = cfg.data, cfg.tokenizer
-    if t.name not in ("bytes", "bpe"):
+    if t.name not in (None, "bytes", "bpe"):
         raise ConfigError(f"tokenizer.name={t.name!r}: choose bytes or bpe (tokenizer=bytes, tokenizer=bpe)")
     if not d.shards:
         if t.name == "bpe":
@@ -33,7 +33,7 @@ def check_data(cfg: TrainConfig) -> None:
     stored = Path(d.shards) / "tokenizer.json"
     if not stored.is_file() or hashlib.sha256(stored.read_bytes()).hexdigest() != tok["fingerprint"]:
         raise ConfigError(f"{where} is corrupt: its tokenizer.json is missing or not the one its tokens were made with")
-    if t.name != tok["kind"]:
+    if t.name is not None and t.name != tok["kind"]:
         raise ConfigError(
             f"{where} was tokenized with tokenizer={tok['kind']}, this config names tokenizer={t.name}: set "
             f"tokenizer={tok['kind']}, or prepare shards with tokenizer={t.name}"

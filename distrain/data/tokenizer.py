@@ -203,9 +203,9 @@ def load_tokenizer(path: str | Path, key: str = "tokenizer.path") -> Tokenizer:
 def config_tokenizer(cfg: TrainConfig) -> Tokenizer | None:
     """The tokenizer the config names: bytes, the one at tokenizer.path, or None (a BPE still to train)."""
     t = cfg.tokenizer
-    if t.name == "bytes":
+    if t.name == "bytes" or (t.name is None and not t.path):
         return ByteTokenizer()
-    if t.name != "bpe":
+    if t.name not in (None, "bpe"):
         raise ConfigError(f"tokenizer.name={t.name!r}: choose bytes or bpe")
     return load_tokenizer(t.path) if t.path else None
 
