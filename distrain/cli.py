@@ -77,9 +77,7 @@ def check_overrides(overrides: list[str] | tuple[str, ...], conf_dir: Path = CON
             try:
                 OmegaConf.update(schema, key, value, merge=True)
             except OmegaConfBaseException:
-                raise BadInput(
-                    f"{override.input_line}: {key} takes {type_name(kind)}, not {value!r}"
-                ) from None
+                raise BadInput(f"{override.input_line}: {key} takes {type_name(kind)}, not {value!r}") from None
 
 
 def field_type(key: str, cls: type = TrainConfig) -> typing.Any:
