@@ -65,7 +65,7 @@ def check_overrides(overrides: list[str] | tuple[str, ...], conf_dir: Path = CON
         raise BadInput(str(e).splitlines()[0] + " (an override is key=value)") from None
     for override in parsed:
         key = override.key_or_group
-        if key.split(".")[0] == "hydra" or (conf_dir / key).is_dir():
+        if re.split(r"[./]", key)[0] == "hydra" or (conf_dir / key).is_dir():
             continue  # Hydra's own settings; a group choice (checked above)
         kind = field_type(key)
         if kind is None:

@@ -96,7 +96,7 @@ def main(cfg) -> None:
     def record(run_dir: Path) -> None:
         """Hydra's record of this invocation (config, overrides) and the console log, in the run directory."""
         LOG.open(run_dir)
-        out = run_dir / "hydra" / time.strftime("%Y%m%d-%H%M%S")
+        out = run_dir / "hydra" / time.strftime("%Y%m%d-%H%M%S") / ".hydra"  # Hydra's own layout
         out.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(cfg, out / "config.yaml")
         OmegaConf.save(OmegaConf.create(list(hydra.overrides.task)), out / "overrides.yaml")
@@ -128,11 +128,12 @@ def main(cfg) -> None:
 def entry(argv: list[str]) -> int:
     import hydra
 
-    argv = plan_overrides(argv)
+    multirun = [a for a in argv if a in ("-m", "--multirun")]
+    argv = [*multirun, *plan_overrides([a for a in argv if a not in multirun])]  # Hydra's parser wants it first
     try:
         overrides = overrides_of(argv)
         check_overrides(overrides)
-        if "-m" in argv or "--multirun" in argv:
+        if multirun:
             SWEEP["keys"] = swept_keys(overrides)
             argv = sweep_overrides(argv)
     except BadInput as e:

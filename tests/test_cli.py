@@ -92,12 +92,12 @@ def test_a_sweep_trains_each_point_as_its_own_run(tmp_path: Path):
     assert re.search(r"1 +trainer.global_batch_size=30 +refused", table), table
     assert re.search(r"2 +trainer.global_batch_size=16 +completed", table), table
 
-    runs = {p.name: p for p in tmp_path.iterdir() if p.name.startswith("sw")}
+    runs = {p.name: p for p in tmp_path.iterdir() if p.name.startswith("sw-")}
     assert sorted(runs) == ["sw-trainer.global_batch_size=16", "sw-trainer.global_batch_size=8"]
     for batch, run_dir in ((8, runs["sw-trainer.global_batch_size=8"]), (16, runs["sw-trainer.global_batch_size=16"])):
         summary = json.loads((run_dir / "summary.json").read_text())
         assert summary["status"] == "completed" and summary["final_step"] == 3 and summary["resumed_from"] is None
-        (config,) = run_dir.glob("hydra/*/config.yaml")  # Hydra's record, in the point's own run directory
+        (config,) = run_dir.glob("hydra/*/.hydra/config.yaml")  # Hydra's record, in the point's own run directory
         assert f"global_batch_size: {batch}" in config.read_text()
         (log,) = run_dir.glob("logs/driver-*.log")  # the console, kept
         assert "completed at step 3" in log.read_text() and str(run_dir) in log.read_text()
