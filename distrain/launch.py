@@ -8,15 +8,12 @@ server (`distrain.ps.engine`).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
-import threading
 import time
 import uuid
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -30,10 +27,11 @@ from distrain.cluster.states import Finished, Work
 from distrain.cluster.supervisor import Supervisor
 from distrain.cluster.worker_group import WorkerGroup
 from distrain.config import ClusterConfig, ConfigError, TrainConfig, attach_address, to_plain
-from distrain.fsutil import exclusive_lock
+from distrain.fsutil import exclusive_lock, make_writable_dir
 from distrain.layout import Layout
 from distrain.plan import describe
 from distrain.progress import ProgressLine
+from distrain.stop import stop_signals
 from distrain.tracking import SUMMARY_FILE, read_metrics, wandb_mode, write_summary
 from distrain.validation import validate
 
@@ -257,45 +255,6 @@ def stop_grace_s() -> float:
     return float(os.environ.get("RAY_JOB_STOP_WAIT_TIME_S", default))
 
 
-class StopRequests:
-    """SIGTERM (`ray job stop`, a preempted node) or Ctrl-C asks for a clean stop: checkpoint, then exit;
-    during start-up (Ray starting, workers being placed), the run stops before its first attempt. A second
-    one stops at once. Signals reach only the main thread; elsewhere, nothing to do."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-    def __init__(self) -> None:
-        self.received: list[int] = []  # the command line exits 128 + the first
-        self.target: Callable[[], None] | None = None
-
-    def handler(self, signum: int, frame: object) -> None:
-        if self.received:
-            raise KeyboardInterrupt
-        self.received.append(signum)
-        if self.target is not None:
-            self.target()
-
-    def install(self) -> dict:
-        """Take the signals (again: `ray.init` puts in a SIGTERM handler of its own); the handlers replaced."""
-        if threading.current_thread() is not threading.main_thread():
-            return {}
-        return {sig: signal.signal(sig, self.handler) for sig in self.SIGNALS}
-
-    def forward_to(self, request_stop: Callable[[], None]) -> None:
-        self.target = request_stop
-
-
-@contextlib.contextmanager
-def stop_signals() -> Iterator[StopRequests]:
-    stop = StopRequests()
-    previous = stop.install()
-    try:
-        yield stop
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
-
-
 def _from_metrics(run_dir: Path) -> dict:
     logged = read_metrics(str(run_dir))
     return {"final_step": logged[-1]["step"] if logged else 0, "final_loss": logged[-1]["loss"] if logged else None}
@@ -369,18 +328,11 @@ def check_steps_left(meta: dict, cfg: TrainConfig, say: Callable[[str], None] = 
 
 def make_run_dir(cfg: TrainConfig) -> Path:
     """The run directory, made and written to once, or a one-line ConfigError about run.storage (read-only,
-    a file, /sys) with nothing left behind: the directories made here are removed again."""
+    a file, /sys) with nothing left behind."""
     run_dir = Path(cfg.run_dir)
-    made = [p for p in (run_dir, *run_dir.parents) if not p.exists()]
-    probe = run_dir / f".write-test-{uuid.uuid4().hex[:8]}"
     try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        probe.write_text("")
-        probe.unlink()
+        make_writable_dir(run_dir)
     except OSError as e:
-        for path in made:
-            with contextlib.suppress(OSError):
-                path.rmdir()
         raise ConfigError(
             f"run.storage={cfg.run.storage!r} cannot hold the run directory {str(run_dir)!r} "
             f"({e.strerror or e}): give a directory you can write"

@@ -143,7 +143,7 @@ def entry(argv: list[str]) -> int:
     try:
         hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")(main)()
     except KeyboardInterrupt:
-        print(f"distrain: interrupted: {run_state()}", file=sys.stderr)
+        print(f"distrain: stopped by SIGINT: {run_state()} (exit status 130)", file=sys.stderr)
         return 130
     finally:
         if SWEEP["points"]:

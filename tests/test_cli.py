@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, TINY, make_config
+from conftest import REPO, TINY, committed_step, logged_step, make_config
 from test_config import run_cli
 
 from distrain.cli import BadInput, check_overrides
@@ -107,31 +107,46 @@ def test_a_sweep_trains_each_point_as_its_own_run(tmp_path: Path):
     assert not list(tmp_path.rglob("train.log"))  # Hydra's always-empty log is gone
 
 
-def test_ctrl_c_during_start_up_stops_cleanly(tmp_path: Path):
-    """SIGINT once the run directory exists, while Ray starts and workers are placed: one line saying the
-    run trained nothing, exit status 130, no traceback."""
+def interrupt_when(tmp_path: Path, ready, *overrides: str) -> tuple[int, str]:
+    """Run the entrypoint (run.name=c), send it SIGINT (as a terminal's Ctrl-C) once `ready(run_dir)`:
+    its exit status and output."""
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
     env.pop("RAY_ADDRESS", None)
-    args = [*TINY, *STEPS, f"run.storage={tmp_path}", "run.name=c", "cluster.local_cpus=2", "cluster.local_gpus=0"]
+    args = [*TINY, f"run.storage={tmp_path}", "run.name=c", "cluster.local_cpus=2", "cluster.local_gpus=0", *overrides]
     proc = subprocess.Popen(
         [sys.executable, str(REPO / "jobs" / "train.py"), *args],
         cwd=tmp_path,
         env=env,
         stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
         text=True,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as a terminal's job has it
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # a background job ignores it
     )
-    deadline = time.time() + 120
-    while not list((tmp_path / "c").glob("logs/driver-*.log")) and time.time() < deadline and proc.poll() is None:
+    deadline = time.time() + 150
+    while not ready(tmp_path / "c") and time.time() < deadline and proc.poll() is None:
         time.sleep(0.05)
     proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=180)
-    assert proc.returncode == 130, out + err
-    assert "Traceback" not in out + err and "KeyboardInterrupt" not in out + err
-    assert "run 'c' has trained nothing" in out + err
-    assert "val loss nan" not in out  # a run with no evaluation says so
-    assert not (tmp_path / "c" / "checkpoints").exists() or not list((tmp_path / "c" / "checkpoints").iterdir())
+    out, _ = proc.communicate(timeout=180)
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out
+    return proc.returncode, out
+
+
+def test_ctrl_c_during_start_up_stops_cleanly(tmp_path: Path):
+    """SIGINT once the run directory exists, while Ray starts and workers are placed: one line saying the
+    run trained nothing, exit status 130."""
+    code, out = interrupt_when(tmp_path, lambda run_dir: list(run_dir.glob("logs/driver-*.log")), *STEPS)
+    assert code == 130, out
+    assert "stopped by SIGINT: run 'c' has trained nothing (exit status 130)" in out
+    assert committed_step(tmp_path / "c") == 0
+
+
+def test_ctrl_c_during_training_checkpoints_and_exits_130(tmp_path: Path):
+    code, out = interrupt_when(tmp_path, lambda run_dir: logged_step(run_dir) >= 2, "trainer.max_steps=100000")
+    step = committed_step(tmp_path / "c")
+    assert code == 130 and step >= 2, out
+    assert f"stopped by SIGINT: run 'c' resumes from step {step}" in out
+    assert "no evaluation" in out and "val loss nan" not in out, out  # a stop skips the final evaluation
+    assert json.loads((tmp_path / "c" / "summary.json").read_text())["status"] == "stopped"
 
 
 def test_readme_commands_use_the_virtual_environment():
