@@ -19,7 +19,6 @@ from distrain.config import TrainConfig
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 SCHEMA = "train_schema"  # the name conf/train.yaml's defaults list gives TrainConfig
-_GROUP_CHOICE = re.compile(r"^(\w+)=([\w.-]+)$")
 # A plan writes nothing: Hydra's record and log stay out of the run directory (and off the disk).
 PLAN_HYDRA_OVERRIDES = ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=stdout"]
 ALIASES = {"checkpoint.async": "checkpoint.async_save"}  # command-line name → the field it sets
@@ -57,7 +56,6 @@ def check_overrides(overrides: list[str] | tuple[str, ...], conf_dir: Path = CON
     from hydra.errors import OverrideParseException
     from omegaconf.errors import OmegaConfBaseException
 
-    check_group_choices(list(overrides), conf_dir)
     schema = OmegaConf.structured(TrainConfig)
     try:
         parsed = OverridesParser.create().parse_overrides(list(overrides))
@@ -65,14 +63,17 @@ def check_overrides(overrides: list[str] | tuple[str, ...], conf_dir: Path = CON
         raise BadInput(str(e).splitlines()[0] + " (an override is key=value)") from None
     for override in parsed:
         key = override.key_or_group
-        if re.split(r"[./]", key)[0] == "hydra" or (conf_dir / key).is_dir():
-            continue  # Hydra's own settings; a group choice (checked above)
+        if re.split(r"[./]", key)[0] == "hydra" or override.is_delete():
+            continue  # Hydra's own settings
+        values = list(override.sweep_iterator()) if override.is_sweep_override() else [override.value()]
+        if (conf_dir / key).is_dir():
+            check_group_choice(key, values, override.input_line, conf_dir)
+            continue
         kind = field_type(key)
         if kind is None:
             raise BadInput(unknown_key(key))
-        if kind is dict or override.is_delete():
+        if kind is dict:
             continue
-        values = list(override.sweep_iterator()) if override.is_sweep_override() else [override.value()]
         for value in values:
             try:
                 OmegaConf.update(schema, key, value, merge=True)
@@ -115,16 +116,12 @@ def type_name(kind: typing.Any) -> str:
     return getattr(kind, "__name__", None) or str(kind).replace("typing.", "")
 
 
-def check_group_choices(overrides: list[str], conf_dir: Path = CONF_DIR) -> None:
-    """Catch `model=nope` with a one-line error before Hydra prints its page-long one."""
-    for arg in overrides:
-        match = _GROUP_CHOICE.match(arg)
-        if not match or not (conf_dir / match[1]).is_dir():
-            continue
-        group, choice = match[1], match[2]
+def check_group_choice(group: str, choices: list, line: str, conf_dir: Path = CONF_DIR) -> None:
+    """`model=nope` in one line, before Hydra prints its page-long error."""
+    for choice in choices:
         if not (conf_dir / group / f"{choice}.yaml").exists():
             known = sorted(p.stem for p in (conf_dir / group).glob("*.yaml"))
-            raise BadInput(f"unknown {group} {choice!r} ({arg}); choose one of: {', '.join(known)}")
+            raise BadInput(f"unknown {group} {choice!r} ({line}); choose one of: {', '.join(known)}")
 
 
 def overrides_of(argv: list[str]) -> list[str]:

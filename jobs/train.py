@@ -24,6 +24,7 @@ CURRENT: dict = {}  # the run being started: what a Ctrl-C reports on
 
 def fail(message: str, code: int = 2) -> int:
     print(f"distrain: error: {message}", file=sys.stderr)
+    CURRENT["error"] = message  # a sweep's table repeats it
     return code
 
 
@@ -104,6 +105,10 @@ def main(cfg) -> None:
     config = OmegaConf.to_object(cfg)
     try:
         code, summary = run(config, record)
+    except Exception as e:
+        if not sweeping:
+            raise
+        code, summary = fail(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", code=1), None
     finally:
         LOG.close()
     if not sweeping:
@@ -118,7 +123,7 @@ def main(cfg) -> None:
             status=status,
             final_loss=(summary or {}).get("final_loss"),
             final_val_loss=(summary or {}).get("final_val_loss"),
-            error=None if summary else f"see {config.run_dir}" if code == 1 else "refused: see the error above",
+            error=CURRENT.pop("error", None),
         )
     )
     if status == "stopped":
