@@ -101,6 +101,8 @@ def test_a_sweep_trains_each_point_as_its_own_run(tmp_path: Path):
         assert f"global_batch_size: {batch}" in config.read_text()
         (log,) = run_dir.glob("logs/driver-*.log")  # the console, kept
         assert "completed at step 3" in log.read_text() and str(run_dir) in log.read_text()
+    nodes = [{r["node_id"] for r in json.loads((p / "placement.json").read_text())} for p in runs.values()]
+    assert nodes[0] == nodes[1]  # one Ray cluster, kept up between the points
     (record,) = (tmp_path / "sweeps").glob("*/sweep.json")  # Hydra's sweep record beside it (multirun.yaml)
     assert [p["status"] for p in json.loads(record.read_text())] == ["completed", "refused", "completed"]
     assert (record.parent / "multirun.yaml").exists() and not (tmp_path / "multirun").exists()
