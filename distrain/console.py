@@ -42,6 +42,13 @@ class _Tee(io.TextIOBase):
     def encoding(self) -> str:  # type: ignore[override]
         return self.stream.encoding
 
+    @property
+    def errors(self) -> str | None:  # type: ignore[override]
+        return self.stream.errors
+
+    def __getattr__(self, name: str) -> object:  # the rest (buffer, errors, ...) is the stream's
+        return getattr(self.stream, name)
+
 
 class DriverLog:
     """Install once (`start`), then `open` a run directory's log and `close` it at the run's end."""
