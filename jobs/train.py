@@ -127,7 +127,24 @@ def main(cfg) -> None:
         )
     )
     if status == "stopped":
-        raise KeyboardInterrupt  # a signal stops the sweep, not only its point
+        raise SystemExit(code)  # a signal stops the sweep, not only its point (the table still ends it)
+
+
+def check_sweep_storage(overrides: list[str]) -> None:
+    """Hydra makes a sweep's directory (under run.storage) before any point's config is checked: check first."""
+    from distrain.config import RunConfig
+    from distrain.fsutil import make_writable_dir
+
+    given = [o.partition("=")[2] for o in overrides if o.lstrip("+").startswith("run.storage=")]
+    storage = given[-1] if given else RunConfig.storage
+    if "," in storage:
+        return  # swept: each point checks its own
+    try:
+        make_writable_dir(Path(storage) / "sweeps")
+    except OSError as e:
+        raise BadInput(
+            f"run.storage={storage!r} cannot hold the sweep ({e.strerror or e}): give a directory you can write"
+        ) from None
 
 
 def entry(argv: list[str]) -> int:
@@ -141,6 +158,7 @@ def entry(argv: list[str]) -> int:
         if multirun:
             SWEEP["keys"] = swept_keys(overrides)
             argv = sweep_overrides(argv)
+            check_sweep_storage(overrides)
     except BadInput as e:
         return fail(str(e))
     register()

@@ -49,6 +49,11 @@ def test_bad_input_fails_in_one_line_and_creates_nothing(tmp_path: Path, overrid
     assert not Path("/sys/distrain-runs").exists()
 
 
+def test_a_sweep_on_impossible_storage_fails_in_one_line(tmp_path: Path):
+    one_error(run_cli(tmp_path, "-m", "optim.lr=1e-3,3e-3", "run.storage=/sys/distrain-runs"), "cannot hold the sweep")
+    assert list(tmp_path.iterdir()) == [] and not Path("/sys/distrain-runs").exists()
+
+
 def test_storage_that_is_a_file_is_refused_before_any_worker(tmp_path: Path):
     storage = tmp_path / "runs"
     storage.write_text("not a directory")
