@@ -7,7 +7,10 @@ get exactly the config `jobs/train.py` would train.
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import re
+import typing
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -16,7 +19,6 @@ from distrain.config import TrainConfig
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 SCHEMA = "train_schema"  # the name conf/train.yaml's defaults list gives TrainConfig
-_GROUP_CHOICE = re.compile(r"^(\w+)=([\w.-]+)$")
 # A plan writes nothing: Hydra's record and log stay out of the run directory (and off the disk).
 PLAN_HYDRA_OVERRIDES = ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=stdout"]
 ALIASES = {"checkpoint.async": "checkpoint.async_save"}  # command-line name → the field it sets
@@ -36,25 +38,97 @@ def compose(overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
 
     register()
     overrides = spell_out(overrides)
-    check_group_choices(overrides)
+    check_overrides(overrides)
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         return OmegaConf.to_object(hydra_compose("train", overrides=overrides))
 
 
 class BadInput(ValueError):
-    """An override naming a config-group option that does not exist."""
+    """An override naming a config-group option or key that does not exist, or a value of the wrong type."""
 
 
-def check_group_choices(overrides: list[str], conf_dir: Path = CONF_DIR) -> None:
-    """Catch `model=nope` with a one-line error before Hydra prints its page-long one."""
-    for arg in overrides:
-        match = _GROUP_CHOICE.match(arg)
-        if not match or not (conf_dir / match[1]).is_dir():
+def check_overrides(overrides: list[str] | tuple[str, ...], conf_dir: Path = CONF_DIR) -> None:
+    """Every override in one line each before Hydra reads them: a group option that exists, a key the
+    schema has (with or without `+`; below a free-form dict such as cluster.env_vars, any key), and a
+    value (each of a sweep's) of the key's type. Hydra would add an unknown `+key` silently and answer a
+    wrong type with a page."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+    from omegaconf.errors import OmegaConfBaseException
+
+    schema = OmegaConf.structured(TrainConfig)
+    try:
+        parsed = OverridesParser.create().parse_overrides(list(overrides))
+    except OverrideParseException as e:
+        raise BadInput(str(e).splitlines()[0] + " (an override is key=value)") from None
+    for override in parsed:
+        key = override.key_or_group
+        if re.split(r"[./]", key)[0] == "hydra" or override.is_delete():
+            continue  # Hydra's own settings
+        values = list(override.sweep_iterator()) if override.is_sweep_override() else [override.value()]
+        if (conf_dir / key).is_dir():
+            check_group_choice(key, values, override.input_line, conf_dir)
             continue
-        group, choice = match[1], match[2]
+        kind = field_type(key)
+        if kind is None:
+            raise BadInput(unknown_key(key))
+        if kind is dict:
+            continue
+        for value in values:
+            try:
+                OmegaConf.update(schema, key, value, merge=True)
+            except OmegaConfBaseException:
+                raise BadInput(f"{override.input_line}: {key} takes {type_name(kind)}, not {value!r}") from None
+
+
+def field_type(key: str, cls: type = TrainConfig) -> typing.Any:
+    """The type of the schema's field at dotted `key`; `dict` for any key below a free-form dict; None if
+    the schema has no such key."""
+    head, _, rest = key.partition(".")
+    hints = typing.get_type_hints(cls)
+    if head not in hints:
+        return None
+    kind = hints[head]
+    if dataclasses.is_dataclass(kind):
+        return field_type(rest, kind) if rest else kind
+    if typing.get_origin(kind) is dict:
+        return dict
+    return None if rest else kind
+
+
+def schema_keys(cls: type = TrainConfig, prefix: str = "") -> list[str]:
+    """Every dotted key of the schema, groups and fields."""
+    keys = []
+    for name, kind in typing.get_type_hints(cls).items():
+        keys.append(prefix + name)
+        if dataclasses.is_dataclass(kind):
+            keys += schema_keys(kind, f"{prefix}{name}.")
+    return keys
+
+
+def unknown_key(key: str) -> str:
+    close = difflib.get_close_matches(key, schema_keys(), n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]}?" if close else "`jobs/train.py --cfg job` prints every key"
+    return f"unknown key {key}; {hint}"
+
+
+def type_name(kind: typing.Any) -> str:
+    return getattr(kind, "__name__", None) or str(kind).replace("typing.", "")
+
+
+def check_group_choice(group: str, choices: list, line: str, conf_dir: Path = CONF_DIR) -> None:
+    """`model=nope` in one line, before Hydra prints its page-long error."""
+    for choice in choices:
         if not (conf_dir / group / f"{choice}.yaml").exists():
             known = sorted(p.stem for p in (conf_dir / group).glob("*.yaml"))
-            raise BadInput(f"unknown {group} {choice!r} ({arg}); choose one of: {', '.join(known)}")
+            raise BadInput(f"unknown {group} {choice!r} ({line}); choose one of: {', '.join(known)}")
+
+
+def overrides_of(argv: list[str]) -> list[str]:
+    """The overrides among `jobs/train.py`'s arguments, without Hydra's flags (`--cfg job`, `-m`, ...)."""
+    from hydra._internal.utils import get_args_parser
+
+    return get_args_parser().parse_known_args(argv)[0].overrides
 
 
 def plan_overrides(args: list[str]) -> list[str]:

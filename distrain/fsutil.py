@@ -26,6 +26,22 @@ def atomic_write(path: str | os.PathLike, data: bytes | str) -> None:
         os.close(dir_fd)
 
 
+def make_writable_dir(path: Path) -> None:
+    """Make `path` (and its missing parents) and write a file in it once: OSError if that cannot be done,
+    with the directories made here removed again."""
+    made = [p for p in (path, *path.parents) if not p.exists()]
+    probe = path / f".write-test-{os.getpid()}"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe.write_text("")
+        probe.unlink()
+    except OSError:
+        for directory in made:
+            with contextlib.suppress(OSError):
+                directory.rmdir()
+        raise
+
+
 def write_json(path: str | os.PathLike, obj: Any) -> None:
     atomic_write(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
 

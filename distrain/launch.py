@@ -8,15 +8,12 @@ server (`distrain.ps.engine`).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
-import threading
 import time
 import uuid
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -26,14 +23,15 @@ from distrain.cluster.attempt import Attempt
 from distrain.cluster.placement import GroupSpec
 from distrain.cluster.policy import Policy
 from distrain.cluster.runtime import check_capacity, connect, gpu_count, wait_for_gpus
-from distrain.cluster.states import Work
+from distrain.cluster.states import Finished, Work
 from distrain.cluster.supervisor import Supervisor
 from distrain.cluster.worker_group import WorkerGroup
 from distrain.config import ClusterConfig, ConfigError, TrainConfig, attach_address, to_plain
-from distrain.fsutil import exclusive_lock
+from distrain.fsutil import exclusive_lock, make_writable_dir
 from distrain.layout import Layout
 from distrain.plan import describe
 from distrain.progress import ProgressLine
+from distrain.stop import stop_signals
 from distrain.tracking import SUMMARY_FILE, read_metrics, wandb_mode, write_summary
 from distrain.validation import validate
 
@@ -142,12 +140,16 @@ def worker_env(c: ClusterConfig) -> tuple[tuple[str, str], ...]:
     return tuple(sorted({**env, **c.env_vars}.items()))
 
 
-def train(cfg: TrainConfig, startup: dict[str, float] | None = None) -> dict:
+def train(
+    cfg: TrainConfig, startup: dict[str, float] | None = None, on_run_dir: Callable[[Path], None] | None = None
+) -> dict:
     """Train the run `cfg` describes, resuming from its newest committed checkpoint if it has one,
     under the supervisor (restarts, hangs, node loss, SIGTERM); return the summary also written to
     summary.json. With `cfg.plan`, write nothing and return the layout's description instead.
     `startup`: wall-clock marks of the caller's own start (jobs/train.py: its imports, Hydra's compose),
-    which summary.json's `startup` holds with this driver's (started_at, connected_at: Ray is up)."""
+    which summary.json's `startup` holds with this driver's (started_at, connected_at: Ray is up).
+    `on_run_dir`: called with the run directory once the config is valid and the directory made (the
+    command line keeps its record and console log there); nothing is written before."""
     started = time.time()
     layout = validate(cfg)
     if not os.path.isabs(cfg.run.storage) and attach_address(cfg.cluster.address):
@@ -163,15 +165,19 @@ def train(cfg: TrainConfig, startup: dict[str, float] | None = None) -> dict:
         run=replace(cfg.run, storage=os.path.abspath(cfg.run.storage)),
         logger=replace(cfg.logger, wandb=replace(cfg.logger.wandb, mode=wandb_mode(cfg.logger.wandb.mode))),
     )
-    run_dir = Path(cfg.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    with exclusive_lock(run_dir / LOCK_FILE):
+    run_dir = make_run_dir(cfg)
+    if on_run_dir is not None:
+        on_run_dir(run_dir)
+    with exclusive_lock(run_dir / LOCK_FILE), stop_signals() as stop:
         supervisor, summary, progress = _prepare(cfg, layout, run_dir, {**(startup or {}), "started_at": started})
+        stop.install()
+        stop.forward_to(supervisor.request_stop)
         try:
-            with stop_signals(supervisor.request_stop):
-                finished = supervisor.run()
+            finished = Finished(None, stopped=True) if stop.received else supervisor.run()
             stopped = finished.stopped
             summary.update(finished.results or _from_metrics(run_dir), status="stopped" if stopped else "completed")
+            if stopped and stop.received:
+                summary["stop_signal"] = stop.received[0]
         except BaseException as e:
             summary.update(_from_metrics(run_dir), error=f"{type(e).__name__}: {e}")
             raise
@@ -193,6 +199,7 @@ def _prepare(cfg: TrainConfig, layout: Layout, run_dir: Path, startup: dict[str,
     meta = checkpoint.read_meta(resume_from) if resume_from else {}
     if resume_from:
         check_resumable(meta.get("config"), to_plain(cfg))
+        check_steps_left(meta, cfg)
     history = _previous_summaries(run_dir)
     wandb_run_id = meta.get("wandb_run_id") or next(
         (h["wandb_run_id"] for h in reversed(history) if h.get("wandb_run_id")), None
@@ -248,29 +255,6 @@ def stop_grace_s() -> float:
     return float(os.environ.get("RAY_JOB_STOP_WAIT_TIME_S", default))
 
 
-@contextlib.contextmanager
-def stop_signals(request_stop: Callable[[], None]) -> Iterator[None]:
-    """SIGTERM (`ray job stop`, a preempted node) or Ctrl-C asks for a clean stop: checkpoint, then
-    exit. A second one stops at once. Signals reach only the main thread; elsewhere, nothing to do."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    received = []
-
-    def handler(signum: int, frame: object) -> None:
-        if received:
-            raise KeyboardInterrupt
-        received.append(signum)
-        request_stop()
-
-    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        yield
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
-
-
 def _from_metrics(run_dir: Path) -> dict:
     logged = read_metrics(str(run_dir))
     return {"final_step": logged[-1]["step"] if logged else 0, "final_loss": logged[-1]["loss"] if logged else None}
@@ -320,6 +304,40 @@ def check_resumable(saved: dict | None, current: dict) -> None:
                 f"{saved[section][key]!r}): training continues, but not as the original run would have",
                 stacklevel=2,
             )
+
+
+def check_steps_left(meta: dict, cfg: TrainConfig, say: Callable[[str], None] = print_event) -> None:
+    """A rerun whose checkpoint is already at trainer.max_steps would train nothing: refused. One asking
+    for more steps than the checkpoint's run extends it, which is said: the LR schedule follows
+    trainer.max_steps unless optim.decay_steps fixes its length."""
+    step, steps, name = meta["step"], cfg.trainer.max_steps, cfg.run.name
+    if step >= steps:
+        raise ConfigError(
+            f"run {name!r} has trained {step} steps, so trainer.max_steps={steps} leaves nothing to train: give "
+            f"trainer.max_steps above {step} to extend it, or a new run.name"
+        )
+    before = (meta.get("config") or {}).get("trainer", {}).get("max_steps")
+    if before is not None and before < steps:
+        schedule = (
+            f"optim.decay_steps={cfg.optim.decay_steps} keeps the LR schedule"
+            if cfg.optim.decay_steps
+            else "the LR schedule stretches to the new length (set optim.decay_steps to keep it)"
+        )
+        say(f"extending run {name!r} from trainer.max_steps={before} to {steps}, from step {step}: {schedule}")
+
+
+def make_run_dir(cfg: TrainConfig) -> Path:
+    """The run directory, made and written to once, or a one-line ConfigError about run.storage (read-only,
+    a file, /sys) with nothing left behind."""
+    run_dir = Path(cfg.run_dir)
+    try:
+        make_writable_dir(run_dir)
+    except OSError as e:
+        raise ConfigError(
+            f"run.storage={cfg.run.storage!r} cannot hold the run directory {str(run_dir)!r} "
+            f"({e.strerror or e}): give a directory you can write"
+        ) from None
+    return run_dir
 
 
 def _previous_summaries(run_dir: Path) -> list[dict]:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from pathlib import Path
 
+from distrain.checkpoint import COMMIT_MARKER, checkpoints
 from distrain.config import TrainConfig
 from distrain.fsutil import atomic_write, write_json
 from distrain.model.size import flops_per_token, num_params
@@ -28,6 +30,8 @@ class Tracker:
         _set_aside_lines_after(self.metrics_path, resume_step)
         self._metrics = open(self.metrics_path, "a")
         self.wandb_run = None
+        self.artifacts = False  # logger.wandb.log_checkpoints
+        self.checkpoints_logged: set[str] = set()
         wb = config["logger"]["wandb"]
         mode = wb["mode"]  # resolved by the driver (wandb_mode)
         if mode != "disabled":
@@ -44,6 +48,8 @@ class Tracker:
                 config=config,
                 settings=wandb.Settings(console="off", silent=True),
             )
+            self.artifacts = wb["log_checkpoints"]
+            self.checkpoints_logged = {p.name for p in committed(self.run_dir)}  # earlier invocations logged theirs
 
     @property
     def wandb_run_id(self) -> str | None:
@@ -54,13 +60,38 @@ class Tracker:
         self._metrics.write(json.dumps(record) + "\n")
         self._metrics.flush()
         if self.wandb_run is not None:
+            self.log_checkpoints()
             self.wandb_run.log(metrics, step=step)
+
+    def log_checkpoints(self) -> None:
+        """With logger.wandb.log_checkpoints, each checkpoint committed since the last look as a W&B artifact:
+        a reference to its directory on the run's storage (no copy, no checksum read of its files)."""
+        if not self.artifacts:
+            return
+        import wandb
+
+        for path in reversed(committed(self.run_dir)):
+            if path.name in self.checkpoints_logged:
+                continue
+            step = int(path.name.removeprefix("step_"))
+            artifact = wandb.Artifact(
+                re.sub(r"[^\w.-]", "_", f"{self.wandb_run.name}-checkpoint"), type="model", metadata={"step": step}
+            )
+            artifact.add_reference(path.resolve().as_uri(), name=path.name, checksum=False)
+            self.wandb_run.log_artifact(artifact, aliases=[path.name, "latest"])
+            self.checkpoints_logged.add(path.name)
 
     def close(self, summary: dict) -> None:
         self._metrics.close()
         if self.wandb_run is not None:
+            self.log_checkpoints()
             self.wandb_run.summary.update(summary)
             self.wandb_run.finish()
+
+
+def committed(run_dir: Path) -> list[Path]:
+    """The run's committed checkpoints, newest first."""
+    return [p for p in checkpoints(run_dir / "checkpoints") if (p / COMMIT_MARKER).exists()]
 
 
 def _set_aside_lines_after(path: Path, step: int) -> None:

@@ -1,61 +1,180 @@
 """The main entrypoint, locally and under `ray job submit`:  python jobs/train.py [Hydra overrides]
 
-Bad input gets one line and exit status 2, a failed run exit status 1 (what `ray job submit`
-reports as FAILED)."""
+Exit status: 0 a completed run (or sweep of completed runs); 2 bad input, refused before anything is
+written; 1 a failed run, or a sweep with a point that did not complete; 128 + the signal for a run
+stopped by a signal (130 Ctrl-C, 143 SIGTERM, e.g. `ray job stop`): a stopped run is not finished,
+so neither a shell nor `ray job submit` may take it for a success. The console output is kept in
+the run directory (logs/driver-*.log)."""
 
+import signal
 import sys
 import time
+from pathlib import Path
 
-import hydra
-from omegaconf import DictConfig, OmegaConf
+STARTUP: dict[str, float] = {"imported_at": time.time()}  # wall-clock marks of this process's start
 
-from distrain.cli import CONF_DIR, BadInput, check_group_choices, plan_overrides, register
+from distrain.cli import CONF_DIR, BadInput, check_overrides, overrides_of, plan_overrides, register  # noqa: E402
+from distrain.console import DriverLog  # noqa: E402
+from distrain.sweep import Point, point_name, point_values, sweep_overrides, swept_keys, table, write_record  # noqa: E402
 
-STARTUP: dict[str, float] = {}  # wall-clock marks of this process's own start, for summary.json
+LOG = DriverLog()
+SWEEP: dict = {"keys": set(), "points": [], "dir": None}
+CURRENT: dict = {}  # the run being started: what a Ctrl-C reports on
 
 
-def fail(message: str, code: int = 2) -> None:
+def fail(message: str, code: int = 2) -> int:
     print(f"distrain: error: {message}", file=sys.stderr)
-    raise SystemExit(code)
+    CURRENT["error"] = message  # a sweep's table repeats it
+    return code
 
 
-@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")
-def main(cfg: DictConfig) -> None:
-    """Train (or with `plan=true` print the layout). Imports here, not at the top, so `--cfg job`
-    and a bad group choice do not wait for Ray to load."""
-    STARTUP["composed_at"] = time.time()
+def run(config, record) -> tuple[int, dict | None]:
+    """Train one run: (exit status, summary); errors printed in one line."""
     from distrain.cluster.placement import PlacementError, WorkerFailure
     from distrain.cluster.runtime import CapacityError
     from distrain.config import ConfigError
     from distrain.fsutil import LockedError
     from distrain.launch import train
 
-    config = OmegaConf.to_object(cfg)
+    CURRENT["config"] = config
     try:
-        summary = train(config, STARTUP)
+        summary = train(config, STARTUP, record)
     except (ConfigError, CapacityError, PlacementError, LockedError) as e:
-        fail(str(e))
+        return fail(str(e)), None
     except WorkerFailure as e:
-        fail(f"training failed: {e}", code=1)
+        return fail(f"training failed: {e}", code=1), None
+    return report(config, summary)
+
+
+def report(config, summary: dict) -> tuple[int, dict]:
+    """The run's last lines, and its exit status."""
     if config.plan:
         print(summary["plan"])
-        return
-    nan = float("nan")
+        return 0, summary
+    loss, val = summary.get("final_loss"), summary.get("final_val_loss")
     print(
-        f"distrain: {summary['status']} at step {summary['final_step']}: loss {summary['final_loss'] or nan:.4f}, "
-        f"val loss {summary.get('final_val_loss') or nan:.4f}, {summary['wall_s']:.1f}s, "
+        f"distrain: {summary['status']} at step {summary['final_step']}: "
+        f"loss {f'{loss:.4f}' if loss is not None else '(no step trained)'}, "
+        f"{f'val loss {val:.4f}' if val is not None else 'no evaluation'}, {summary['wall_s']:.1f}s, "
         f"{summary['restarts']} restarts; run directory {config.run_dir}"
     )
-    if summary["status"] == "stopped":
-        print(f"distrain: stopped on request; the same command with run.name={config.run.name} resumes it")
+    if summary["status"] != "stopped":
+        return 0, summary
+    sig = summary.get("stop_signal", signal.SIGTERM)
+    print(f"distrain: stopped by {signal.Signals(sig).name}: {run_state()} (exit status {128 + sig})")
+    return 128 + sig, summary
+
+
+def run_state() -> str:
+    """What a stopped or interrupted run leaves: its newest committed checkpoint, if any."""
+    config = CURRENT.get("config")
+    if config is None:
+        return "nothing was started"
+    from distrain import checkpoint
+
+    latest = checkpoint.latest(Path(config.run_dir) / "checkpoints")
+    if latest is None:
+        return f"run {config.run.name!r} has trained nothing"
+    step = checkpoint.read_meta(latest)["step"]
+    return f"run {config.run.name!r} resumes from step {step} with the same command and run.name={config.run.name}"
+
+
+def main(cfg) -> None:
+    """Train (or with `plan=true` print the layout) the composed config; in a sweep, one point of it.
+    Imports here, not at the top, so `--cfg job` and bad input do not wait for Ray to load."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+    from omegaconf import OmegaConf
+
+    STARTUP["composed_at"] = time.time()
+    hydra = HydraConfig.get()
+    sweeping = hydra.mode == RunMode.MULTIRUN
+    values = point_values(list(hydra.overrides.task), SWEEP["keys"]) if sweeping else []
+    if sweeping:
+        cfg.run.name = point_name(cfg.run.name, values, SWEEP["keys"])
+        SWEEP["dir"] = hydra.sweep.dir
+
+    def record(run_dir: Path) -> None:
+        """Hydra's record of this invocation (config, overrides) and the console log, in the run directory."""
+        LOG.open(run_dir)
+        out = run_dir / "hydra" / time.strftime("%Y%m%d-%H%M%S") / ".hydra"  # Hydra's own layout
+        out.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(cfg, out / "config.yaml")
+        OmegaConf.save(OmegaConf.create(list(hydra.overrides.task)), out / "overrides.yaml")
+
+    config = OmegaConf.to_object(cfg)
+    try:
+        code, summary = run(config, record)
+    except Exception as e:
+        if not sweeping:
+            raise
+        code, summary = fail(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", code=1), None
+    finally:
+        LOG.close()
+    if not sweeping:
+        if code:
+            raise SystemExit(code)
+        return
+    status = {0: "completed", 2: "refused", 1: "failed"}.get(code, "stopped")
+    SWEEP["points"].append(
+        Point(
+            overrides=" ".join(values),
+            run_dir=config.run_dir,
+            status=status,
+            final_loss=(summary or {}).get("final_loss"),
+            final_val_loss=(summary or {}).get("final_val_loss"),
+            error=CURRENT.pop("error", None),
+        )
+    )
+    if status == "stopped":
+        raise SystemExit(code)  # a signal stops the sweep, not only its point (the table still ends it)
+
+
+def check_sweep_storage(overrides: list[str]) -> None:
+    """Hydra makes a sweep's directory (under run.storage) before any point's config is checked: check first."""
+    from distrain.config import RunConfig
+    from distrain.fsutil import make_writable_dir
+
+    given = [o.partition("=")[2] for o in overrides if o.lstrip("+").startswith("run.storage=")]
+    storage = given[-1] if given else RunConfig.storage
+    if "," in storage:
+        return  # swept: each point checks its own
+    try:
+        make_writable_dir(Path(storage) / "sweeps")
+    except OSError as e:
+        raise BadInput(
+            f"run.storage={storage!r} cannot hold the sweep ({e.strerror or e}): give a directory you can write"
+        ) from None
+
+
+def entry(argv: list[str]) -> int:
+    import hydra
+
+    multirun = [a for a in argv if a in ("-m", "--multirun")]
+    argv = [*multirun, *plan_overrides([a for a in argv if a not in multirun])]  # Hydra's parser wants it first
+    try:
+        overrides = overrides_of(argv)
+        check_overrides(overrides)
+        if multirun:
+            SWEEP["keys"] = swept_keys(overrides)
+            argv = sweep_overrides(argv)
+            check_sweep_storage(overrides)
+    except BadInput as e:
+        return fail(str(e))
+    register()
+    sys.argv[1:] = argv
+    try:
+        hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")(main)()
+    except KeyboardInterrupt:
+        print(f"distrain: stopped by SIGINT: {run_state()} (exit status 130)", file=sys.stderr)
+        return 130
+    finally:
+        if SWEEP["points"]:
+            print(table(SWEEP["points"]))
+            write_record(SWEEP["dir"], SWEEP["points"])
+    return 1 if any(p.status != "completed" for p in SWEEP["points"]) else 0
 
 
 if __name__ == "__main__":
-    STARTUP["imported_at"] = time.time()
-    sys.argv[1:] = plan_overrides(sys.argv[1:])
-    try:
-        check_group_choices(sys.argv[1:])
-    except BadInput as e:
-        fail(str(e))
-    register()
-    main()
+    LOG.start()
+    sys.exit(entry(sys.argv[1:]))

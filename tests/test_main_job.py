@@ -71,5 +71,8 @@ def test_main_job_learns_well_below_the_unigram_entropy(tmp_path: Path):
     assert (run_dir / "checkpoints" / f"step_{STEPS:08d}" / "COMMITTED").exists()
     assert any((run_dir / "wandb").glob("offline-run-*"))  # W&B offline by default without an API key
     assert any(run_dir.glob("hydra/*/.hydra/config.yaml"))
+    (log,) = run_dir.glob("logs/driver-*.log")  # the console, kept: what was printed, the last line too
+    assert f"completed at step {STEPS}" in log.read_text() and not list(tmp_path.rglob("train.log"))
+    assert "Token authentication" not in result.stderr  # Ray's auth mode is set, not warned about on every run
     placement = json.loads((run_dir / "placement.json").read_text())
     assert {rank["node_ip"] for rank in placement} == {"127.0.0.1"}  # the embedded cluster: loopback only

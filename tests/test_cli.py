@@ -1,0 +1,168 @@
+"""The command line as a new user meets it: sweeps, reruns, typos, bad storage, Ctrl-C, what is left on
+disk and on the console, and the README's commands."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import REPO, TINY, committed_step, logged_step, make_config
+from test_config import run_cli
+
+from distrain.cli import BadInput, check_overrides
+from distrain.config import ConfigError
+from distrain.launch import train
+
+STEPS = ["trainer.max_steps=3", "logger.wandb.mode=disabled"]
+
+
+def one_error(result: subprocess.CompletedProcess, needle: str) -> None:
+    """Exit status 2, one `distrain: error:` line holding `needle`, no traceback."""
+    assert result.returncode == 2, result.stdout + result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("distrain: error:")]
+    assert len(errors) == 1 and needle in errors[0], result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("override", "needle"),
+    [
+        ("+trainer.max_step=10", "unknown key trainer.max_step; did you mean trainer.max_steps?"),
+        ("trainer.max_step=10", "unknown key trainer.max_step; did you mean trainer.max_steps?"),
+        ("++optim.l=0.1", "unknown key optim.l; did you mean optim.lr?"),
+        ("trainer.max_steps=abc", "trainer.max_steps takes int, not 'abc'"),
+        ("optim.lr=1e-3,fast", "optim.lr takes float, not 'fast'"),
+        ("run.storage=/sys/distrain-runs", "run.storage='/sys/distrain-runs' cannot hold the run directory"),
+    ],
+)
+def test_bad_input_fails_in_one_line_and_creates_nothing(tmp_path: Path, override: str, needle: str):
+    result = run_cli(tmp_path, *TINY, *STEPS, override, *(["-m"] if "," in override else []))
+    one_error(result, needle)
+    assert list(tmp_path.iterdir()) == []  # no run directory, no Hydra record, no multirun/
+    assert not Path("/sys/distrain-runs").exists()
+
+
+def test_a_sweep_on_impossible_storage_fails_in_one_line(tmp_path: Path):
+    one_error(run_cli(tmp_path, "-m", "optim.lr=1e-3,3e-3", "run.storage=/sys/distrain-runs"), "cannot hold the sweep")
+    assert list(tmp_path.iterdir()) == [] and not Path("/sys/distrain-runs").exists()
+
+
+def test_storage_that_is_a_file_is_refused_before_any_worker(tmp_path: Path):
+    storage = tmp_path / "runs"
+    storage.write_text("not a directory")
+    result = run_cli(tmp_path, *TINY, *STEPS, f"run.storage={storage}")
+    one_error(result, f"run.storage='{storage}' cannot hold the run directory")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"]
+
+
+def test_keys_of_free_form_dicts_stay_allowed(tmp_path: Path):
+    check_overrides(["+cluster.env_vars.NCCL_DEBUG=INFO", "model._target_=my.Model", "model=nano"])
+    assert make_config(tmp_path, "+cluster.env_vars.NCCL_DEBUG=INFO").cluster.env_vars == {"NCCL_DEBUG": "INFO"}
+    with pytest.raises(BadInput, match=r"unknown key trainer\.max_step; did you mean trainer\.max_steps\?"):
+        make_config(tmp_path, "+trainer.max_step=10")
+
+
+def test_a_finished_run_is_extended_or_refused(tmp_path: Path, ray_cluster, capsys):
+    first = train(make_config(tmp_path, "run.name=x", "trainer.max_steps=4"))
+    assert first["final_step"] == 4
+    for steps in (4, 3):  # nothing left to train: refused, never a silent success
+        with pytest.raises(ConfigError, match=rf"run 'x' has trained 4 steps, so trainer.max_steps={steps} leaves"):
+            train(make_config(tmp_path, "run.name=x", f"trainer.max_steps={steps}", "optim.lr=0.01"))
+    capsys.readouterr()
+    extended = train(make_config(tmp_path, "run.name=x", "trainer.max_steps=6"))
+    assert extended["status"] == "completed" and extended["final_step"] == 6
+    said = capsys.readouterr().out
+    assert "extending run 'x' from trainer.max_steps=4 to 6, from step 4: the LR schedule stretches" in said
+
+
+@pytest.mark.timeout(400)
+def test_a_sweep_trains_each_point_as_its_own_run(tmp_path: Path):
+    # The middle point is refused (30 sequences do not split into micro-batches of 2 on 2 workers): the sweep
+    # goes on, and its exit status says that a point did not complete.
+    result = run_cli(
+        tmp_path, "-m", *TINY, *STEPS, "trainer.global_batch_size=8,30,16", "optim.lr=0.001", "run.name=sw"
+    )
+    assert result.returncode == 1, result.stderr[-3000:]
+    out = result.stdout + result.stderr
+    assert "Token authentication" not in out and "Traceback" not in out  # Ray's auth mode is set, not warned about
+    table = out[out.index("distrain: sweep of 3 points") :]
+    assert re.search(r"0 +trainer.global_batch_size=8 +completed +\d\.\d{4}", table), table
+    assert re.search(r"1 +trainer.global_batch_size=30 +refused", table), table
+    assert re.search(r"2 +trainer.global_batch_size=16 +completed", table), table
+
+    runs = {p.name: p for p in tmp_path.iterdir() if p.name.startswith("sw-")}
+    assert sorted(runs) == ["sw-trainer.global_batch_size=16", "sw-trainer.global_batch_size=8"]
+    for batch, run_dir in ((8, runs["sw-trainer.global_batch_size=8"]), (16, runs["sw-trainer.global_batch_size=16"])):
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["status"] == "completed" and summary["final_step"] == 3 and summary["resumed_from"] is None
+        (config,) = run_dir.glob("hydra/*/.hydra/config.yaml")  # Hydra's record, in the point's own run directory
+        assert f"global_batch_size: {batch}" in config.read_text()
+        (log,) = run_dir.glob("logs/driver-*.log")  # the console, kept
+        assert "completed at step 3" in log.read_text() and str(run_dir) in log.read_text()
+    nodes = [{r["node_id"] for r in json.loads((p / "placement.json").read_text())} for p in runs.values()]
+    assert nodes[0] == nodes[1]  # one Ray cluster, kept up between the points
+    (record,) = (tmp_path / "sweeps").glob("*/sweep.json")  # Hydra's sweep record beside it (multirun.yaml)
+    assert [p["status"] for p in json.loads(record.read_text())] == ["completed", "refused", "completed"]
+    assert (record.parent / "multirun.yaml").exists() and not (tmp_path / "multirun").exists()
+    assert not list(tmp_path.rglob("train.log"))  # Hydra's always-empty log is gone
+
+
+def interrupt_when(tmp_path: Path, ready, *overrides: str) -> tuple[int, str]:
+    """Run the entrypoint (run.name=c), send it SIGINT (as a terminal's Ctrl-C) once `ready(run_dir)`:
+    its exit status and output."""
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    env.pop("RAY_ADDRESS", None)
+    args = [*TINY, f"run.storage={tmp_path}", "run.name=c", "cluster.local_cpus=2", "cluster.local_gpus=0", *overrides]
+    proc = subprocess.Popen(
+        [sys.executable, str(REPO / "jobs" / "train.py"), *args],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # a background job ignores it
+    )
+    deadline = time.time() + 150
+    while not ready(tmp_path / "c") and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=180)
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out
+    return proc.returncode, out
+
+
+def test_ctrl_c_during_start_up_stops_cleanly(tmp_path: Path):
+    """SIGINT once the run directory exists, while Ray starts and workers are placed: one line saying the
+    run trained nothing, exit status 130."""
+    code, out = interrupt_when(tmp_path, lambda run_dir: list(run_dir.glob("logs/driver-*.log")), *STEPS)
+    assert code == 130, out
+    assert "stopped by SIGINT: run 'c' has trained nothing (exit status 130)" in out
+    assert committed_step(tmp_path / "c") == 0
+
+
+def test_ctrl_c_during_training_checkpoints_and_exits_130(tmp_path: Path):
+    code, out = interrupt_when(tmp_path, lambda run_dir: logged_step(run_dir) >= 2, "trainer.max_steps=100000")
+    step = committed_step(tmp_path / "c")
+    assert code == 130 and step >= 2, out
+    assert f"stopped by SIGINT: run 'c' resumes from step {step}" in out
+    assert "no evaluation" in out and "val loss nan" not in out, out  # a stop skips the final evaluation
+    assert json.loads((tmp_path / "c" / "summary.json").read_text())["status"] == "stopped"
+
+
+def test_readme_commands_use_the_virtual_environment():
+    """Every command in the README runs as written after `make setup`, without an activated environment: no
+    bare `python` (but for a `ray job submit` entrypoint, which runs in the cluster's environment)."""
+    lines = (REPO / "README.md").read_text().splitlines()
+    bare = [
+        line
+        for before, line in zip(["", *lines], lines, strict=False)
+        if re.search(r"(^|[\s`$(])python3? ", line) and not before.rstrip().endswith("-- \\")
+    ]
+    assert bare == []

@@ -1,0 +1,96 @@
+"""W&B offline, as `wandb sync` uploads it later: the run's .wandb files hold the resolved config, every
+metric, the summary and (opt-in) each committed checkpoint as a reference artifact; a resumed run
+writes the same run id again, and its history carries on where the last invocation stopped."""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import make_config
+
+from distrain.launch import train
+from distrain.tracking import read_metrics
+
+BLOCK, HEADER = 32768, 7  # the .wandb file: a LevelDB-style log of protobuf Records in 32 KiB blocks
+FULL, LAST = 1, 4
+
+
+def wandb_records(path: Path) -> Iterator:
+    """The Records of a .wandb file, in order: each a protobuf of wandb's own schema."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B", data[:8]
+    pos, pieces = HEADER, b""
+    while pos + HEADER <= len(data):
+        if BLOCK - pos % BLOCK < HEADER:  # a block's tail too short for a header is padding
+            pos += BLOCK - pos % BLOCK
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + HEADER])
+        if kind == 0:
+            pos += BLOCK - pos % BLOCK
+            continue
+        pieces += data[pos + HEADER : pos + HEADER + length]
+        pos += HEADER + length
+        if kind in (FULL, LAST):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pieces)
+            pieces = b""
+            yield record
+
+
+def of_type(records: list, kind: str) -> list:
+    return [getattr(r, kind) for r in records if r.WhichOneof("record_type") == kind]
+
+
+@pytest.mark.timeout(300)
+def test_offline_run_is_complete_and_one_run_across_a_resume(tmp_path: Path, ray_cluster):
+    common = [
+        "run.name=w",
+        "logger.wandb.mode=offline",
+        "logger.wandb.log_checkpoints=true",
+        "checkpoint.interval=2",
+        "optim.lr=0.002",
+    ]
+    first = train(make_config(tmp_path, *common, "trainer.max_steps=4"))
+    second = train(make_config(tmp_path, *common, "trainer.max_steps=6"))
+    run_dir = tmp_path / "w"
+    assert first["wandb_run_id"] == second["wandb_run_id"]
+
+    folders = sorted((run_dir / "wandb").glob("offline-run-*"))  # one per invocation; `wandb sync` takes both
+    assert len(folders) == 2
+    records = [list(wandb_records(next(folder.glob("*.wandb")))) for folder in folders]
+
+    for invocation, summary in zip(records, (first, second), strict=True):
+        (run,) = of_type(invocation, "run")
+        assert run.run_id == second["wandb_run_id"]
+        config = {item.key: json.loads(item.value_json) for item in run.config.update}
+        assert config["optim"]["lr"] == 0.002 and config["run"]["name"] == "w"  # resolved, as trained
+        final = {item.key: json.loads(item.value_json) for s in of_type(invocation, "summary") for item in s.update}
+        assert final["final_step"] == summary["final_step"] and final["stopped"] is False
+
+    # One history, continuous across the invocations, holding what metrics.jsonl holds.
+    history = [
+        (h.step.num, {i.key or ".".join(i.nested_key): json.loads(i.value_json) for i in h.item})
+        for invocation in records
+        for h in of_type(invocation, "history")
+    ]
+    assert [step for step, _ in history] == list(range(1, 7))
+    logged = read_metrics(str(run_dir))
+    for (step, values), line in zip(history, logged, strict=True):
+        assert step == line["step"] and values["loss"] == pytest.approx(line["loss"]) and "lr" in values
+
+    # Each committed checkpoint once, as a reference to its directory (no copy).
+    artifacts = [a for rs in records for a in of_type(rs, "artifact")]
+    assert [json.loads(a.metadata)["step"] for a in artifacts] == [2, 4, 6]
+    for artifact in artifacts:
+        assert artifact.type == "model" and artifact.name == "w-checkpoint"
+        step_dir = run_dir / "checkpoints" / f"step_{json.loads(artifact.metadata)['step']:08d}"
+        refs = {entry.ref for entry in artifact.manifest.contents}  # its files, by reference (no checksum read)
+        assert refs and all(ref.startswith(f"{step_dir.resolve().as_uri()}/") for ref in refs)
+    kept = run_dir / "checkpoints" / "step_00000006"  # (checkpoint.keep=2 pruned step 2's directory)
+    assert refs == {f"{kept.resolve().as_uri()}/{p.name}" for p in kept.iterdir()}
