@@ -27,6 +27,7 @@ from distrain.cluster.states import Finished, Work
 from distrain.cluster.supervisor import Supervisor
 from distrain.cluster.worker_group import WorkerGroup
 from distrain.config import ClusterConfig, ConfigError, TrainConfig, attach_address, to_plain
+from distrain.data.checks import check_same_shards
 from distrain.fsutil import exclusive_lock, make_writable_dir
 from distrain.layout import Layout
 from distrain.plan import describe
@@ -163,6 +164,7 @@ def train(
     cfg = replace(
         cfg,
         run=replace(cfg.run, storage=os.path.abspath(cfg.run.storage)),
+        data=replace(cfg.data, shards=cfg.data.shards and os.path.abspath(cfg.data.shards)),
         logger=replace(cfg.logger, wandb=replace(cfg.logger.wandb, mode=wandb_mode(cfg.logger.wandb.mode))),
     )
     run_dir = make_run_dir(cfg)
@@ -282,9 +284,10 @@ def plan(cfg: TrainConfig, layout: Layout) -> str:
 
 def check_resumable(saved: dict | None, current: dict) -> None:
     """A checkpoint resumes only into the same model; data and batch changes are allowed but break
-    the promise of an exact resume, so they are pointed out."""
+    the promise of an exact resume, so they are pointed out; other token shards are refused."""
     if saved is None:
         return
+    check_same_shards(saved, current)
     for key, old in saved["model"].items():
         new = current["model"].get(key)
         if new != old:

@@ -5,6 +5,7 @@ and resuming, exactly."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import tracemalloc
@@ -266,6 +267,10 @@ def test_a_resume_on_shards_is_exact(tmp_path: Path, bpe_shards: Path):
     first = bpe_config(tmp_path, bpe_shards, "run.name=resumed", *common, "trainer.max_steps=10",
                        "checkpoint.async=false")  # fmt: skip
     assert train(first)["final_step"] == 10
+    elsewhere = tmp_path / "copy"  # the same tokens in another folder: a resume takes only the run's own shards
+    shutil.copytree(bpe_shards, elsewhere)
+    with pytest.raises(ConfigError, match="resume with the same data.shards"):
+        train(bpe_config(tmp_path, elsewhere, "run.name=resumed", *common))
     second = bpe_config(tmp_path, bpe_shards, "run.name=resumed", *common)
     assert train(second)["resumed_from"].endswith("step_00000010")
     assert logged(second) == logged(straight)
