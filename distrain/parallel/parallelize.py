@@ -156,7 +156,7 @@ class ParallelModel:
         self.vocab_sharded_loss = layout.tp > 1 and layout.tp_mode == "1d" and cfg.loss_parallel
         self.grid, self.grad_sync = None, None  # 2-D, 2.5-D, 3-D tensor parallelism
 
-        parts, tied = {0: model}, model.tied_parameters
+        parts, tied = {0: model}, getattr(model, "tied_parameters", ())  # plain DDP needs no contract
         if layout.pp > 1:
             from distrain.parallel.pipeline import split_stages  # torch's pipelining imports dynamo: only when used
 
@@ -183,12 +183,12 @@ class ParallelModel:
         self.tied = TiedAcrossStages(self.module, tied, self.mesh["pp"].get_group()) if tied and self.pipeline else None
         held = {name for name, _ in self.module.named_parameters()}
         self.copies = {a: b for a, b in tied if a in held and b not in held}  # tied copies on this stage
+        if self.grid is not None:
+            self.grad_sync = GradSync(self.module, self.grid, self.dp_mesh.get_group() if self.dp_mesh else None)
 
     def checkpoint_names(self, optim_state: dict, saving: bool) -> dict:
         """Flattened optimizer state keyed as checkpoints key it (`saving`) or as this rank's optimizer does."""
         return rename_tied(optim_state, self.copies if saving else {b: a for a, b in self.copies.items()})
-        if self.grid is not None:
-            self.grad_sync = GradSync(self.module, self.grid, self.dp_mesh.get_group() if self.dp_mesh else None)
 
     def apply_data_parallel(self, model: nn.Module, bf16: bool) -> nn.Module:
         """DDP where nothing else shards the model; FSDP2 for ZeRO-2/3; and for a replicated model
