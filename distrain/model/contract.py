@@ -96,8 +96,3 @@ def fill_parameters(module: nn.Module, value_of: Callable[[str, torch.Size], tor
             p.to_local().copy_(piece)
         else:
             p.copy_(full)
-
-
-def count_parameters(model: nn.Module) -> int:
-    """Parameters of a whole (unsplit) model, a tied pair counted once."""
-    return sum(p.numel() for p in model.parameters())

@@ -75,7 +75,7 @@ def check_model(cfg: ModelConfig, max_seq_len: int) -> None:
     """The driver's check before any worker starts: a shipped family needs none (and no torch import);
     a user's target is imported and built on the meta device, which costs no memory."""
     if cfg._target_ not in SHIPPED:
-        _meta_model(cfg, max_seq_len)
+        meta_model(cfg, max_seq_len)
 
 
 def has_plan(cfg: ModelConfig, max_seq_len: int, mode: str) -> bool:
@@ -84,11 +84,12 @@ def has_plan(cfg: ModelConfig, max_seq_len: int, mode: str) -> bool:
     family = SHIPPED.get(cfg._target_)
     if family is not None:
         return mode == "1d" or (family.grid_tp and not cfg.tie_embeddings)
-    model = _meta_model(cfg, max_seq_len)
+    model = meta_model(cfg, max_seq_len)
     return (model.tp_plan(True) if mode == "1d" else model.grid_tp_plan()) is not None
 
 
-def _meta_model(cfg: ModelConfig, max_seq_len: int) -> Any:
+def meta_model(cfg: ModelConfig, max_seq_len: int) -> Any:
+    """The model built on the meta device: its shape and methods, no memory."""
     import torch
 
     with torch.device("meta"):

@@ -69,9 +69,7 @@ def num_params(cfg: ModelConfig, seq_len: int | None = None) -> int:
     """Parameters of the full model (a tied pair once); `seq_len` sizes a positions' table without n_positions."""
     family = SHIPPED.get(cfg._target_)
     if family is None:
-        from distrain.model.contract import count_parameters
-
-        return count_parameters(_built(cfg, seq_len or cfg.n_positions or 1))
+        return sum(p.numel() for p in _built(cfg, seq_len or cfg.n_positions or 1).parameters())  # a tie once
     rows = positions(cfg, seq_len) if cfg._target_.endswith("GPT2") else 0
     return family.matmul_weights(cfg) + family.other_params(cfg, rows)
 
@@ -129,10 +127,7 @@ def _counted_parts(model) -> Parts:  # noqa: ANN001  (an nn.Module)
     )
 
 
-def _built(cfg: ModelConfig, seq_len: int):  # noqa: ANN202  (an nn.Module; torch stays unimported above)
-    import torch
+def _built(cfg: ModelConfig, seq_len: int):  # noqa: ANN202  (an nn.Module; torch stays unimported here)
+    from distrain.model.registry import meta_model
 
-    from distrain.model.registry import build_model
-
-    with torch.device("meta"):
-        return build_model(cfg, seq_len)
+    return meta_model(cfg, seq_len)
