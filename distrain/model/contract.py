@@ -5,7 +5,8 @@ seed: int)`, under `with torch.device("meta")` (it allocates nothing there), and
 
 - `init_weights()`: every parameter (and buffer) filled from `seed` and the parameter's full-model name
   alone, so the weights are the same under every layout; a sharded (DTensor) parameter keeps only its
-  piece (`fill_parameters` does both). Called after the layout placed the model (`to_empty` first).
+  piece (`fill_parameters` does both). Called after the layout placed the model (`to_empty` first); a
+  model built off the meta device calls it itself (the parameter server builds one so).
 - `layers`: an `nn.ModuleDict` of the blocks in order, keyed "0".."n-1": pipeline splits, activation
   checkpointing, FSDP units and compilation work block by block.
 - `input_modules` / `output_modules`: names of the top-level modules run before / after the blocks,

@@ -51,6 +51,8 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})  # the blocks, in order
         self.final_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if not self.head.weight.is_meta:  # built on a real device: with its weights (on meta: after placement)
+            self.init_weights()
 
     def init_weights(self) -> None:
         """Each weight from (seed, its name) alone, so every layout starts from the same model."""
