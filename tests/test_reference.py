@@ -9,7 +9,8 @@ and `OptimConfig` document, not distrain's code:
 
 - the loss of a step is the mean over the global batch; with equal micro-batches, the mean of their means;
 - the gradient is clipped by its global L2 norm to `optim.grad_clip` (scale max/(norm + 1e-6) when below 1);
-- AdamW decays matrices (embedding, projections, head) by `optim.weight_decay`, norm gains not at all;
+- AdamW decays matrices (embeddings, projections, head) by `optim.weight_decay`, vectors (norm gains,
+  biases) not at all;
 - the LR rises linearly over `warmup_steps` (lr·k/warmup at step k, steps counted from 1), then
   follows a cosine from lr to lr·min_lr_ratio at `decay_steps` (`max_steps` when unset).
 """
@@ -27,7 +28,7 @@ from conftest import final_weights, logged, make_config
 from distrain.config import TrainConfig
 from distrain.data.loader import run_batches
 from distrain.launch import train
-from distrain.model.llama import Transformer
+from distrain.model.registry import build_model
 
 STEPS = 12
 # grad_clip 1.5 sits inside the tiny model's range of gradient norms over these steps (1.16 to 2.36):
@@ -50,13 +51,14 @@ def reference_training(cfg: TrainConfig) -> tuple[dict[str, list[float]], dict[s
     """Per-step loss, gradient norm (before clipping) and LR, and the final weights, of a plain loop
     over the whole global batch in one process."""
     o, t = cfg.optim, cfg.trainer
-    model = Transformer(cfg.model, t.seq_len, seed=t.seed)  # distrain's initial weights
+    model = build_model(cfg.model, t.seq_len, seed=t.seed)  # distrain's initial weights
     batches, _ = run_batches(cfg)
 
-    gains = [p for name, p in model.named_parameters() if name.endswith("norm.weight")]
-    matrices = [p for name, p in model.named_parameters() if not name.endswith("norm.weight")]
+    vector = ("norm.weight", "norm.bias", ".bias")
+    gains = [p for name, p in model.named_parameters() if name.endswith(vector)]
+    matrices = [p for name, p in model.named_parameters() if not name.endswith(vector)]
     assert all(p.ndim == 1 for p in gains) and all(p.ndim == 2 for p in matrices)
-    assert len(gains) == 2 * cfg.model.n_layers + 1
+    assert any(name.endswith("norm.weight") for name, _ in model.named_parameters())
     optimizer = torch.optim.AdamW(
         [{"params": matrices, "weight_decay": o.weight_decay}, {"params": gains, "weight_decay": 0.0}],
         lr=o.lr,
@@ -92,7 +94,8 @@ def reference_training(cfg: TrainConfig) -> tuple[dict[str, list[float]], dict[s
 
 @pytest.mark.timeout(300)
 @pytest.mark.usefixtures("ray_cluster")
-def test_distrain_trains_as_a_plain_pytorch_loop(tmp_path: Path):
+@pytest.mark.parametrize("family", [[], ["model=gpt2_nano"]], ids=["llama", "gpt2"])
+def test_distrain_trains_as_a_plain_pytorch_loop(family: list[str], tmp_path: Path):
     """fp32 on CPU. Tolerances, all absolute: 1e-5 on each step's loss (≈5.5 to 4.8) and gradient
     norm before clipping (≈1.2 to 2.4), 1e-5 on every final weight (scale 0.02 to 1), 1e-12 on the
     LR (≈1e-3; a pure function of the step). The reference and distrain do the same arithmetic in
@@ -102,13 +105,13 @@ def test_distrain_trains_as_a_plain_pytorch_loop(tmp_path: Path):
     an fp32 ulp at 5; norm 7e-7; weights 1.2e-7; LR 1e-18), so the tolerances leave 10× room. A mistake
     in the loop lands far outside them: decay on the gains moves the loss by 1e-4 within 3 steps, an
     LR one step off by 5e-2 at step 2, an unaveraged micro-batch loss gives 4× the gradient norm."""
-    reference, ref_weights = reference_training(make_config(tmp_path, *OVERRIDES))
+    reference, ref_weights = reference_training(make_config(tmp_path, *OVERRIDES, *family))
     clipped = [n > 1.5 for n in reference["grad_norm"]]
     assert any(clipped) and not all(clipped), reference["grad_norm"]  # both branches of clipping
     assert reference["loss"][-1] < reference["loss"][0] - 0.5  # and it learns
 
     for workers in (1, 4):
-        cfg = make_config(tmp_path, *OVERRIDES, f"run.name=w{workers}", f"cluster.num_workers={workers}")
+        cfg = make_config(tmp_path, *OVERRIDES, *family, f"run.name=w{workers}", f"cluster.num_workers={workers}")
         assert train(cfg)["world_size"] == workers
         for key, tol in (("loss", 1e-5), ("grad_norm", 1e-5), ("lr", 1e-12)):
             got = logged(cfg, key)

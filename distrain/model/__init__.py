@@ -1,2 +1,3 @@
-"""The transformer family (llama.py: the model and its tensor-parallel plan) and its size from the
-config alone (size.py: parameters and FLOPs per token, importable without torch)."""
+"""Models: the contract every strategy relies on (contract.py), the registry that builds `model._target_`
+(registry.py), the shipped families (llama.py, gpt2.py, sharing common.py) and their size from the config
+alone (size.py, importable without torch)."""
