@@ -32,6 +32,7 @@ from distrain.cluster.worker_group import WorkerGroup
 from distrain.config import ClusterConfig, ConfigError, TrainConfig, attach_address, to_plain
 from distrain.fsutil import exclusive_lock
 from distrain.layout import Layout
+from distrain.model.hf import resolve_init_from
 from distrain.plan import describe
 from distrain.progress import ProgressLine
 from distrain.tracking import SUMMARY_FILE, read_metrics, wandb_mode, write_summary
@@ -149,6 +150,7 @@ def train(cfg: TrainConfig, startup: dict[str, float] | None = None) -> dict:
     `startup`: wall-clock marks of the caller's own start (jobs/train.py: its imports, Hydra's compose),
     which summary.json's `startup` holds with this driver's (started_at, connected_at: Ray is up)."""
     started = time.time()
+    cfg = resolve_init_from(cfg)  # model.init_from: the model's family and shape from its config.json
     layout = validate(cfg)
     if not os.path.isabs(cfg.run.storage) and attach_address(cfg.cluster.address):
         raise ConfigError(

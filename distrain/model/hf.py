@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -64,7 +65,7 @@ def model_config(directory: str | Path, base: ModelConfig) -> ModelConfig:
         _refuse(directory, f"architecture {arch!r} is not supported", f"use one of {', '.join(ARCHITECTURES)}")
     shape = _llama_shape(directory, hf) if arch == "LlamaForCausalLM" else _gpt2_shape(directory, hf)
     return dataclasses.replace(
-        base, _target_=ARCHITECTURES[arch], name=Path(directory).name, init_from=str(directory), **shape
+        base, _target_=ARCHITECTURES[arch], name=Path(directory).name, init_from=os.path.abspath(directory), **shape
     )
 
 
@@ -124,7 +125,8 @@ def _check_options(directory: str | Path, hf: dict, unsupported: dict[str, tuple
 
 def resolve_init_from(cfg: TrainConfig, say: Callable[[str], None] = print) -> TrainConfig:
     """In the driver, before validation: with model.init_from, the model's family, shape and vocabulary
-    come from the directory's config.json (said in one line); its weights are checked to be there."""
+    come from the directory's config.json (said in one line); its weights are checked to be there. The
+    path is made absolute: the workers read it (on a cluster, from storage every node shares)."""
     directory = cfg.model.init_from
     if not directory:
         return cfg
