@@ -40,7 +40,8 @@ HF_MODELS = {
         initializer_range=INIT, tie_word_embeddings=True,
     ),
     "gpt2": lambda: transformers.GPT2Config(
-        vocab_size=256, n_embd=32, n_layer=2, n_head=2, n_positions=64, initializer_range=INIT
+        vocab_size=256, n_embd=32, n_layer=2, n_head=2, n_positions=64, initializer_range=INIT,
+        bos_token_id=None, eos_token_id=None,
     ),
 }  # fmt: skip
 
@@ -89,13 +90,14 @@ GPT2 |= {"vocab_size": 256}
     [
         ({**LLAMA, "architectures": ["MistralForCausalLM"]}, "architecture"),
         ({**LLAMA, "rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_scaling"),
-        ({**LLAMA, "rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0}}, "rope_scaling"),
+        ({**LLAMA, "rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0}}, "rope_parameters"),
         ({**LLAMA, "attention_bias": True}, "attention_bias"),
         ({**LLAMA, "mlp_bias": True}, "mlp_bias"),
         ({**LLAMA, "head_dim": 8}, "head_dim"),
         ({**LLAMA, "hidden_act": "gelu"}, "hidden_act"),
         ({**GPT2, "activation_function": "relu"}, "activation_function"),
         ({**GPT2, "scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx"),
+        ({k: v for k, v in LLAMA.items() if k != "num_attention_heads"}, "num_attention_heads"),
         (LLAMA, "model.safetensors"),  # no weights
     ],
 )

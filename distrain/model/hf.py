@@ -63,7 +63,10 @@ def model_config(directory: str | Path, base: ModelConfig) -> ModelConfig:
     arch = (hf.get("architectures") or [None])[0]
     if arch not in ARCHITECTURES:
         _refuse(directory, f"architecture {arch!r} is not supported", f"use one of {', '.join(ARCHITECTURES)}")
-    shape = _llama_shape(directory, hf) if arch == "LlamaForCausalLM" else _gpt2_shape(directory, hf)
+    try:
+        shape = _llama_shape(directory, hf) if arch == "LlamaForCausalLM" else _gpt2_shape(directory, hf)
+    except KeyError as e:
+        _refuse(directory, f"its config.json has no {e}", f"save it with transformers' {arch}")
     return dataclasses.replace(
         base, _target_=ARCHITECTURES[arch], name=Path(directory).name, init_from=os.path.abspath(directory), **shape
     )
@@ -74,7 +77,8 @@ def _llama_shape(directory: str | Path, hf: dict) -> dict:
     rope = hf.get("rope_parameters") or {"rope_type": "default", "rope_theta": hf.get("rope_theta", 10000.0)}
     unsupported = {
         "hidden_act": (hf.get("hidden_act", "silu") != "silu", "silu"),
-        "rope_scaling": (bool(hf.get("rope_scaling")) or rope.get("rope_type", "default") != "default", "none"),
+        "rope_scaling": (bool(hf.get("rope_scaling")), "null"),
+        "rope_parameters": (rope.get("rope_type", "default") != "default", "rope_type default"),
         "attention_bias": (hf.get("attention_bias", False), "false"),
         "mlp_bias": (hf.get("mlp_bias", False), "false"),
         "head_dim": (hf.get("head_dim", dim // heads) != dim // heads, "hidden_size / num_attention_heads"),
@@ -118,7 +122,7 @@ def _gpt2_shape(directory: str | Path, hf: dict) -> dict:
 
 
 def _check_options(directory: str | Path, hf: dict, unsupported: dict[str, tuple[bool, str]]) -> None:
-    for key, (bad, wanted) in unsupported.items():
+    for key, (bad, wanted) in unsupported.items():  # (set to what distrain cannot compute, what it must be)
         if bad:
             _refuse(directory, f"{key}={hf.get(key)!r} is not supported by distrain's model", f"it must be {wanted}")
 
@@ -272,6 +276,8 @@ def to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.T
 def hf_config(cfg: ModelConfig, max_seq_len: int) -> dict:
     """The config.json of cfg's HF counterpart (float32 weights), trained on sequences of max_seq_len."""
     rules(cfg)  # refuses a family HF does not have
+    if cfg._target_ == GPT2 and (cfg.n_kv_heads or cfg.n_heads) != cfg.n_heads:
+        raise ConfigError(f"model.n_kv_heads={cfg.n_kv_heads}: Hugging Face's GPT-2 has no grouped-query attention")
     common = {"vocab_size": cfg.vocab_size, "tie_word_embeddings": cfg.tie_embeddings, "dtype": "float32"}
     if cfg._target_ == LLAMA:
         return common | {

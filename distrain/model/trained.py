@@ -85,7 +85,7 @@ def job_args(argv: list[str], spec: dict[str, tuple[type, object]], usage: str) 
         try:
             args[key] = kind(value)
         except ValueError:
-            raise ConfigError(f"{key}={value!r} is not a {kind.__name__}; usage: {usage}") from None
+            raise ConfigError(f"{key}={value!r}: expected {kind.__name__}; usage: {usage}") from None
     missing = [key for key, value in args.items() if value is REQUIRED]
     if missing:
         raise ConfigError(f"{missing[0]}= is required; usage: {usage}")
