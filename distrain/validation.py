@@ -10,6 +10,7 @@ from distrain import directio, tpcost
 from distrain.config import ClusterConfig, ConfigError, TrainConfig, attach_address
 from distrain.data.corpus import corpus_files
 from distrain.layout import SCHEDULES, Layout
+from distrain.model.registry import check_model, has_grid_plan
 from distrain.plan import rank_memory
 
 OPTIMIZERS = ("adamw", "sgd")
@@ -17,6 +18,7 @@ WANDB_MODES = (None, "online", "offline", "disabled")
 PRECISIONS = ("auto", "fp32", "bf16")
 OFFLOADS = ("none", "cpu", "nvme")
 PS_MODES = ("sync", "async", "hogwild", "easgd")
+LLAMA, GPT2 = "distrain.model.llama.Transformer", "distrain.model.gpt2.GPT2"
 # What WorkerGroup.environments sets for each rank (distrain/cluster/worker_group.py).
 PER_RANK_VARIABLES = (
     "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK",
@@ -46,12 +48,36 @@ def validate(cfg: TrainConfig) -> Layout:
 
 
 def _validate_model(cfg: TrainConfig) -> None:
-    m = cfg.model
+    """The model's target keeps the contract (a user's is imported and built on the meta device), and
+    its shape works for its family."""
+    m, t = cfg.model, cfg.trainer
+    check_model(m, t.seq_len)
     _require(m.dim % m.n_heads == 0, f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}")
-    _require((m.dim // m.n_heads) % 2 == 0, f"model.dim / model.n_heads = {m.dim // m.n_heads} must be even (rotary)")
+    if m._target_ == LLAMA:
+        _require(
+            (m.dim // m.n_heads) % 2 == 0, f"model.dim / model.n_heads = {m.dim // m.n_heads} must be even (rotary)"
+        )
     kv = m.n_kv_heads or m.n_heads
     _require(m.n_heads % kv == 0, f"model.n_kv_heads={kv} must divide model.n_heads={m.n_heads}")
     _require(m.vocab_size >= 256, f"model.vocab_size={m.vocab_size}: byte tokens need at least 256")
+    _require(
+        m.n_positions is None or t.seq_len <= m.n_positions,
+        f"trainer.seq_len={t.seq_len} exceeds model.n_positions={m.n_positions} (the learned positions' table); "
+        f"lower trainer.seq_len or raise model.n_positions",
+    )
+    s = cfg.strategy
+    if s.tp > 1 and s.tp_mode != "1d":
+        _require(
+            has_grid_plan(m, t.seq_len),
+            f"strategy.tp_mode={s.tp_mode}: model {m.name} ({m._target_}, tie_embeddings={m.tie_embeddings}) has "
+            f"no grid tensor-parallel plan; use strategy.tp_mode=1d",
+        )
+    if s.tp > 1 and s.tp_mode == "1d" and m._target_ == GPT2:
+        rows = m.n_positions or t.seq_len
+        _require(
+            rows % s.tp == 0,
+            f"strategy.tp={s.tp} does not divide model.n_positions={rows}; choose a tp that divides it",
+        )
 
 
 def _validate_tensor_parallel(cfg: TrainConfig) -> None:

@@ -77,10 +77,10 @@ def final_weights(cfg: TrainConfig) -> dict:
     import torch.distributed.checkpoint as dcp
 
     from distrain import checkpoint
-    from distrain.model.llama import Transformer
+    from distrain.model.registry import build_model
 
     path = checkpoint.latest(Path(cfg.run_dir) / "checkpoints")
-    state = {"model": Transformer(cfg.model, cfg.trainer.seq_len).state_dict()}
+    state = {"model": build_model(cfg.model, cfg.trainer.seq_len).state_dict()}
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(state, checkpoint_id=str(path), no_dist=True)

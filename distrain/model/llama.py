@@ -9,22 +9,15 @@ are skipped in `forward`).
 
 from __future__ import annotations
 
-import hashlib
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    ParallelStyle,
-    PrepareModuleInput,
-    RowwiseParallel,
-    SequenceParallel,
-)
+from torch.distributed.tensor.parallel import ParallelStyle
 
 from distrain.config import ModelConfig
+from distrain.model.common import initial_value, megatron_plan, tied_head
+from distrain.model.contract import fill_parameters, tie
+from distrain.model.size import SHIPPED, family_flops
 
 
 def rotary_tables(head_dim: int, seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,11 +33,6 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     cos, sin = cos[None, : x.shape[1], None, :], sin[None, : x.shape[1], None, :]
     out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
     return out.type_as(x)
-
-
-def parameter_seed(seed: int, name: str) -> int:
-    """A 64-bit seed for one parameter: stable across processes and runs (Python's `hash` is salted)."""
-    return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little")
 
 
 class RMSNorm(nn.Module):
@@ -107,10 +95,14 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    """The model, its initial weights a function of `seed` and each parameter's name alone.
+    """The model, its initial weights a function of `seed` and each parameter's name alone; it keeps
+    the contract of contract.py.
 
     Built on the meta device (`with torch.device("meta")`) it allocates nothing: a parallel layout
     shards it first, then `to_empty` and `init_weights` give each rank its shard of these weights."""
+
+    input_modules = ("tok_embeddings",)
+    output_modules = ("norm", "output")
 
     def __init__(self, cfg: ModelConfig, max_seq_len: int, seed: int = 0):
         super().__init__()
@@ -119,39 +111,27 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        tie(self)
         cos, sin = rotary_tables(cfg.dim // cfg.n_heads, max_seq_len, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        if not self.output.weight.is_meta:
+        if not self.tok_embeddings.weight.is_meta:
             self.init_weights()
+
+    @property
+    def tied_parameters(self) -> tuple[tuple[str, str], ...]:
+        return tied_head(self.cfg)
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """Every parameter its `initial_value`, drawn whole on the CPU one at a time, so the weights
-        are the same on every device and under every layout while at most one full parameter exists
-        at once. A sharded parameter (a DTensor: FSDP2, TP) keeps only its piece. The rotary tables
-        are recomputed too: after `to_empty` they hold garbage."""
-        for name, p in self.named_parameters():
-            full = self.initial_value(name, p.shape)
-            if isinstance(p, DTensor):  # a local split of the full tensor, no communication
-                p.to_local().copy_(distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local())
-            else:
-                p.copy_(full)
+        """Every parameter its initial value (common.initial_value), drawn whole on the CPU one at a
+        time, so the weights are the same on every device and under every layout while at most one
+        full parameter exists at once. A sharded parameter (a DTensor: FSDP2, TP) keeps only its piece.
+        The rotary tables are recomputed too: after `to_empty` they hold garbage."""
+        fill_parameters(self, lambda name, shape: initial_value(self.cfg, self.seed, name, shape))
         cos, sin = rotary_tables(self.cfg.dim // self.cfg.n_heads, self.max_seq_len, self.cfg.rope_theta)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
-
-    def initial_value(self, name: str, shape: torch.Size) -> torch.Tensor:
-        """Parameter `name`'s full initial value, from its own generator seeded by (seed, name).
-        Normal(0, std), norms' gains 1; the projections into the residual stream are scaled by
-        1/sqrt(2 n_layers) so the stream's variance does not grow with depth (GPT-2)."""
-        if name.endswith("norm.weight"):
-            return torch.ones(shape, device="cpu")
-        std = self.cfg.init_std
-        if name.endswith(("wo.weight", "w2.weight")):
-            std /= math.sqrt(2 * self.cfg.n_layers)
-        generator = torch.Generator().manual_seed(parameter_seed(self.seed, name))
-        return torch.empty(shape, device="cpu").normal_(0.0, std, generator=generator)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
@@ -160,59 +140,27 @@ class Transformer(nn.Module):
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
 
+    def tp_plan(self, loss_parallel: bool) -> dict[str, ParallelStyle]:
+        """Megatron with sequence parallelism (common.megatron_plan); attention also takes the rotary tables."""
+        return megatron_plan(self, loss_parallel, attention_args=2)
 
-def tp_plan(model: Transformer, loss_parallel: bool) -> dict[str, ParallelStyle]:
-    """Megatron-style tensor parallelism with sequence parallelism, for `parallelize_module`.
+    def grid_tp_plan(self) -> dict[str, str] | None:
+        """The plan for 2-D, 2.5-D and 3-D tensor parallelism (distrain/parallel/tpnd/): every weight's role.
+        "in" projections read the residual stream, "out" projections write to it; the grid decides how
+        each is split. Attention's heads follow Q, K and V's output features, so each rank keeps whole
+        heads. Parts a pipeline stage dropped are left out. None with a tied head (the grid splits the
+        embedding and the head differently)."""
+        if self.tied_parameters:
+            return None
+        plan = {"tok_embeddings": "embedding"} if self.tok_embeddings is not None else {}
+        if self.output is not None:
+            plan |= {"norm": "norm", "output": "in"}
+        for name in self.layers:
+            block = f"layers.{name}"
+            plan |= {f"{block}.attention_norm": "norm", f"{block}.ffn_norm": "norm"}
+            plan |= {f"{block}.attention.{w}": "in" for w in ("wq", "wk", "wv")} | {f"{block}.attention.wo": "out"}
+            plan |= {f"{block}.feed_forward.{w}": "in" for w in ("w1", "w3")} | {f"{block}.feed_forward.w2": "out"}
+        return plan
 
-    Q/K/V and the MLP's input projections split by output column, `wo` and `w2` by input row, so
-    each block needs one all-gather in and one reduce-scatter out per sublayer. Between them the
-    residual stream and the norms stay sharded over the sequence. The head's logits stay sharded
-    over the vocabulary when `loss_parallel` (the loss is then computed without gathering them).
-    Names a pipeline stage dropped (`None` parts, missing layers) are left out.
-    """
-    plan: dict[str, ParallelStyle] = {}
-    if model.tok_embeddings is not None:
-        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
-    if model.output is not None:
-        plan["norm"] = SequenceParallel()
-        plan["output"] = ColwiseParallel(
-            input_layouts=Shard(1),
-            output_layouts=Shard(-1) if loss_parallel else Replicate(),
-            use_local_output=not loss_parallel,
-        )
-    for name in model.layers:
-        block = f"layers.{name}"
-        plan |= {
-            f"{block}.attention_norm": SequenceParallel(),
-            f"{block}.attention": PrepareModuleInput(
-                input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
-            ),
-            f"{block}.attention.wq": ColwiseParallel(),
-            f"{block}.attention.wk": ColwiseParallel(),
-            f"{block}.attention.wv": ColwiseParallel(),
-            f"{block}.attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-            f"{block}.ffn_norm": SequenceParallel(),
-            f"{block}.feed_forward": PrepareModuleInput(
-                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
-            ),
-            f"{block}.feed_forward.w1": ColwiseParallel(),
-            f"{block}.feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-            f"{block}.feed_forward.w3": ColwiseParallel(),
-        }
-    return plan
-
-
-def grid_tp_plan(model: Transformer) -> dict[str, str]:
-    """The plan for 2-D, 2.5-D and 3-D tensor parallelism (distrain/parallel/tpnd/): every weight's role.
-    "in" projections read the residual stream, "out" projections write to it; the grid decides how
-    each is split. Attention's heads follow Q, K and V's output features, so each rank keeps whole heads.
-    Parts a pipeline stage dropped are left out."""
-    plan = {"tok_embeddings": "embedding"} if model.tok_embeddings is not None else {}
-    if model.output is not None:
-        plan |= {"norm": "norm", "output": "in"}
-    for name in model.layers:
-        block = f"layers.{name}"
-        plan |= {f"{block}.attention_norm": "norm", f"{block}.ffn_norm": "norm"}
-        plan |= {f"{block}.attention.{w}": "in" for w in ("wq", "wk", "wv")} | {f"{block}.attention.wo": "out"}
-        plan |= {f"{block}.feed_forward.{w}": "in" for w in ("w1", "w3")} | {f"{block}.feed_forward.w2": "out"}
-    return plan
+    def flops_per_token(self, seq_len: int) -> float:
+        return family_flops(SHIPPED["distrain.model.llama.Transformer"].matmul_weights(self.cfg), self.cfg, seq_len)

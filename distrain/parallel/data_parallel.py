@@ -20,6 +20,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
+from distrain.model.contract import owner
+
 
 def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, bucket_cap_mb: float) -> nn.Module:
     device = next(model.parameters()).device
@@ -47,8 +49,9 @@ def mixed_precision(bf16: bool) -> MixedPrecisionPolicy:
 
 
 def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, reshard_after_forward: bool, bf16: bool, offload: bool) -> None:
-    """Shard each block, the embedding and the head as their own units, so that at most one
-    block's parameters are gathered at a time and the root holds none of its own."""
+    """Shard each block, the model's input modules and its output modules (contract.py) as their own
+    units, so that at most one block's parameters are gathered at a time and the root holds none of
+    its own. Input and output modules sharing a tied parameter form one unit: a parameter belongs to one."""
     options = {
         "mesh": dp_mesh,
         "reshard_after_forward": reshard_after_forward,
@@ -58,12 +61,20 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, reshard_after_forward: boo
     }
     for block in model.layers.values():
         fully_shard(block, **options)
-    if model.tok_embeddings is not None:
-        fully_shard(model.tok_embeddings, **options)
-    head = [m for m in (model.norm, model.output) if m is not None]
-    if head:
-        fully_shard(head, **options)
+    for unit in edge_units(model):
+        fully_shard(unit, **options)
     fully_shard(model, **options)
+
+
+def edge_units(model: nn.Module) -> list[list[nn.Module]]:
+    """The FSDP units of the modules before and after the blocks that this stage holds; one unit
+    when a tied parameter joins an input module to an output module."""
+    inputs = [n for n in model.input_modules if getattr(model, n) is not None]
+    outputs = [n for n in model.output_modules if getattr(model, n) is not None]
+    owners = [{owner(a), owner(b)} for a, b in model.tied_parameters]
+    joined = any(o & set(inputs) and o & set(outputs) for o in owners)
+    units = [inputs + outputs] if joined else [inputs, outputs]
+    return [[getattr(model, n) for n in unit] for unit in units if unit]
 
 
 @contextlib.contextmanager

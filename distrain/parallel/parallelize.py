@@ -26,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from distrain.config import StrategyConfig
 from distrain.layout import Layout
+from distrain.model.contract import tie
 from distrain.parallel.data_parallel import apply_ddp, apply_fsdp, apply_replicate, no_gradient_sync
 from distrain.parallel.dims import DATA_PARALLEL, build_mesh, submesh
 from distrain.parallel.tensor_parallel import apply_tp, apply_tp_grid, loss_context
@@ -59,10 +60,49 @@ def stage_union(parts: list[nn.Module]) -> nn.Module:
     union.layers = nn.ModuleDict()
     for part in parts:
         union.layers.update(part.layers)
-        for name in ("tok_embeddings", "norm", "output"):
+        for name in (*part.input_modules, *part.output_modules):
             if getattr(part, name) is not None:
                 setattr(union, name, getattr(part, name))
     return union
+
+
+class TiedAcrossStages:
+    """Parameters tied across pipeline stages held by different ranks (a GPT-2 head on the last
+    stage, its embedding on the first): each rank keeps a copy; after the backward their gradients
+    are summed over the pipeline group, as the one parameter's would be (Megatron's embedding group),
+    so the copies stay equal. The gradient norm counts the alias's copy once, by leaving it out."""
+
+    def __init__(self, module: nn.Module, pairs: tuple[tuple[str, str], ...], pp_group: dist.ProcessGroup):
+        self.group = pp_group
+        named = dict(module.named_parameters())
+        self.pairs = [[named[n] for n in pair if n in named] for pair in pairs]
+        self.aliases = {id(named[alias]) for alias, _ in pairs if alias in named}
+        self.shapes: list[torch.Size] | None = None
+
+    def _local(self, p: torch.Tensor) -> torch.Tensor:
+        return p.to_local() if isinstance(p, DTensor) else p
+
+    def sum_gradients(self, device: torch.device) -> None:
+        if self.shapes is None:  # the local piece's shape, known on the ranks holding one: agree once
+            self.shapes = [self._agree_shape(held, device) for held in self.pairs]
+        for held, shape in zip(self.pairs, self.shapes, strict=True):
+            total = torch.zeros(shape, device=device)
+            for p in held:
+                total += self._local(p.grad)
+            dist.all_reduce(total, group=self.group)
+            for p in held:
+                self._local(p.grad).copy_(total)
+
+    def _agree_shape(self, held: list[nn.Parameter], device: torch.device) -> torch.Size:
+        dims = torch.zeros(8, dtype=torch.long, device=device)
+        if held:
+            shape = self._local(held[0]).shape
+            dims[0], dims[1 : 1 + len(shape)] = len(shape), torch.tensor(shape)
+        dist.all_reduce(dims, op=dist.ReduceOp.MAX, group=self.group)
+        return torch.Size(dims[1 : 1 + int(dims[0])].tolist())
+
+    def counted(self, params: list[nn.Parameter]) -> list[nn.Parameter]:
+        return [p for p in params if id(p) not in self.aliases]
 
 
 def materialize(model: nn.Module, device: torch.device, offload: bool = False) -> None:
@@ -74,6 +114,7 @@ def materialize(model: nn.Module, device: torch.device, offload: bool = False) -
     if not any(t.is_meta for t in (*model.parameters(), *model.buffers())):
         return
     model.to_empty(device=torch.device("cpu") if offload else device)
+    tie(model)  # to_empty gave each module its own tensor
     model.init_weights()
     if offload:
         for module in model.modules():
@@ -103,7 +144,7 @@ class ParallelModel:
         self.vocab_sharded_loss = layout.tp > 1 and layout.tp_mode == "1d" and cfg.loss_parallel
         self.grid, self.grad_sync = None, None  # 2-D, 2.5-D, 3-D tensor parallelism
 
-        parts = {0: model}
+        parts, tied = {0: model}, model.tied_parameters
         if layout.pp > 1:
             from distrain.parallel.pipeline import split_stages  # torch's pipelining imports dynamo: only when used
 
@@ -127,6 +168,7 @@ class ParallelModel:
             self.pipeline = Pipeline(parts, self.mesh["pp"], device, layout, self.loss_fn)
         self.parts = list(parts.values())
         self.module = self.parts[0] if len(self.parts) == 1 else stage_union(self.parts)
+        self.tied = TiedAcrossStages(self.module, tied, self.mesh["pp"].get_group()) if tied and self.pipeline else None
         if self.grid is not None:
             self.grad_sync = GradSync(self.module, self.grid, self.dp_mesh.get_group() if self.dp_mesh else None)
 
@@ -169,6 +211,8 @@ class ParallelModel:
         with loss_context(self.vocab_sharded_loss):
             if self.pipeline is not None:
                 losses = [as_tensor(loss.detach()) for loss in self.pipeline.step(x, y, train)]
+                if train and self.tied is not None:
+                    self.tied.sum_gradients(self.device)
                 self.sync_gradients(train)
                 return torch.stack(losses).sum() if losses else torch.zeros((), device=x.device)
             n = self.layout.micro_batches
@@ -205,7 +249,7 @@ class ParallelModel:
         """The norm of the whole model's gradient, over shards, tensor-parallel peers and stages;
         scale the gradient down to max_norm when it is positive and the norm exceeds it."""
         params = [p for p in self.module.parameters() if p.grad is not None]
-        grads = [p.grad for p in params]
+        grads = [p.grad for p in (self.tied.counted(params) if self.tied is not None else params)]
         norm = self.grid.total_norm(grads) if self.grid is not None else as_tensor(torch.nn.utils.get_total_norm(grads))
         if self.pipeline is not None:
             norm = norm.pow(2)

@@ -1,7 +1,9 @@
 """Pipeline parallelism with `torch.distributed.pipelining`: split by layer, schedule micro-batches.
 
-Each stage is the full model with the blocks, embedding and head it does not own removed, so
-every remaining parameter keeps its name: checkpoints move between pipeline layouts unchanged.
+Each stage is the full model with the blocks, input and output modules (distrain/model/contract.py) it
+does not own removed, so every remaining parameter keeps its name: checkpoints move between pipeline
+layouts unchanged. A parameter tied across the first and last stages is a copy on each
+(ParallelModel sums their gradients).
 """
 
 from __future__ import annotations
@@ -45,10 +47,10 @@ def split_stages(model: nn.Module, pp_mesh: DeviceMesh, layout: Layout) -> dict[
     for n, index in enumerate(mine):
         stage = model if n == len(mine) - 1 else copy.deepcopy(model)
         _keep_layers(stage, set(layers[index]))
-        if index != 0:
-            stage.tok_embeddings = None
-        if index != n_stages - 1:
-            stage.norm, stage.output = None, None
+        for name in stage.input_modules if index != 0 else ():
+            setattr(stage, name, None)
+        for name in stage.output_modules if index != n_stages - 1 else ():
+            setattr(stage, name, None)
         stages[index] = stage
     return stages
 

@@ -1,5 +1,6 @@
 """Tensor parallelism: 1-D (Megatron) with DTensor, the model's own plan applied on the mesh's `tp` dim;
-2-D, 2.5-D and 3-D on the grid (distrain/parallel/tpnd/), with the model's grid plan."""
+2-D, 2.5-D and 3-D on the grid (distrain/parallel/tpnd/), with the model's grid plan (both plans are the
+model's methods: distrain/model/contract.py)."""
 
 from __future__ import annotations
 
@@ -9,17 +10,22 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
-from distrain.model.llama import grid_tp_plan, tp_plan
+from distrain.model.contract import tie
 from distrain.parallel.tpnd.grid import Grid
 from distrain.parallel.tpnd.layers import apply_grid_tp
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, vocab_sharded_loss: bool) -> None:
-    parallelize_module(model, tp_mesh, tp_plan(model, vocab_sharded_loss))
+    """The model's 1-D plan; tied parameters (each split the same way by the plan) made one again."""
+    parallelize_module(model, tp_mesh, model.tp_plan(vocab_sharded_loss))
+    tie(model)
 
 
 def apply_tp_grid(model: nn.Module, mesh: DeviceMesh, mode: str) -> Grid:
-    return apply_grid_tp(model, mesh, mode, grid_tp_plan(model))
+    plan = model.grid_tp_plan()
+    if plan is None:  # validation refuses it before workers start; a direct caller learns here
+        raise ValueError(f"{type(model).__name__} has no grid tensor-parallel plan (tp_mode={mode})")
+    return apply_grid_tp(model, mesh, mode, plan)
 
 
 def loss_context(vocab_sharded_loss: bool) -> contextlib.AbstractContextManager:

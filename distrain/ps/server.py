@@ -29,7 +29,7 @@ from torch import nn
 
 from distrain.checkpoint import load_tensors
 from distrain.config import from_plain
-from distrain.model.llama import Transformer
+from distrain.model.registry import build_model
 from distrain.ps.shard import Piece, ShardView, Slot, as_tensor, model_shards
 from distrain.train.optim import lr_at
 
@@ -68,7 +68,7 @@ class ParameterServer:
         self.needed = self.workers - p.backup_workers  # gradients that close a synchronous round
         self.bound = p.max_staleness
         self.alpha = p.elastic_alpha(self.workers)
-        model = Transformer(cfg.model, t.seq_len, seed=t.seed)  # the workers' and every strategy's weights
+        model = build_model(cfg.model, t.seq_len, seed=t.seed)  # the workers' and every strategy's weights
         self.pieces = model_shards(model, p.num_servers)[index]
         self.flat = ShardView(model, self.pieces).gather(grad=False).clone()
         self.slots = [

@@ -21,7 +21,7 @@ from torch import nn
 from distrain.config import TrainConfig, resolve_precision
 from distrain.data.loader import Batches, Prefetch, run_batches
 from distrain.layout import Layout
-from distrain.model.llama import Transformer
+from distrain.model.registry import build_model
 from distrain.parallel.parallelize import ParallelModel
 from distrain.train.faults import Faults
 
@@ -54,9 +54,9 @@ class Learner:
         self.precision = resolve_precision(cfg.trainer.precision, gpu=device.type == "cuda")
         s = cfg.strategy
         # Built on the meta device, materialised by ParallelModel once laid out: a rank allocates only
-        # its shards, and their values are the same in every layout and engine (Transformer).
+        # its shards, and their values are the same in every layout and engine (distrain/model/contract.py).
         with torch.device("meta"):
-            model = Transformer(cfg.model, cfg.trainer.seq_len, seed=cfg.trainer.seed)
+            model = build_model(cfg.model, cfg.trainer.seq_len, seed=cfg.trainer.seed)
         self.parallel = ParallelModel(model, s, layout, device, self.precision == "bf16", cross_entropy, collective)
         self.train_batches, self.val_batches = run_batches(cfg)
         self.inputs = Prefetch(self.train_batches, shard, device)

@@ -1,0 +1,92 @@
+"""What the shipped families (llama.py, gpt2.py) share: initial weights drawn per parameter name, the
+tied head, and the Megatron tensor-parallel plan over their common names (tok_embeddings, optional
+pos_embeddings, layers.{i}.attention_norm / attention.{wq,wk,wv,wo} / ffn_norm / feed_forward.w*, norm,
+output). A user's model may use these or write its own (contract.py)."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import torch
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+
+from distrain.config import ModelConfig
+
+
+def parameter_seed(seed: int, name: str) -> int:
+    """A 64-bit seed for one parameter: stable across processes and runs (Python's `hash` is salted)."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little")
+
+
+def initial_value(cfg: ModelConfig, seed: int, name: str, shape: torch.Size) -> torch.Tensor:
+    """Parameter `name`'s full initial value, from its own generator seeded by (seed, name), on the CPU.
+    Normal(0, init_std); norms' gains 1 and biases 0; the projections into the residual stream are
+    scaled by 1/sqrt(2 n_layers) so the stream's variance does not grow with depth (GPT-2)."""
+    if name.endswith("norm.weight"):
+        return torch.ones(shape, device="cpu")
+    if name.endswith(".bias"):
+        return torch.zeros(shape, device="cpu")
+    std = cfg.init_std
+    if name.endswith(("wo.weight", "w2.weight")):
+        std /= math.sqrt(2 * cfg.n_layers)
+    generator = torch.Generator().manual_seed(parameter_seed(seed, name))
+    return torch.empty(shape, device="cpu").normal_(0.0, std, generator=generator)
+
+
+def tied_head(cfg: ModelConfig) -> tuple[tuple[str, str], ...]:
+    """The head's weight is the token embedding's when model.tie_embeddings."""
+    return (("output.weight", "tok_embeddings.weight"),) if cfg.tie_embeddings else ()
+
+
+def megatron_plan(model: nn.Module, loss_parallel: bool, attention_args: int) -> dict[str, ParallelStyle]:
+    """Megatron-style tensor parallelism with sequence parallelism, for `parallelize_module`.
+
+    Q/K/V and the MLP's input projections split by output column, `wo` and `w2` by input row, so
+    each block needs one all-gather in and one reduce-scatter out per sublayer. Between them the
+    residual stream and the norms stay sharded over the sequence. The embeddings (tokens and learned
+    positions) split over their rows and reduce-scatter into the sequence-sharded stream; a tied head
+    and embedding are both split over the vocabulary (Shard(0)). The head's logits stay sharded over
+    the vocabulary when `loss_parallel`. `attention_args`: arguments the attention takes after x
+    (llama's rotary tables). Parts a pipeline stage dropped are left out."""
+    plan: dict[str, ParallelStyle] = {}
+    for name in ("tok_embeddings", "pos_embeddings"):
+        if getattr(model, name, None) is not None:
+            plan[name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+    if model.output is not None:
+        plan["norm"] = SequenceParallel()
+        plan["output"] = ColwiseParallel(
+            input_layouts=Shard(1),
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        )
+    rest = (None,) * attention_args
+    for name, block in model.layers.items():
+        prefix = f"layers.{name}"
+        plan |= {
+            f"{prefix}.attention_norm": SequenceParallel(),
+            f"{prefix}.attention": PrepareModuleInput(
+                input_layouts=(Shard(1), *rest), desired_input_layouts=(Replicate(), *rest)
+            ),
+            f"{prefix}.attention.wq": ColwiseParallel(),
+            f"{prefix}.attention.wk": ColwiseParallel(),
+            f"{prefix}.attention.wv": ColwiseParallel(),
+            f"{prefix}.attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            f"{prefix}.ffn_norm": SequenceParallel(),
+            f"{prefix}.feed_forward": PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+            ),
+        }
+        for w, _ in block.feed_forward.named_children():
+            plan[f"{prefix}.feed_forward.{w}"] = (
+                RowwiseParallel(output_layouts=Shard(1)) if w == "w2" else ColwiseParallel()
+            )
+    return plan
