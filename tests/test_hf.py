@@ -134,13 +134,18 @@ def test_trained_run_exports_to_transformers(family: str, strategy: str, ray_clu
         tmp_path, f"run.name={family}-{strategy}", "cluster.num_workers=2", "trainer.max_steps=3",
         *FAMILIES[family], *STRATEGIES[strategy],
     )  # fmt: skip
-    assert train(cfg)["status"] == "completed"
+    summary = train(cfg)
+    assert summary["status"] == "completed"
     out = export(cfg.run_dir, tmp_path / "export")
     _, ours = load_trained(cfg.run_dir)
     theirs = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     x = tokens(seq_len=cfg.trainer.seq_len)
+    xv, yv = run_batches(cfg)[1].get(0)  # the final evaluation's batch (trainer.eval_batches=1)
     with torch.no_grad():
         assert (ours(x) - theirs(x).logits).abs().max() <= TOL
+        # Independent of load_trained: the workers' own loss on the trained weights.
+        val_loss = F.cross_entropy(theirs(xv).logits.flatten(0, 1), yv.flatten()).item()
+    assert val_loss == pytest.approx(summary["final_val_loss"], abs=TOL)
     text = "def export(run):\n    return 'ünïcode' * 3\n"
     assert transformers.AutoTokenizer.from_pretrained(out).encode(text) == run_tokenizer(cfg).encode(text)
     with pytest.raises(ConfigError, match="not empty"):
