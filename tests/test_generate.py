@@ -32,20 +32,23 @@ def run(ray_cluster, tmp_path_factory):
     return cfg
 
 
-def generate(cfg, *args: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, "jobs/generate.py", f"run.storage={cfg.run.storage}", *args]
-    return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
-
-
 @pytest.mark.timeout(300)
 def test_greedy_equals_transformers_generate(run, tmp_path: Path):
-    result = generate(run, "run.name=gen", f"prompt={PROMPT}", "temperature=0", "max_new_tokens=24", "device=cpu")
+    command = [sys.executable, "jobs/generate.py", f"run.storage={run.run.storage}", "run.name=gen", f"prompt={PROMPT}"]
+    result = subprocess.run(
+        [*command, "temperature=0", "max_new_tokens=24", "device=cpu"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     tokenizer = run_tokenizer(run)
     model = transformers.AutoModelForCausalLM.from_pretrained(export(run.run_dir, tmp_path / "hf")).eval()
     prompt = torch.tensor([tokenizer.encode(PROMPT)])
     reference = model.generate(prompt, max_new_tokens=24, do_sample=False, pad_token_id=0)
     assert result.stdout == tokenizer.decode(reference[0].tolist()) + "\n"
+    assert len(set(result.stdout[len(PROMPT) :])) > 1, result.stdout  # trained: not one token repeated
 
 
 def test_sampling_is_seeded_and_top_k_1_is_greedy(run):
@@ -62,16 +65,21 @@ def test_sampling_is_seeded_and_top_k_1_is_greedy(run):
 
 
 @pytest.mark.parametrize(
-    ("args", "says"),
+    ("job", "args", "says"),
     [
-        (["run.name=nosuchrun", "prompt=x"], "no run at"),
-        (["run.name=gen", "prompt=x", "step=7"], "no committed checkpoint"),
-        (["run.name=gen", "prompt=x", "temprature=0"], "did you mean temperature="),
-        (["run.name=gen", "prompt=x", "top_k=many"], "top_k='many': expected int"),
-        (["run.name=gen"], "prompt= is required"),
+        ("generate", ["run.name=nosuchrun", "prompt=x"], "no run at"),
+        ("generate", ["run.name=gen", "prompt=x", "step=7"], "no committed checkpoint"),
+        ("generate", ["run.name=gen", "prompt=x", "temprature=0"], "did you mean temperature="),
+        ("generate", ["run.name=gen", "prompt=x", "top_k=many"], "top_k='many': expected int"),
+        ("generate", ["run.name=gen"], "prompt= is required"),
+        ("export", ["run.name=nosuchrun", "out=x"], "no run at"),
+        ("export", ["run.name=gen", f"out={REPO / 'jobs'}"], "exists and is not empty"),
     ],
 )
-def test_bad_input_one_line_exit_2(run, args: list[str], says: str):
-    result = generate(run, *args)
+def test_bad_input_one_line_exit_2(run, job: str, args: list[str], says: str):
+    result = subprocess.run(
+        [sys.executable, f"jobs/{job}.py", f"run.storage={run.run.storage}", *args],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.count("\n") == 1 and says in result.stderr, result.stderr
