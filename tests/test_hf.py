@@ -120,7 +120,7 @@ def test_unsupported_architecture_one_line_exit_2(tmp_path: Path):
 
 
 FAMILIES = {"llama": [], "gpt2": ["model=gpt2_nano"]}
-STRATEGIES = {"tp": ["strategy=tp"], "zero3": ["strategy=zero3"]}
+STRATEGIES = {"tp": ["strategy=tp"], "zero3": ["strategy=zero3"], "ps": ["strategy=ps"]}
 
 
 @pytest.mark.timeout(300)
@@ -153,12 +153,13 @@ def test_trained_run_exports_to_transformers(family: str, strategy: str, ray_clu
 
 
 @pytest.mark.timeout(300)
-def test_init_from_trains_from_the_imported_weights(ray_cluster, tmp_path: Path):
+@pytest.mark.parametrize("strategy", ["zero3", "ps"])  # the workers load the weights; the parameter server does
+def test_init_from_trains_from_the_imported_weights(strategy: str, ray_cluster, tmp_path: Path):
     """The first step's loss, before any update, is transformers' loss on that batch."""
     reference = save_hf_model("llama_gqa", tmp_path / "hf")
     cfg = make_config(
         tmp_path, "run.name=imported", f"model.init_from={tmp_path / 'hf'}", "cluster.num_workers=2",
-        "strategy=zero3", "trainer.max_steps=1",
+        f"strategy={strategy}", "trainer.max_steps=1",
     )  # fmt: skip
     assert train(cfg)["status"] == "completed"
     cfg = resolve_init_from(cfg, say=lambda line: None)
