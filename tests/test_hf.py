@@ -167,3 +167,18 @@ def test_init_from_trains_from_the_imported_weights(strategy: str, ray_cluster, 
     with torch.no_grad():
         want = F.cross_entropy(reference(x).logits.flatten(0, 1), y.flatten()).item()
     assert logged(cfg)[1] == pytest.approx(want, abs=TOL)
+
+
+@pytest.mark.timeout(300)
+def test_resume_loads_the_checkpoint_not_the_imported_weights(ray_cluster, tmp_path: Path):
+    save_hf_model("llama_tied", tmp_path / "hf")
+    common = (f"model.init_from={tmp_path / 'hf'}", "cluster.num_workers=2", "optim.decay_steps=4")
+
+    def run(name: str, steps: int) -> dict[int, float]:
+        cfg = make_config(tmp_path, f"run.name={name}", f"trainer.max_steps={steps}", *common)
+        assert train(cfg)["status"] == "completed"
+        return logged(cfg)
+
+    straight = run("straight", 4)
+    run("resumed", 2)
+    assert run("resumed", 4)[4] == pytest.approx(straight[4], abs=1e-6)
