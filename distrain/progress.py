@@ -1,4 +1,5 @@
-"""The console progress line: step, loss, throughput and time left, from rank 0's reports."""
+"""Console progress lines: training's (step, loss, throughput and time left, from rank 0's reports) and a
+job's through a known amount of work (bytes of a corpus)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ def _duration(seconds: float) -> str:
     return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
 
 
-class ProgressLine:
+class _Line:
     """Redraws one line on a terminal; elsewhere (job logs, CI) prints a line every `interval_s`."""
 
     def __init__(self, interval_s: float, stream=None):
@@ -21,6 +22,42 @@ class ProgressLine:
         self.tty = self.stream.isatty()
         self.interval_s = 0.0 if self.tty else interval_s
         self.start = time.time()
+
+    def _write(self, line: str) -> None:
+        self.stream.write(f"\r\033[K{line}" if self.tty else line + "\n")
+        self.stream.flush()
+
+
+class WorkLine(_Line):
+    """Progress through `total` units of work (bytes read, say): done, share, rate and time left."""
+
+    def __init__(self, label: str, total: int, interval_s: float = 10.0, stream=None):
+        super().__init__(interval_s, stream)
+        self.label, self.total, self.last_print = label, max(total, 1), self.start
+
+    def update(self, done: int, detail: str = "", final: bool = False) -> None:
+        now = time.time()
+        if not final and now - self.last_print < max(self.interval_s, 0.1):
+            return
+        self.last_print = now
+        rate = done / max(now - self.start, 1e-9)
+        parts = [f"{self.label} {done / 1e6:.1f}/{self.total / 1e6:.1f} MB ({100 * done / self.total:.0f}%)"]
+        parts += [detail] if detail else []
+        parts.append(f"{rate / 1e6:.1f} MB/s")
+        if not final and rate > 0:
+            parts.append(f"ETA {_duration((self.total - done) / rate)}")
+        parts.append(f"elapsed {_duration(now - self.start)}")
+        self._write(" | ".join(parts))
+        if final and self.tty:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+class ProgressLine(_Line):
+    """Training's line, from rank 0's progress reports."""
+
+    def __init__(self, interval_s: float, stream=None):
+        super().__init__(interval_s, stream)
         self.first: tuple[float, int] | None = None  # (time, step) at the first report, for the rate
         self.last_print = 0.0
         self.last_step = -1
@@ -62,10 +99,6 @@ class ProgressLine:
             parts.append(f"ETA {_duration((now - t0) / (step - s0) * (max_steps - step))}")
         parts.append(f"elapsed {_duration(now - self.start)}")
         return " | ".join(parts)
-
-    def _write(self, line: str) -> None:
-        self.stream.write(f"\r\033[K{line}" if self.tty else line + "\n")
-        self.stream.flush()
 
     def close(self) -> None:
         """Print the newest state if the interval held it back; end the terminal's line."""

@@ -8,6 +8,7 @@ import os
 
 from distrain import directio, tpcost
 from distrain.config import ClusterConfig, ConfigError, TrainConfig, attach_address
+from distrain.data.checks import check_data
 from distrain.data.corpus import corpus_files
 from distrain.layout import SCHEDULES, Layout
 from distrain.model.registry import check_model, has_grid_plan
@@ -291,6 +292,9 @@ def _validate_training(cfg: TrainConfig) -> None:
 
 def _validate_data(cfg: TrainConfig) -> None:
     d, t = cfg.data, cfg.trainer
+    check_data(cfg)
+    if d.shards:
+        return
     _require(0 < d.val_fraction < 1, f"data.val_fraction={d.val_fraction}: must be in (0, 1)")
     files = corpus_files(d.path)
     _require(bool(files), f"data.path={d.path!r} matches no files; give an existing directory or glob of text files")

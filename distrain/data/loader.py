@@ -1,7 +1,9 @@
 """Batches that are a pure function of (seed, step), the same whatever the number of workers.
 
 The global batch at step k is `global_batch_size` windows of the train split whose offsets are
-drawn from a generator seeded with (seed, k). A data-parallel rank takes a contiguous slice of
+drawn from a generator seeded with (seed, k). A split is one array of tokens (the byte corpus, in
+memory) or several (token shards, memory maps): a window lies within one of them, and only the
+windows a rank takes are ever read. A data-parallel rank takes a contiguous slice of
 those windows. Nothing is carried from one step to the next, so the loader's whole position is
 the step number, and a resumed run sees exactly the batches it would have seen.
 """
@@ -16,6 +18,7 @@ import numpy as np
 import torch
 
 from distrain.data.corpus import load_tokens
+from distrain.data.shards import open_split
 
 if TYPE_CHECKING:
     from distrain.config import TrainConfig
@@ -43,13 +46,24 @@ def split(tokens: np.ndarray, val_fraction: float, seq_len: int) -> Split:
 
 
 class Batches:
-    def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, seed: int, stream: int = TRAIN):
-        self.tokens = torch.from_numpy(tokens)  # uint8: 8× less memory than int64 per worker
+    def __init__(
+        self,
+        tokens: np.ndarray | list[np.ndarray],
+        seq_len: int,
+        batch_size: int,
+        seed: int,
+        stream: int = TRAIN,
+    ):
+        self.parts = tokens if isinstance(tokens, list) else [tokens]  # kept in their own dtype: never widened whole
         self.seq_len, self.batch_size, self.seed, self.stream = seq_len, batch_size, seed, stream
+        starts = [max(len(p) - seq_len - 1, 0) for p in self.parts]  # window starts each part offers
+        self.first_start = np.cumsum([0, *starts])  # part i's starts are [first_start[i], first_start[i+1])
 
     def offsets(self, step: int) -> np.ndarray:
+        """The global batch's windows, as start positions in the parts laid end to end (without the
+        seq_len + 1 tokens ending each, where no window starts)."""
         rng = np.random.default_rng([self.seed, self.stream, step])
-        return rng.integers(0, len(self.tokens) - self.seq_len - 1, size=self.batch_size)
+        return rng.integers(0, self.first_start[-1], size=self.batch_size)
 
     def get(self, step: int, rank: int = 0, world: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs and next-token targets, (batch_size / world, seq_len), for this rank's slice."""
@@ -57,8 +71,10 @@ class Batches:
             raise ValueError(f"batch of {self.batch_size} does not split over {world} data-parallel ranks")
         per_rank = self.batch_size // world
         starts = self.offsets(step)[rank * per_rank : (rank + 1) * per_rank]
-        idx = torch.from_numpy(starts)[:, None] + torch.arange(self.seq_len + 1)
-        windows = self.tokens[idx].long()
+        part = np.searchsorted(self.first_start, starts, side="right") - 1
+        local = starts - self.first_start[part]
+        windows = np.stack([self.parts[p][o : o + self.seq_len + 1] for p, o in zip(part, local, strict=True)])
+        windows = torch.from_numpy(windows.astype(np.int64))
         return windows[:, :-1], windows[:, 1:]
 
 
@@ -86,10 +102,15 @@ class Prefetch:
 
 
 def run_batches(cfg: TrainConfig) -> tuple[Batches, Batches]:
-    """A run's training and validation batches: its corpus, split, global batch and seed."""
+    """A run's training and validation batches: its token shards, or its byte corpus split in two; its global
+    batch and seed."""
     t = cfg.trainer
-    data = split(load_tokens(cfg.data.path), cfg.data.val_fraction, t.seq_len)
+    if cfg.data.shards:
+        train, val = (open_split(cfg.data.shards, name) for name in ("train", "val"))
+    else:
+        data = split(load_tokens(cfg.data.path), cfg.data.val_fraction, t.seq_len)
+        train, val = data.train, data.val
     return (
-        Batches(data.train, t.seq_len, t.global_batch_size, t.seed, TRAIN),
-        Batches(data.val, t.seq_len, t.global_batch_size, t.seed, VAL),
+        Batches(train, t.seq_len, t.global_batch_size, t.seed, TRAIN),
+        Batches(val, t.seq_len, t.global_batch_size, t.seed, VAL),
     )

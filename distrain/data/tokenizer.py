@@ -11,6 +11,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from distrain.config import ConfigError
 
 if TYPE_CHECKING:
@@ -76,6 +78,9 @@ class Tokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         raise NotImplementedError
 
+    def encode_batch(self, texts: list[str]) -> list[Sequence[int]]:
+        return [self.encode(t) for t in texts]
+
     def to_json(self) -> str:
         """The tokenizer.json text."""
         raise NotImplementedError
@@ -111,6 +116,10 @@ class ByteTokenizer(Tokenizer):
     def decode(self, ids: Sequence[int]) -> str:
         return bytes(ids).decode("utf-8", errors="replace")
 
+    def encode_batch(self, texts: list[str]) -> list[Sequence[int]]:
+        """The bytes as arrays: no Python integer per token."""
+        return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8) for t in texts]
+
     def to_json(self) -> str:
         return byte_tokenizer_json()
 
@@ -129,7 +138,7 @@ class BPETokenizer(Tokenizer):
     def encode(self, text: str) -> list[int]:
         return self.hf.encode(text, add_special_tokens=False).ids
 
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+    def encode_batch(self, texts: list[str]) -> list[Sequence[int]]:
         """Many texts at once, on the library's threads."""
         return [e.ids for e in self.hf.encode_batch(texts, add_special_tokens=False)]
 
@@ -170,14 +179,14 @@ def train_bpe(texts: Iterable[str], vocab_size: int, length: int | None = None) 
     return BPETokenizer(hf, EOS)
 
 
-def load_tokenizer(path: str | Path) -> Tokenizer:
+def load_tokenizer(path: str | Path, key: str = "tokenizer.path") -> Tokenizer:
     """A tokenizer.json, or a directory holding one (an imported Hugging Face model's, or shards'); its
     tokenizer_config.json, when there, names the end-of-text token. The byte tokenizer's own file loads
-    back as the byte tokenizer."""
+    back as the byte tokenizer. `key`: the setting that named `path`, for the error."""
     path = Path(path)
     file = path / "tokenizer.json" if path.is_dir() else path
     if not file.is_file():
-        raise ConfigError(f"no tokenizer.json at {str(path)!r}; give a tokenizer.json or a directory holding one")
+        raise ConfigError(f"{key}={str(path)!r} has no tokenizer.json; give a tokenizer.json or a folder holding one")
     text = file.read_text(encoding="utf-8")
     if text == byte_tokenizer_json():
         return ByteTokenizer()
@@ -204,7 +213,7 @@ def config_tokenizer(cfg: TrainConfig) -> Tokenizer | None:
 def run_tokenizer(cfg: TrainConfig) -> Tokenizer:
     """What a run trains on: the tokenizer stored with data.shards, else the one the config names."""
     if cfg.data.shards:
-        return load_tokenizer(cfg.data.shards)
+        return load_tokenizer(cfg.data.shards, "data.shards")
     tokenizer = config_tokenizer(cfg)
     if tokenizer is None:
         raise ConfigError(
@@ -212,4 +221,3 @@ def run_tokenizer(cfg: TrainConfig) -> Tokenizer:
             "data.shards=DIR, then train with data.shards=DIR"
         )
     return tokenizer
-

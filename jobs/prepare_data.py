@@ -1,0 +1,56 @@
+"""Text → token shards for training:
+
+    python jobs/prepare_data.py data.path=DIR_OR_GLOB tokenizer=bpe data.shards=OUT [tokenizer.vocab_size=8192]
+        [tokenizer.path=TOKENIZER_JSON_OR_DIR] [data.text_field=text] [data.val_fraction=0.05]
+
+The same Hydra overrides as jobs/train.py. Bad input gets one line and exit status 2; at the end it prints
+the command that trains on the shards."""
+
+import os
+import sys
+
+from distrain.cli import BadInput, compose
+from distrain.config import ConfigError
+
+
+def fail(message: str) -> None:
+    print(f"distrain: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def python() -> str:
+    """How to call this interpreter from here: `.venv/bin/python` rather than a bare `python`."""
+    relative = os.path.relpath(sys.executable)
+    return relative if not relative.startswith("..") else sys.executable
+
+
+def main(argv: list[str]) -> None:
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        cfg = compose(argv)
+    except (BadInput, HydraException, OmegaConfBaseException) as e:
+        fail(str(e).strip().splitlines()[0])
+    if not cfg.data.shards:
+        fail("data.shards is not set: give the directory to write, e.g. data.shards=shards/mycorpus")
+    from distrain.data.prepare import prepare
+
+    out = os.path.abspath(cfg.data.shards)
+    try:
+        index = prepare(cfg, out, progress_s=cfg.logger.progress_interval_s)
+    except ConfigError as e:
+        fail(str(e))
+    tok, splits = index["tokenizer"], index["splits"]
+    print(
+        f"distrain: wrote {out}: {splits['train']['tokens']:,} train and {splits['val']['tokens']:,} validation "
+        f"tokens ({index['dtype']}) from {splits['train']['documents'] + splits['val']['documents']:,} documents; "
+        f"{tok['kind']} tokenizer of {tok['vocab_size']:,} tokens"
+    )
+    choice = " tokenizer=bpe" if tok["kind"] == "bpe" else ""
+    train = f"{python()} jobs/train.py data.shards={out}{choice} model.vocab_size={tok['vocab_size']}"
+    print(f"distrain: train on them with: {train}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
