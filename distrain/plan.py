@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from distrain.config import ModelConfig, TrainConfig, resolve_precision
+from distrain.config import TrainConfig, resolve_precision
 from distrain.layout import MESH_DIMS, SCHEDULES, Layout, stage_layers, tp_grid
-from distrain.model.size import num_params
+from distrain.model.size import num_params, parts
 from distrain.tpcost import weight_split
 
 FP32 = 4  # bytes: master weights, gradients and optimizer state are fp32 whatever the precision
@@ -41,19 +41,22 @@ def human(n: float) -> str:
     return f"{n:.0f} B" if i == 0 else f"{n:.1f} {units[i]}"
 
 
-def stage_params(m: ModelConfig, stage: int, stages: int, layout: Layout) -> int:
-    """Parameters one tensor-parallel rank of a pipeline stage holds. Stage 0 has the embedding
-    (vocab×dim), the last stage the final norm and the output head (vocab×dim); tensor parallelism
-    splits the matrices and the norms' gains (dim each, two per block) as tpcost.weight_split says."""
-    block = num_params(replace(m, n_layers=1)) - num_params(replace(m, n_layers=0))
+def stage_params(cfg: TrainConfig, stage: int, stages: int, layout: Layout) -> int:
+    """Parameters one tensor-parallel rank of a pipeline stage holds: its blocks, the input modules on
+    stage 0 (the embeddings), the output modules on the last (final norm, head; a head tied to the
+    embedding is a copy of its own there when they are different stages). Tensor parallelism splits
+    the matrices and the vectors (norms' gains, biases) as tpcost.weight_split says."""
+    m = cfg.model
+    sizes = parts(m, cfg.trainer.seq_len)
     n = len(stage_layers(m.n_layers, stages)[stage])
-    matrices, norms = n * (block - 2 * m.dim), n * 2 * m.dim
+    matrices, vectors = n * sizes.block[0], n * sizes.block[1]
     if stage == 0:
-        matrices += m.vocab_size * m.dim
+        matrices, vectors = matrices + sizes.input[0], vectors + sizes.input[1]
     if stage == stages - 1:
-        matrices, norms = matrices + m.vocab_size * m.dim, norms + m.dim
+        matrices, vectors = matrices + sizes.output[0], vectors + sizes.output[1]
+        matrices += sizes.tied if stages > 1 else 0
     matrix_blocks, norm_blocks = weight_split(layout.tp_mode, layout.tp, layout.tp_depth)
-    return matrices // matrix_blocks + norms // norm_blocks
+    return matrices // matrix_blocks + vectors // norm_blocks
 
 
 def optimizer_states(cfg: TrainConfig) -> int:
@@ -99,7 +102,7 @@ def rank_memory(cfg: TrainConfig, layout: Layout, pp_rank: int, precision: str) 
     too (P/N). Offload keeps the ZeRO-3 numbers in CPU memory."""
     s = cfg.strategy
     stages, n_stages = layout.stages(pp_rank), layout.num_stages
-    p = sum(stage_params(cfg.model, i, n_stages, layout) for i in stages)
+    p = sum(stage_params(cfg, i, n_stages, layout) for i in stages)
 
     def shard(n: int, level: int) -> int:  # sharded over dp_shard from ZeRO `level` up (rounded up: padding)
         return -(-n // layout.dp_shard) if s.zero >= level else n
@@ -220,7 +223,7 @@ def memory_lines(cfg: TrainConfig, layout: Layout, precision: str) -> list[str]:
 
 def server_lines(cfg: TrainConfig) -> list[str]:
     s, w = cfg.ps, cfg.cluster.num_workers
-    per_server = -(-num_params(cfg.model) // s.num_servers) * FP32
+    per_server = -(-num_params(cfg.model, cfg.trainer.seq_len) // s.num_servers) * FP32
     how = {
         "sync": f"each step applies the mean of the first {w - s.backup_workers} of {w} gradients",
         "async": "each gradient applied as it arrives"
@@ -247,7 +250,7 @@ def describe(cfg: TrainConfig, layout: Layout, table: list[dict]) -> str:
     offload = f", offload {s.offload}" if s.offload != "none" else ""
     lines = [
         f"distrain plan: {where}; strategy {s.name} (zero {s.zero}{offload}); mesh {shape}; "
-        f"model {num_params(cfg.model):,} parameters",
+        f"model {num_params(cfg.model, cfg.trainer.seq_len):,} parameters",
         "mesh:",
         *mesh_lines(layout, table),
         *(["process groups:", *group_lines(layout)] if cfg.ps.mode is None else server_lines(cfg)),

@@ -11,7 +11,7 @@ from distrain.config import ClusterConfig, ConfigError, TrainConfig, attach_addr
 from distrain.data.checks import check_data
 from distrain.data.corpus import corpus_files
 from distrain.layout import SCHEDULES, Layout
-from distrain.model.registry import check_model, has_grid_plan
+from distrain.model.registry import check_model, has_plan
 from distrain.plan import rank_memory
 
 OPTIMIZERS = ("adamw", "sgd")
@@ -67,11 +67,12 @@ def _validate_model(cfg: TrainConfig) -> None:
         f"lower trainer.seq_len or raise model.n_positions",
     )
     s = cfg.strategy
-    if s.tp > 1 and s.tp_mode != "1d":
+    if s.tp > 1:
         _require(
-            has_grid_plan(m, t.seq_len),
-            f"strategy.tp_mode={s.tp_mode}: model {m.name} ({m._target_}, tie_embeddings={m.tie_embeddings}) has "
-            f"no grid tensor-parallel plan; use strategy.tp_mode=1d",
+            has_plan(m, t.seq_len, s.tp_mode),
+            f"strategy.tp={s.tp} strategy.tp_mode={s.tp_mode}: model {m.name} ({m._target_}, tie_embeddings="
+            f"{m.tie_embeddings}) has no plan for it; "
+            + ("use strategy.tp_mode=1d" if s.tp_mode != "1d" else "use a strategy without tensor parallelism"),
         )
     if s.tp > 1 and s.tp_mode == "1d" and m._target_ == GPT2:
         rows = m.n_positions or t.seq_len

@@ -14,7 +14,7 @@ from conftest import REPO, TINY, fake_table, make_config
 from distrain.cli import PLAN_HYDRA_OVERRIDES, plan_overrides
 from distrain.config import TrainConfig
 from distrain.layout import MESH_DIMS, Layout
-from distrain.model.llama import Transformer
+from distrain.model.registry import build_model
 from distrain.model.size import num_params
 from distrain.plan import describe, rank_memory, stage_params
 from distrain.validation import validate
@@ -79,15 +79,24 @@ def test_a_parameter_server_plan_shows_the_servers_not_process_groups(tmp_path: 
     text = describe(cfg, layout, fake_table(4, 4, gpus=False))
     assert "process groups" not in text
     assert "parameter servers: 2, mode async" in text
-    per_server = num_params(cfg.model) * 4 / 2 / 1024  # KiB of fp32 weights each
+    per_server = num_params(cfg.model, cfg.trainer.seq_len) * 4 / 2 / 1024  # KiB of fp32 weights each
     assert f"each server: params {per_server:.1f} KiB, optimizer {2 * per_server:.1f} KiB" in text
     assert "optimizer 0 B" in text  # the workers hold none
 
 
 @pytest.mark.timeout(30)
-def test_pipeline_stages_list_their_layers(tmp_path: Path):
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_pipeline_stages_list_their_layers(family: str, tmp_path: Path):
+    model_override = (
+        ["model=gpt2_nano", "model.dim=32", "model.n_heads=2", "model.ffn_dim=64"] if family == "gpt2" else []
+    )
     cfg, layout = planned(
-        tmp_path, "cluster.num_workers=2", "strategy=pp", "strategy.schedule=interleaved_1f1b", "model.n_layers=6"
+        tmp_path,
+        *model_override,
+        "cluster.num_workers=2",
+        "strategy=pp",
+        "strategy.schedule=interleaved_1f1b",
+        "model.n_layers=6",
     )
     text = describe(cfg, layout, fake_table(2, 2, gpus=False))
     assert "pipeline (interleaved_1f1b, 4 stages, 4 micro-batches per step):" in text
@@ -98,20 +107,22 @@ def test_pipeline_stages_list_their_layers(tmp_path: Path):
         "stage 1 on pp rank 1: layers 1-2",
         "stage 3 on pp rank 1: layer 5, norm, output",
     ]
-    # Each stage's parameter count is that of the real model's parts the listing names.
-    model = Transformer(cfg.model, cfg.trainer.seq_len)
+    # Each stage's parameter count is that of the real model's parts the listing names; a tied head is
+    # a copy of its own on the last stage (named_parameters without removing the duplicate).
+    model = build_model(cfg.model, cfg.trainer.seq_len)
     owned = {
-        0: ("tok_embeddings.", "layers.0."),
+        0: ("tok_embeddings.", "pos_embeddings.", "layers.0."),
         1: ("layers.1.", "layers.2."),
         2: ("layers.3.", "layers.4."),
         3: ("layers.5.", "norm.", "output."),
     }
     for stage, prefixes in owned.items():
-        counted = sum(p.numel() for name, p in model.named_parameters() if name.startswith(prefixes))
-        assert stage_params(cfg.model, stage, 4, Layout.single()) == counted, f"stage {stage}"
+        named = model.named_parameters(remove_duplicate=False)
+        counted = sum(p.numel() for name, p in named if name.startswith(prefixes))
+        assert stage_params(cfg, stage, 4, Layout.single()) == counted, f"stage {stage}"
     # pp rank 1 holds stages 1 and 3: its fp32 parameters are theirs.
     assert rank_memory(cfg, layout, 1, "fp32").params == 4 * sum(
-        p.numel() for name, p in model.named_parameters() if name.startswith(owned[1] + owned[3])
+        p.numel() for name, p in model.named_parameters(remove_duplicate=False) if name.startswith(owned[1] + owned[3])
     )
 
 

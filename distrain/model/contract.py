@@ -13,9 +13,9 @@ seed: int)`, under `with torch.device("meta")` (it allocates nothing there), and
   (a stage without them receives and returns hidden states) and runs `layers.values()` in order.
 - `tied_parameters`: (alias, source) full-model names of parameters that are one tensor (e.g.
   ("output.weight", "tok_embeddings.weight")); empty when none.
-- `tp_plan(loss_parallel: bool) -> dict[str, ParallelStyle]`: 1-D tensor parallelism for
+- `tp_plan(loss_parallel: bool) -> dict[str, ParallelStyle] | None`: 1-D tensor parallelism for
   `parallelize_module` over the parts present; `grid_tp_plan() -> dict[str, str] | None`: each weight's
-  role for 2-D/2.5-D/3-D tensor parallelism, None when the model has no grid plan.
+  role for 2-D/2.5-D/3-D tensor parallelism. None: no such plan (the driver refuses that strategy).
 - `flops_per_token(seq_len: int) -> float`: training FLOPs per token; the parameter count is counted.
 """
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -18,6 +20,7 @@ from distrain.model.size import SHIPPED
 
 def resolve(target: str) -> Callable[..., Any]:
     """The class or function `target` names (a dotted path), or a ConfigError saying why not."""
+    _add_pythonpath()
     module_name, _, attr = target.rpartition(".")
     key = f"model._target_={target}"
     if not module_name:
@@ -48,6 +51,14 @@ def resolve(target: str) -> Callable[..., Any]:
     return fn
 
 
+def _add_pythonpath() -> None:
+    """PYTHONPATH's directories on sys.path even when it was set after this process started: a Ray
+    worker receives its environment (cluster.env_vars, what the driver forwards) once running."""
+    for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+        if entry and entry not in sys.path:
+            sys.path.append(entry)
+
+
 def build_model(cfg: ModelConfig, max_seq_len: int, seed: int = 0) -> Any:
     """`cfg._target_(cfg, max_seq_len, seed)`, checked against the contract. Under `with
     torch.device("meta")` it allocates nothing (the layout materialises it)."""
@@ -67,12 +78,14 @@ def check_model(cfg: ModelConfig, max_seq_len: int) -> None:
         _meta_model(cfg, max_seq_len)
 
 
-def has_grid_plan(cfg: ModelConfig, max_seq_len: int) -> bool:
-    """Whether the model has a plan for 2-D/2.5-D/3-D tensor parallelism (`grid_tp_plan()` not None)."""
+def has_plan(cfg: ModelConfig, max_seq_len: int, mode: str) -> bool:
+    """Whether the model has a tensor-parallel plan for strategy.tp_mode=`mode`: `tp_plan` (1d) or
+    `grid_tp_plan` (2d, 2.5d, 3d) not None."""
     family = SHIPPED.get(cfg._target_)
     if family is not None:
-        return family.grid_tp and not cfg.tie_embeddings
-    return _meta_model(cfg, max_seq_len).grid_tp_plan() is not None
+        return mode == "1d" or (family.grid_tp and not cfg.tie_embeddings)
+    model = _meta_model(cfg, max_seq_len)
+    return (model.tp_plan(True) if mode == "1d" else model.grid_tp_plan()) is not None
 
 
 def _meta_model(cfg: ModelConfig, max_seq_len: int) -> Any:

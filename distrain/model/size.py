@@ -11,7 +11,7 @@ weighted sum over the whole sequence, as PaLM and Megatron do, so MFU compares w
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from distrain.config import ModelConfig
 
@@ -87,6 +87,46 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 def family_flops(matmul_weights: int, cfg: ModelConfig, seq_len: int) -> float:
     """6·N + 12·L·H·Q·T: a model of the usual decoder shape may compute its own with this."""
     return 6 * matmul_weights + 12 * cfg.n_layers * cfg.n_heads * (cfg.dim // cfg.n_heads) * seq_len
+
+
+@dataclass(frozen=True)
+class Parts:
+    """Parameters by where a layout puts them, each (in matrices, in vectors): tensor parallelism splits
+    matrices and leaves most vectors whole. `tied`: the parameters an alias shares with the input
+    modules, which a pipeline's last stage holds as a copy of its own."""
+
+    input: tuple[int, int]
+    block: tuple[int, int]
+    output: tuple[int, int]
+    tied: int
+
+
+def parts(cfg: ModelConfig, seq_len: int) -> Parts:
+    """The model's parameters split as a pipeline splits them: first stage, each block, last stage."""
+    if cfg._target_ not in SHIPPED:
+        return _counted_parts(_built(cfg, seq_len))
+    gpt2 = cfg._target_.endswith("GPT2")
+    matrix = SHIPPED[cfg._target_].matmul_weights(replace(cfg, n_layers=1, vocab_size=0))
+    vector = num_params(replace(cfg, n_layers=1, vocab_size=0, n_positions=1), 1) - matrix
+    vector -= num_params(replace(cfg, n_layers=0, vocab_size=0, n_positions=1), 1)
+    vocab = cfg.vocab_size * cfg.dim
+    first = vocab + (positions(cfg, seq_len) * cfg.dim if gpt2 else 0)
+    head_vector = 2 * cfg.dim if gpt2 else cfg.dim
+    tied = vocab if cfg.tie_embeddings else 0
+    return Parts((first, 0), (matrix, vector), (vocab - tied, head_vector), tied)
+
+
+def _counted_parts(model) -> Parts:  # noqa: ANN001  (an nn.Module)
+    aliases = {a for a, _ in model.tied_parameters}
+
+    def count(names: tuple[str, ...], skip: set[str]) -> tuple[int, int]:
+        params = [p for n in names for k, p in model.get_submodule(n).named_parameters(prefix=n) if k not in skip]
+        return sum(p.numel() for p in params if p.dim() > 1), sum(p.numel() for p in params if p.dim() <= 1)
+
+    tied = sum(model.get_parameter(a).numel() for a in aliases)
+    return Parts(
+        count(model.input_modules, set()), count(("layers.0",), set()), count(model.output_modules, aliases), tied
+    )
 
 
 def _built(cfg: ModelConfig, seq_len: int):  # noqa: ANN202  (an nn.Module; torch stays unimported above)

@@ -105,6 +105,18 @@ class TiedAcrossStages:
         return [p for p in params if id(p) not in self.aliases]
 
 
+def rename_tied(state: dict, names: dict[str, str]) -> dict:
+    """Flattened optimizer state (`state.<fqn>.<key>`) with each fqn in `names` renamed: a stage's copy
+    of a tied parameter is checkpointed under its source's name, which a layout holding the one tensor
+    saves it under, so the checkpoint loads in either."""
+    prefixes = {f"state.{a}.": f"state.{b}." for a, b in names.items()}
+    renamed = {}
+    for key, value in state.items():
+        old = next((p for p in prefixes if key.startswith(p)), None)
+        renamed[prefixes[old] + key[len(old) :] if old else key] = value
+    return renamed
+
+
 def materialize(model: nn.Module, device: torch.device, offload: bool = False) -> None:
     """Allocate a meta-built model's parameters and buffers (only this rank's shards of sharded ones)
     on `device` and fill them with the model's initial weights (`init_weights`). With `offload` the
@@ -169,6 +181,12 @@ class ParallelModel:
         self.parts = list(parts.values())
         self.module = self.parts[0] if len(self.parts) == 1 else stage_union(self.parts)
         self.tied = TiedAcrossStages(self.module, tied, self.mesh["pp"].get_group()) if tied and self.pipeline else None
+        held = {name for name, _ in self.module.named_parameters()}
+        self.copies = {a: b for a, b in tied if a in held and b not in held}  # tied copies on this stage
+
+    def checkpoint_names(self, optim_state: dict, saving: bool) -> dict:
+        """Flattened optimizer state keyed as checkpoints key it (`saving`) or as this rank's optimizer does."""
+        return rename_tied(optim_state, self.copies if saving else {b: a for a, b in self.copies.items()})
         if self.grid is not None:
             self.grad_sync = GradSync(self.module, self.grid, self.dp_mesh.get_group() if self.dp_mesh else None)
 

@@ -288,7 +288,7 @@ class Trainer:
         says them, and the schedule sets lr every step."""
         model_sd, optim_sd = get_state_dict(self.learner.module, local_optimizer(self.optimizer), options=STATE_OPTIONS)
         groups = {k: optim_sd.pop(k) for k in [k for k in optim_sd if k.startswith("param_groups.")]}
-        return {"model": model_sd, "optim": optim_sd}, groups
+        return {"model": model_sd, "optim": self.learner.parallel.checkpoint_names(optim_sd, saving=True)}, groups
 
     def save(self) -> None:
         meta = {
@@ -313,7 +313,7 @@ class Trainer:
             self.learner.module,
             local_optimizer(self.optimizer),
             model_state_dict=state["model"],
-            optim_state_dict={**state["optim"], **groups},
+            optim_state_dict={**self.learner.parallel.checkpoint_names(state["optim"], saving=False), **groups},
             options=STATE_OPTIONS,
         )
         self.step, self.loss = meta["step"], meta["loss"]

@@ -1,0 +1,1 @@
+"""A model defined outside distrain, trained by config alone (docs/models.md)."""

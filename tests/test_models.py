@@ -1,0 +1,176 @@
+"""The model contract and registry: both shipped families (Llama; GPT-2 with its tied head) and a user's
+model living outside the package train under DDP, ZeRO-3, tensor and pipeline parallelism exactly as one
+process does; checkpoints move between layouts; bad targets are one-line errors before any worker.
+
+Tolerances, absolute and relative: 1e-5 on each step's loss and gradient norm and on every final weight
+where only the data is split (DDP, ZeRO-3); 1e-4 where tensor or pipeline parallelism reorders sums."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO, TINY, final_weights, logged, make_config
+
+from distrain.config import ConfigError
+from distrain.launch import train
+from distrain.validation import validate
+
+STEPS = 6
+COMMON = (f"trainer.max_steps={STEPS}", "model.n_layers=4")
+EXAMPLES = REPO / "examples"
+FAMILIES = {
+    "llama": [],
+    "gpt2": ["model=gpt2_nano"],  # tied head and embedding, learned positions, biases, LayerNorm
+    # A model defined outside distrain (examples/user_model/decoder.py), found by PYTHONPATH.
+    "user": [
+        "model._target_=user_model.decoder.Decoder",
+        "model.name=decoder",
+        f"+cluster.env_vars.PYTHONPATH={EXAMPLES}",
+    ],
+}
+LAYOUTS = {
+    # id: (workers, overrides, tolerance)
+    "ddp": (2, ["strategy=ddp"], 1e-5),
+    "zero3": (2, ["strategy=zero3"], 1e-5),
+    "tp": (2, ["strategy=tp"], 1e-4),
+    "pp": (2, ["strategy=pp", "strategy.schedule=1f1b"], 1e-4),
+}
+CASES = [(f, lay) for f in FAMILIES for lay in LAYOUTS if not (f == "user" and lay == "tp")]  # it has no TP plan
+
+
+@pytest.fixture(scope="module", autouse=True)
+def user_model_importable():
+    """The driver imports the user's module too (to check it), from sys.path as PYTHONPATH would set it."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.syspath_prepend(str(EXAMPLES))
+        yield
+
+
+def without_tp_plan(cfg, max_seq_len: int, seed: int):  # noqa: ANN001, ANN201
+    """A target that is a function, returning a model that lacks part of the contract."""
+    from user_model.decoder import Decoder
+
+    model = Decoder(cfg, max_seq_len, seed)
+    model.tp_plan = None
+    return model
+
+
+@pytest.fixture(scope="module")
+def references(ray_cluster, tmp_path_factory) -> dict:
+    """Per family: the one-process run's losses, gradient norms and final weights."""
+    refs = {}
+    for family, overrides in FAMILIES.items():
+        tmp = tmp_path_factory.mktemp(f"ref_{family}")
+        cfg = make_config(tmp, "run.name=ref", "cluster.num_workers=1", *COMMON, *overrides)
+        assert train(cfg)["status"] == "completed"
+        refs[family] = {"loss": logged(cfg), "grad_norm": logged(cfg, "grad_norm"), "weights": final_weights(cfg)}
+    return refs
+
+
+def assert_matches(cfg, want: dict, tol: float, steps: range) -> None:
+    for key in ("loss", "grad_norm"):
+        got = logged(cfg, key)
+        for step in steps:
+            assert got[step] == pytest.approx(want[key][step], rel=tol, abs=tol), f"{key} at step {step}"
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(("family", "layout"), CASES)
+def test_family_matches_one_process(family: str, layout: str, references, tmp_path: Path):
+    workers, overrides, tol = LAYOUTS[layout]
+    cfg = make_config(
+        tmp_path,
+        f"run.name={family}_{layout}",
+        f"cluster.num_workers={workers}",
+        *COMMON,
+        *FAMILIES[family],
+        *overrides,
+    )
+    assert train(cfg)["status"] == "completed"
+    want = references[family]
+    assert sorted(logged(cfg)) == list(range(1, STEPS + 1))
+    assert_matches(cfg, want, tol, range(1, STEPS + 1))
+    weights = final_weights(cfg)
+    assert weights.keys() == want["weights"].keys()
+    for name, tensor in want["weights"].items():
+        torch.testing.assert_close(weights[name], tensor, atol=tol, rtol=0, msg=f"{family} {layout}: {name}")
+    if family == "gpt2":  # the tied head stayed tied: the checkpoint's two names hold one value
+        torch.testing.assert_close(weights["output.weight"], weights["tok_embeddings.weight"], atol=0, rtol=0)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("order", ["pp_to_ddp", "ddp_to_pp"])
+def test_gpt2_resumes_across_pipeline_layouts(order: str, references, tmp_path: Path):
+    """Half a GPT-2 run under one layout, the rest under the other from its checkpoint: the tied head,
+    a copy of its own on the last pipeline stage, is saved and loaded under both names."""
+    pp, ddp = (2, ["strategy=pp"]), (1, ["strategy=ddp"])
+    half = STEPS // 2
+    for (workers, overrides), steps in zip(
+        (pp, ddp) if order == "pp_to_ddp" else (ddp, pp), (half, STEPS), strict=True
+    ):
+        cfg = make_config(
+            tmp_path,
+            f"run.name={order}",
+            f"cluster.num_workers={workers}",
+            *COMMON,
+            *FAMILIES["gpt2"],
+            *overrides,
+            f"trainer.max_steps={steps}",
+            f"optim.decay_steps={STEPS}",
+        )
+        summary = train(cfg)
+        assert summary["status"] == "completed"
+    assert summary["resumed_from"].endswith(f"step_{half:08d}")
+    assert_matches(cfg, references["gpt2"], 1e-4, range(half + 1, STEPS + 1))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (
+            ["model._target_=distrain.model.gtp2.GPT2"],
+            "no module named distrain.model.gtp2; did you mean distrain.model.gpt2.GPT2?",
+        ),
+        (
+            ["model._target_=distrain.model.gpt2.GTP2"],
+            "distrain.model.gpt2 has no attribute GTP2; did you mean distrain.model.gpt2.GPT2?",
+        ),
+        (["model._target_=mypkg.models.Net"], "no module named mypkg; "),
+        (["model._target_=distrain.model.gpt2.SHIPPED"], "is a dict, not a class or function"),
+        (["model._target_=torch.nn.Identity"], "the model lacks `layers`"),
+        (["model._target_=test_models.without_tp_plan"], "the model lacks the method `tp_plan`"),
+        (["model=gpt2_nano", "strategy=tp2d", "cluster.num_workers=4"], "has no plan for it; use strategy.tp_mode=1d"),
+        (["model._target_=user_model.decoder.Decoder", "strategy=tp"], "has no plan for it; use a strategy without"),
+        (["model=gpt2_nano", "trainer.seq_len=512"], "trainer.seq_len=512 exceeds model.n_positions=256"),
+    ],
+)
+def test_a_bad_model_is_one_line_before_workers(tmp_path: Path, overrides: list[str], expected: str):
+    with pytest.raises(ConfigError) as err:
+        validate(make_config(tmp_path, "run.name=bad", *overrides))
+    assert expected in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.timeout(180)
+def test_a_user_model_trains_from_the_command_line(tmp_path: Path):
+    """As docs/models.md says: PYTHONPATH names the directory of the user's package and the target is
+    given by config alone; the embedded cluster's workers import it (ZeRO-3 on 2 workers)."""
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "PYTHONPATH": str(EXAMPLES)}
+    env.pop("RAY_ADDRESS", None)
+    args = [a for a in TINY if not a.startswith("cluster.reuse_workers")]
+    result = subprocess.run(
+        [sys.executable, str(REPO / "jobs" / "train.py"), *args, f"run.storage={tmp_path}", "run.name=user"]
+        + ["model._target_=user_model.decoder.Decoder", "model.name=decoder", "strategy=zero3"]
+        + ["cluster.num_workers=2", "cluster.local_cpus=2", "cluster.local_gpus=0", "trainer.max_steps=3"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,  # not the repository: the module comes from PYTHONPATH alone
+        timeout=170,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(logged(make_config(tmp_path, "run.name=user"))) == [1, 2, 3]
