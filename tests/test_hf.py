@@ -182,3 +182,40 @@ def test_resume_loads_the_checkpoint_not_the_imported_weights(ray_cluster, tmp_p
     straight = run("straight", 4)
     run("resumed", 2)
     assert run("resumed", 4)[4] == pytest.approx(straight[4], abs=1e-6)
+
+
+@pytest.mark.timeout(300)
+def test_bpe_run_exports_its_tokenizer(ray_cluster, tmp_path: Path):
+    """A run on BPE shards: the exported tokenizer encodes as the run's, ids above 255 and the
+    end-of-text token included, and the model's vocabulary is the run's."""
+    from distrain.cli import compose
+    from distrain.data.corpus import stdlib_files
+    from distrain.data.prepare import prepare
+
+    sys.path.insert(0, str(REPO / "jobs"))
+    from export import export
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i, f in enumerate(stdlib_files()[10:20]):
+        (corpus / f"{i:02d}.py").write_bytes(Path(f).read_bytes())
+    shards = tmp_path / "shards"
+    prepare(
+        compose([f"data.path={corpus}", "tokenizer=bpe", "tokenizer.vocab_size=320", f"data.shards={shards}"]), shards
+    )
+    cfg = make_config(
+        tmp_path, "run.name=bpe", f"data.shards={shards}", "tokenizer=bpe", "model.vocab_size=320",
+        "model=gpt2_nano", "cluster.num_workers=2", "strategy=tp", "trainer.max_steps=2",
+    )  # fmt: skip
+    assert train(cfg)["status"] == "completed"
+    out = export(cfg.run_dir, tmp_path / "export")
+    ours, theirs = run_tokenizer(cfg), transformers.AutoTokenizer.from_pretrained(out)
+    text = "def main(argv):\n    return sorted(argv)<|endoftext|>"
+    ids = ours.encode(text)
+    assert theirs.encode(text) == ids and max(ids) > 255 and ids[-1] == ours.eos_id == theirs.eos_token_id
+    model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert model.config.vocab_size == 320 and model.config.eos_token_id == ours.eos_id
+    _, trained = load_trained(cfg.run_dir)
+    with torch.no_grad():
+        x = torch.tensor([ids])
+        assert (trained(x) - model(x).logits).abs().max() <= TOL
