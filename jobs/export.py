@@ -11,6 +11,7 @@ Bad input: one line and exit status 2."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 import uuid
@@ -45,6 +46,7 @@ def export(run_dir: str | Path, out: str | Path, step: int | None = None) -> Pat
         staging.mkdir()
         (staging / "config.json").write_text(json.dumps(config, indent=1))
         save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
+        readable(staging / "model.safetensors")
         tokenizer.save(staging)
         if out.exists():
             out.rmdir()  # empty (checked above)
@@ -52,6 +54,13 @@ def export(run_dir: str | Path, out: str | Path, step: int | None = None) -> Pat
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return out
+
+
+def readable(path: Path) -> None:
+    """safetensors writes its file 0600: give it the mode any other new file gets (0666 less the umask)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    path.chmod(0o666 & ~umask)
 
 
 def main(argv: list[str]) -> None:

@@ -71,11 +71,11 @@ def test_import_matches_transformers(name: str, tmp_path: Path):
     assert (got - want).abs().max() <= TOL
 
 
-def hf_dir(tmp_path: Path, config: dict) -> Path:
+def hf_dir(tmp_path: Path, config: dict | str) -> Path:
     """A model directory of this config.json alone: refusals come before any weight is read."""
     directory = tmp_path / "hf"
     directory.mkdir()
-    (directory / "config.json").write_text(json.dumps(config))
+    (directory / "config.json").write_text(config if isinstance(config, str) else json.dumps(config))
     return directory
 
 
@@ -99,9 +99,10 @@ GPT2 |= {"vocab_size": 256}
         ({**GPT2, "scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx"),
         ({k: v for k, v in LLAMA.items() if k != "num_attention_heads"}, "num_attention_heads"),
         (LLAMA, "model.safetensors"),  # no weights
+        ("{not json", "config.json"),
     ],
 )
-def test_unsupported_model_refused_in_the_driver(config: dict, key: str, tmp_path: Path):
+def test_unsupported_model_refused_in_the_driver(config: dict | str, key: str, tmp_path: Path):
     cfg = make_config(tmp_path, f"model.init_from={hf_dir(tmp_path, config)}")
     with pytest.raises(ConfigError, match=key) as error:
         train(cfg)  # before Ray: no cluster fixture here

@@ -49,17 +49,13 @@ def _refuse(directory: str | Path, what: str, fix: str) -> None:
     raise ConfigError(f"model.init_from={directory}: {what}; {fix}")
 
 
-def read_config(directory: str | Path) -> dict:
-    path = Path(directory) / "config.json"
-    if not path.is_file():
-        _refuse(directory, "no config.json", "give a Hugging Face model directory (config.json + safetensors)")
-    return json.loads(path.read_text())
-
-
 def model_config(directory: str | Path, base: ModelConfig) -> ModelConfig:
     """The distrain model a Hugging Face config.json describes (`base` keeps what HF does not say:
     init_std); a ConfigError for an architecture or option distrain's model would compute differently."""
-    hf = read_config(directory)
+    try:
+        hf = json.loads((Path(directory) / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        _refuse(directory, f"no readable config.json ({type(e).__name__})", "give a Hugging Face model directory")
     arch = (hf.get("architectures") or [None])[0]
     if arch not in ARCHITECTURES:
         _refuse(directory, f"architecture {arch!r} is not supported", f"use one of {', '.join(ARCHITECTURES)}")
@@ -137,12 +133,9 @@ def resolve_init_from(cfg: TrainConfig, say: Callable[[str], None] = print) -> T
     model = model_config(directory, cfg.model)
     if not (Path(directory) / INDEX_FILE).is_file() and not (Path(directory) / WEIGHTS_FILE).is_file():
         _refuse(directory, f"neither {WEIGHTS_FILE} nor {INDEX_FILE}", "save the model with safetensors")
-    say(
-        f"distrain: model.init_from={directory}: {read_config(directory)['architectures'][0]} → "
-        f"model._target_={model._target_} dim={model.dim} n_layers={model.n_layers} n_heads={model.n_heads} "
-        f"n_kv_heads={model.n_kv_heads} ffn_dim={model.ffn_dim} vocab_size={model.vocab_size} "
-        f"tie_embeddings={model.tie_embeddings} (from its config.json; its weights load once the model is laid out)"
-    )
+    keys = ("_target_", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "tie_embeddings")
+    settings = " ".join(f"model.{k}={getattr(model, k)}" for k in keys)
+    say(f"distrain: model.init_from={directory}: {settings} (from its config.json; its weights load once laid out)")
     return dataclasses.replace(cfg, model=model)
 
 
