@@ -13,9 +13,9 @@ from distrain.cli import BadInput, compose
 from distrain.config import ConfigError
 
 
-def fail(message: str) -> None:
+def fail(message: str, code: int = 2) -> None:
     print(f"distrain: error: {message}", file=sys.stderr)
-    raise SystemExit(2)
+    raise SystemExit(code)
 
 
 def python() -> str:
@@ -41,6 +41,8 @@ def main(argv: list[str]) -> None:
         index = prepare(cfg, out, progress_s=cfg.logger.progress_interval_s)
     except ConfigError as e:
         fail(str(e))
+    except KeyboardInterrupt:
+        fail(f"interrupted; nothing was written to {out}", code=130)
     tok, splits = index["tokenizer"], index["splits"]
     print(
         f"distrain: wrote {out}: {splits['train']['tokens']:,} train and {splits['val']['tokens']:,} validation "

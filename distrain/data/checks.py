@@ -21,6 +21,8 @@ def check_data(cfg: TrainConfig) -> None:
     """Token shards that exist, are whole, come from the tokenizer the config names, fit the model's
     vocabulary and hold a window of trainer.seq_len in each split; a BPE only through shards."""
     d, t = cfg.data, cfg.tokenizer
+    if t.name not in ("bytes", "bpe"):
+        raise ConfigError(f"tokenizer.name={t.name!r}: choose bytes or bpe (tokenizer=bytes, tokenizer=bpe)")
     if not d.shards:
         if t.name == "bpe":
             raise ConfigError(f"tokenizer=bpe trains on token shards: run {PREPARE}, then train with data.shards=DIR")

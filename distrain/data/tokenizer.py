@@ -97,11 +97,11 @@ class Tokenizer:
         (directory / "tokenizer.json").write_text(self.to_json(), encoding="utf-8")
         config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
         if self.eos_id is not None:
-            eos = self.decode([self.eos_id]) if self.kind == "bytes" else self.token(self.eos_id)
-            config |= {"eos_token": eos, "bos_token": eos}
+            config |= {"eos_token": self.token(self.eos_id), "bos_token": self.token(self.eos_id)}
         (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=1), encoding="utf-8")
 
     def token(self, token_id: int) -> str:
+        """The vocabulary's string for an id."""
         return byte_chars()[token_id]
 
 
