@@ -30,6 +30,7 @@ from distrain.config import ClusterConfig, ConfigError, TrainConfig, attach_addr
 from distrain.data.checks import check_same_shards
 from distrain.fsutil import exclusive_lock, make_writable_dir
 from distrain.layout import Layout
+from distrain.model.hf import resolve_init_from
 from distrain.plan import describe
 from distrain.progress import ProgressLine
 from distrain.stop import stop_signals
@@ -152,6 +153,7 @@ def train(
     `on_run_dir`: called with the run directory once the config is valid and the directory made (the
     command line keeps its record and console log there); nothing is written before."""
     started = time.time()
+    cfg = resolve_init_from(cfg)  # model.init_from: the model's family and shape from its config.json
     layout = validate(cfg)
     if not os.path.isabs(cfg.run.storage) and attach_address(cfg.cluster.address):
         raise ConfigError(

@@ -29,6 +29,8 @@ from torch import nn
 
 from distrain.checkpoint import load_tensors
 from distrain.config import from_plain
+from distrain.model.contract import fill_parameters
+from distrain.model.hf import hf_weights
 from distrain.model.registry import build_model
 from distrain.ps.shard import Piece, ShardView, Slot, as_tensor, model_shards
 from distrain.train.optim import lr_at
@@ -69,6 +71,8 @@ class ParameterServer:
         self.bound = p.max_staleness
         self.alpha = p.elastic_alpha(self.workers)
         model = build_model(cfg.model, t.seq_len, seed=t.seed)  # the workers' and every strategy's weights
+        if cfg.model.init_from:  # a Hugging Face model's (a resumed checkpoint, loaded below, wins)
+            fill_parameters(model, hf_weights(cfg.model.init_from, cfg.model))
         self.pieces = model_shards(model, p.num_servers)[index]
         self.flat = ShardView(model, self.pieces).gather(grad=False).clone()
         self.slots = [

@@ -21,6 +21,8 @@ from torch import nn
 from distrain.config import TrainConfig, resolve_precision
 from distrain.data.loader import Batches, Prefetch, run_batches
 from distrain.layout import Layout
+from distrain.model.contract import fill_parameters
+from distrain.model.hf import hf_weights
 from distrain.model.registry import build_model
 from distrain.parallel.parallelize import ParallelModel
 from distrain.train.faults import Faults
@@ -58,6 +60,8 @@ class Learner:
         with torch.device("meta"):
             model = build_model(cfg.model, cfg.trainer.seq_len, seed=cfg.trainer.seed)
         self.parallel = ParallelModel(model, s, layout, device, self.precision == "bf16", cross_entropy, collective)
+        if cfg.model.init_from:  # a Hugging Face model's weights, each rank its pieces; a resumed checkpoint wins
+            fill_parameters(self.module, hf_weights(cfg.model.init_from, cfg.model))
         self.train_batches, self.val_batches = run_batches(cfg)
         self.inputs = Prefetch(self.train_batches, shard, device)
 

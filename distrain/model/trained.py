@@ -1,0 +1,92 @@
+"""A trained model in one process: a run's committed checkpoint, whatever layout wrote it (DDP, FSDP, TP,
+PP: full-model names in DCP; or the parameter server's shards), into one whole model on the CPU. What
+jobs/export.py and jobs/generate.py start from; no process group, no Ray."""
+
+from __future__ import annotations
+
+import difflib
+import warnings
+from pathlib import Path
+
+from torch import nn
+
+from distrain import checkpoint
+from distrain.config import ConfigError, TrainConfig, from_plain
+from distrain.model.registry import build_model
+
+
+def checkpoint_path(run_dir: str | Path, step: int | None = None) -> Path:
+    """The newest committed checkpoint of the run (or `step`'s); a one-line ConfigError when there is none."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise ConfigError(f"run.name: no run at {run_dir}; give the run.name (and run.storage) of a run that trained")
+    root = run_dir / "checkpoints"
+    if step is not None:
+        path = checkpoint.step_dir(root, step)
+        if not path.is_dir() or checkpoint._problem(path) is not None:
+            steps = sorted(
+                checkpoint.read_meta(p)["step"] for p in checkpoint.checkpoints(root) if not checkpoint._problem(p)
+            )
+            raise ConfigError(f"step={step}: run {run_dir.name} has no committed checkpoint of it; committed: {steps}")
+        return path
+    path = checkpoint.latest(root)
+    if path is None:
+        raise ConfigError(
+            f"run {run_dir.name} has no committed checkpoint yet: train it (a checkpoint commits every "
+            f"checkpoint.interval steps and at the end)"
+        )
+    return path
+
+
+def load_trained(run_dir: str | Path, step: int | None = None) -> tuple[TrainConfig, nn.Module]:
+    """The run's config (as its checkpoint holds it) and its model, built with the registry and filled
+    with the newest committed checkpoint's weights (or `step`'s), in eval mode on the CPU."""
+    import torch.distributed.checkpoint as dcp
+
+    path = checkpoint_path(run_dir, step)
+    meta = checkpoint.read_meta(path)
+    cfg = from_plain(meta["config"])
+    model = build_model(cfg.model, cfg.trainer.seq_len, seed=cfg.trainer.seed)
+    if "ps" in meta:  # the parameter server's own files
+        from distrain.ps.server import load_weights
+
+        load_weights(path, model)
+    else:
+        state, refusals = {"model": model.state_dict()}, []
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            # The guarded reader and planner: nothing but tensors and plain data is unpickled from shared storage.
+            dcp.load(
+                state,
+                storage_reader=checkpoint._guarded_reader(path, refusals),
+                planner=checkpoint._guarded_planner(path, refusals),
+                no_dist=True,
+            )
+        if refusals:
+            raise refusals[0]
+        model.load_state_dict(state["model"])
+    return cfg, model.eval()
+
+
+REQUIRED = object()  # a job argument without a default
+
+
+def job_args(argv: list[str], spec: dict[str, tuple[type, object]], usage: str) -> dict:
+    """A job's `key=value` arguments, each `spec[key] = (type, default)`; a one-line ConfigError for an
+    unknown key (with the closest one), a value not of its type, or a REQUIRED one missing."""
+    args = {key: default for key, (_, default) in spec.items()}
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        if not sep or key not in spec:
+            close = difflib.get_close_matches(key, spec, n=1)
+            hint = f"did you mean {close[0]}=?" if close else f"usage: {usage}"
+            raise ConfigError(f"{arg!r} is not an argument of this job; {hint}")
+        kind = spec[key][0]
+        try:
+            args[key] = kind(value)
+        except ValueError:
+            raise ConfigError(f"{key}={value!r}: expected {kind.__name__}; usage: {usage}") from None
+    missing = [key for key, value in args.items() if value is REQUIRED]
+    if missing:
+        raise ConfigError(f"{missing[0]}= is required; usage: {usage}")
+    return args

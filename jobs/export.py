@@ -1,0 +1,80 @@
+"""A trained run as a Hugging Face model directory:
+
+    python jobs/export.py run.name=NAME out=DIR [run.storage=runs] [step=N]
+
+DIR gets config.json, model.safetensors (float32) and the run's tokenizer files, which
+`transformers.AutoModelForCausalLM.from_pretrained(DIR)` and `AutoTokenizer.from_pretrained(DIR)` load.
+From the newest committed checkpoint (or step N's), whatever layout wrote it. DIR is never overwritten:
+the files are written beside it and the directory renamed into place once whole.
+Bad input: one line and exit status 2."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import uuid
+from pathlib import Path
+
+from distrain.config import ConfigError
+
+USAGE = "python jobs/export.py run.name=NAME out=DIR [run.storage=runs] [step=N]"
+
+
+def export(run_dir: str | Path, out: str | Path, step: int | None = None) -> Path:
+    """Write the run's model and tokenizer to `out` (absent or empty) as a Hugging Face directory."""
+    from safetensors.torch import save_file
+
+    from distrain.data.tokenizer import run_tokenizer
+    from distrain.model.hf import hf_config, to_hf
+    from distrain.model.trained import load_trained
+
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"out={out} exists and is not empty; give a new directory (export never overwrites)")
+    cfg, model = load_trained(run_dir, step)
+    tokenizer = run_tokenizer(cfg)
+    config = hf_config(cfg.model, cfg.trainer.seq_len) | {
+        "bos_token_id": tokenizer.eos_id,
+        "eos_token_id": tokenizer.eos_id,
+    }
+    tensors = to_hf({k: v.detach() for k, v in model.state_dict().items()}, cfg.model)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = out.parent / f".{out.name}.export-{uuid.uuid4().hex[:8]}"
+    try:
+        staging.mkdir()
+        (staging / "config.json").write_text(json.dumps(config, indent=1))
+        save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
+        readable(staging / "model.safetensors")
+        tokenizer.save(staging)
+        if out.exists():
+            out.rmdir()  # empty (checked above)
+        staging.rename(out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out
+
+
+def readable(path: Path) -> None:
+    """safetensors writes its file 0600: give it the mode any other new file gets (0666 less the umask)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    path.chmod(0o666 & ~umask)
+
+
+def main(argv: list[str]) -> None:
+    from distrain.model.trained import REQUIRED, job_args
+
+    spec = {"run.name": (str, REQUIRED), "run.storage": (str, "runs"), "out": (str, REQUIRED), "step": (int, None)}
+    try:
+        args = job_args(argv, spec, USAGE)
+        out = export(Path(args["run.storage"]) / args["run.name"], args["out"], args["step"])
+    except ConfigError as e:
+        print(f"distrain: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    print(f"distrain: exported run {args['run.name']} to {out}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
