@@ -177,7 +177,7 @@ def _listing(path: Path) -> dict[str, int]:
     return {p.name: p.stat().st_size for p in sorted(path.iterdir()) if p.name != COMMIT_MARKER}
 
 
-def _problem(path: Path) -> str | None:
+def problem(path: Path) -> str | None:
     """Why this checkpoint must not be loaded, or None if it is whole."""
     marker = path / COMMIT_MARKER
     if not marker.exists():
@@ -207,10 +207,10 @@ def checkpoints(root: str | Path) -> list[Path]:
 def latest(root: str | Path) -> Path | None:
     """The newest committed, intact checkpoint; warns about each newer one it has to skip."""
     for path in checkpoints(root):
-        problem = _problem(path)
-        if problem is None:
+        why = problem(path)
+        if why is None:
             return path
-        warnings.warn(f"skipping checkpoint {path}: {problem}", TornCheckpointWarning, stacklevel=2)
+        warnings.warn(f"skipping checkpoint {path}: {why}", TornCheckpointWarning, stacklevel=2)
     return None
 
 
@@ -219,7 +219,7 @@ def prune(root: str | Path, keep: int) -> None:
     kept = 0
     for path in checkpoints(root):
         if kept < keep:
-            kept += _problem(path) is None
+            kept += problem(path) is None
             continue
         shutil.rmtree(path, ignore_errors=True)
 
@@ -234,22 +234,30 @@ def load(path: str | Path, state: dict[str, Any]) -> tuple[dict, dict | None]:
     (None when the checkpoint was written by a different number of ranks). UnsafeCheckpointError
     if a file it reads holds more than tensors and plain data."""
     import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
 
     path = Path(path)
-    refusals: list[UnsafeCheckpointError] = []
-    try:
-        dcp.load(state, storage_reader=_guarded_reader(path, refusals), planner=_guarded_planner(path, refusals))
-    except (Exception, dcp.CheckpointException):  # the latter is a BaseException
-        if refusals:  # DCP wraps what its reader and planner raise: the refusal itself is the error
-            raise refusals[0] from None
-        raise
+    read_state(path, state)
     meta = read_meta(path)
     rank_file = path / _rank_file(dist.get_rank())
     rank_state = None
     if meta.get("world_size") == dist.get_world_size() and rank_file.exists():
         rank_state = load_tensors(rank_file)
     return meta, rank_state
+
+
+def read_state(path: str | Path, state: dict[str, Any], no_dist: bool = False) -> None:
+    """Fill `state` in place from the checkpoint's tensors, whatever layout wrote them (`no_dist`: in one
+    process without a process group). UnsafeCheckpointError if a file holds more than tensors and plain data."""
+    import torch.distributed.checkpoint as dcp
+
+    path, refusals = Path(path), []
+    reader, planner = _guarded_reader(path, refusals), _guarded_planner(path, refusals)
+    try:
+        dcp.load(state, storage_reader=reader, planner=planner, no_dist=no_dist)
+    except (Exception, dcp.CheckpointException):  # the latter is a BaseException
+        if refusals:  # DCP wraps what its reader and planner raise: the refusal itself is the error
+            raise refusals[0] from None
+        raise
 
 
 def load_tensors(path: str | Path, allowed: Sequence[type] = ()) -> Any:

@@ -130,7 +130,7 @@ def run_results(
         "first_step_s": first_step_s,
         "train_s": train_s,
         "world_size": world_size,
-        "num_params": num_params(cfg.model),
+        "num_params": num_params(cfg.model, cfg.trainer.seq_len),
         "flops_per_token": flops_per_token(cfg.model, cfg.trainer.seq_len),
         "wandb_run_id": wandb_run_id,
         "stopped": stopped,

@@ -23,9 +23,9 @@ def checkpoint_path(run_dir: str | Path, step: int | None = None) -> Path:
     root = run_dir / "checkpoints"
     if step is not None:
         path = checkpoint.step_dir(root, step)
-        if not path.is_dir() or checkpoint._problem(path) is not None:
+        if not path.is_dir() or checkpoint.problem(path) is not None:
             steps = sorted(
-                checkpoint.read_meta(p)["step"] for p in checkpoint.checkpoints(root) if not checkpoint._problem(p)
+                checkpoint.read_meta(p)["step"] for p in checkpoint.checkpoints(root) if not checkpoint.problem(p)
             )
             raise ConfigError(f"step={step}: run {run_dir.name} has no committed checkpoint of it; committed: {steps}")
         return path
@@ -41,8 +41,6 @@ def checkpoint_path(run_dir: str | Path, step: int | None = None) -> Path:
 def load_trained(run_dir: str | Path, step: int | None = None) -> tuple[TrainConfig, nn.Module]:
     """The run's config (as its checkpoint holds it) and its model, built with the registry and filled
     with the newest committed checkpoint's weights (or `step`'s), in eval mode on the CPU."""
-    import torch.distributed.checkpoint as dcp
-
     path = checkpoint_path(run_dir, step)
     meta = checkpoint.read_meta(path)
     cfg = from_plain(meta["config"])
@@ -52,18 +50,10 @@ def load_trained(run_dir: str | Path, step: int | None = None) -> tuple[TrainCon
 
         load_weights(path, model)
     else:
-        state, refusals = {"model": model.state_dict()}, []
+        state = {"model": model.state_dict()}
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.simplefilter("ignore", UserWarning)
-            # The guarded reader and planner: nothing but tensors and plain data is unpickled from shared storage.
-            dcp.load(
-                state,
-                storage_reader=checkpoint._guarded_reader(path, refusals),
-                planner=checkpoint._guarded_planner(path, refusals),
-                no_dist=True,
-            )
-        if refusals:
-            raise refusals[0]
+            checkpoint.read_state(path, state, no_dist=True)  # as a resume reads it: tensors and plain data only
         model.load_state_dict(state["model"])
     return cfg, model.eval()
 
