@@ -14,7 +14,7 @@ from conftest import REPO, make_config
 
 from distrain.data.tokenizer import run_tokenizer
 from distrain.launch import train
-from distrain.model.trained import load_trained
+from distrain.trained import load_trained
 
 transformers = pytest.importorskip("transformers")
 sys.path.insert(0, str(REPO / "jobs"))

@@ -21,7 +21,7 @@ from distrain.launch import train
 from distrain.model.contract import fill_parameters
 from distrain.model.hf import hf_weights, resolve_init_from
 from distrain.model.registry import build_model
-from distrain.model.trained import load_trained
+from distrain.trained import load_trained
 
 transformers = pytest.importorskip("transformers")
 
