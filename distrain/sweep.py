@@ -43,10 +43,11 @@ def point_values(task_overrides: list[str], swept: set[str]) -> list[str]:
 
 
 def point_name(base: str, values: list[str], swept: set[str]) -> str:
-    """`base-key=value-…` (a `/` in a value becomes `_`); a sweep over run.name itself names its runs."""
+    """`base-key_value-…` (`=` and `/` become `_`, so that `run.name=` takes the name back unquoted, to
+    extend the point's run); a sweep over run.name itself names its runs."""
     if "run.name" in swept:
         return base
-    return "-".join([base, *(v.replace("/", "_") for v in values)])
+    return "-".join([base, *(v.replace("=", "_").replace("/", "_") for v in values)])
 
 
 def table(points: list[Point]) -> str:

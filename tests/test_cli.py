@@ -98,8 +98,8 @@ def test_a_sweep_trains_each_point_as_its_own_run(tmp_path: Path):
     assert re.search(r"2 +trainer.global_batch_size=16 +completed", table), table
 
     runs = {p.name: p for p in tmp_path.iterdir() if p.name.startswith("sw-")}
-    assert sorted(runs) == ["sw-trainer.global_batch_size=16", "sw-trainer.global_batch_size=8"]
-    for batch, run_dir in ((8, runs["sw-trainer.global_batch_size=8"]), (16, runs["sw-trainer.global_batch_size=16"])):
+    assert sorted(runs) == ["sw-trainer.global_batch_size_16", "sw-trainer.global_batch_size_8"]
+    for batch, run_dir in ((8, runs["sw-trainer.global_batch_size_8"]), (16, runs["sw-trainer.global_batch_size_16"])):
         summary = json.loads((run_dir / "summary.json").read_text())
         assert summary["status"] == "completed" and summary["final_step"] == 3 and summary["resumed_from"] is None
         (config,) = run_dir.glob("hydra/*/.hydra/config.yaml")  # Hydra's record, in the point's own run directory
@@ -112,6 +112,8 @@ def test_a_sweep_trains_each_point_as_its_own_run(tmp_path: Path):
     assert [p["status"] for p in json.loads(record.read_text())] == ["completed", "refused", "completed"]
     assert (record.parent / "multirun.yaml").exists() and not (tmp_path / "multirun").exists()
     assert not list(tmp_path.rglob("train.log"))  # Hydra's always-empty log is gone
+    # A point's name is taken back unquoted on the command line: rerunning it finished is refused in one line.
+    one_error(run_cli(tmp_path, *TINY, *STEPS, "run.name=sw-trainer.global_batch_size_8"), "leaves nothing to train")
 
 
 def interrupt_when(tmp_path: Path, ready, *overrides: str) -> tuple[int, str]:
