@@ -2,7 +2,7 @@
 squared-ReLU MLP. It keeps distrain's model contract (distrain/model/contract.py), so every
 data-parallel strategy and pipeline parallelism train it with no change to distrain:
 
-    PYTHONPATH=examples python jobs/train.py model._target_=user_model.decoder.Decoder \\
+    PYTHONPATH=examples .venv/bin/python jobs/train.py model._target_=user_model.decoder.Decoder \\
         model.name=decoder model.dim=64 model.n_layers=4 model.n_heads=4 model.ffn_dim=256 strategy=zero3
 
 It brings no tensor-parallel plan (`tp_plan` returns None), so distrain refuses strategy.tp > 1 for it.
