@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import time
 from dataclasses import replace
@@ -156,3 +157,23 @@ def test_capacity_check_refuses_what_can_never_be_placed():
         check_capacity(3, cpus / 4, 0, num_servers=2)
     with pytest.raises(CapacityError, match=r"cluster.num_workers=4 with cluster.spares=1 needs 5 CPU"):
         check_capacity(4, cpus / 4, 0, spares=1)
+
+
+@pytest.mark.timeout(120)
+def test_a_program_that_imported_ray_first_starts_the_embedded_cluster_quietly(tmp_path):
+    """Ray caches its auth mode when imported: distrain must not set RAY_AUTH_MODE behind its back (a cluster
+    started with token auth and a driver connecting without it fail), nor print Ray's auth warning."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_AUTH_MODE", "RAY_ADDRESS")}
+    code = "\n".join(
+        (
+            "import ray",
+            "from distrain.cluster.runtime import connect",
+            "connect(None, 1, 0)",
+            "print('up', ray.is_initialized())",
+        )
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=100
+    )
+    assert done.returncode == 0 and "up True" in done.stdout, done.stderr[-2000:]
+    assert "Token authentication" not in done.stdout + done.stderr

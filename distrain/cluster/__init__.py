@@ -10,6 +10,3 @@ import os
 if not os.environ.get("RAY_ADDRESS"):
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # 127.0.0.1, not the external NIC
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # a private cluster phones nobody
-    # Ray's default for a new local cluster (token auth, the token in ~/.ray/auth_token), said explicitly:
-    # left unset, Ray warns on every start that it chose it. A user's RAY_AUTH_MODE=disabled is kept.
-    os.environ.setdefault("RAY_AUTH_MODE", "token")

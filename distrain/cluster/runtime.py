@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import ray
@@ -25,7 +26,19 @@ def connect(address: str | None, num_cpus: int | None = None, num_gpus: int | No
     if address:
         ray.init(address=address, logging_level="WARNING")
         return
-    ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False, logging_level="WARNING")
+    # Ray enables token authentication on a new local cluster unless RAY_AUTH_MODE says otherwise, and warns
+    # on every start that it did. Setting the variable ourselves is no cure: Ray caches its config when first
+    # imported, so a process that imported Ray before distrain would start its cluster with one mode and
+    # connect with the other. Ray's choice is kept; its warning is not printed.
+    announcer = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    level = announcer.level
+    announcer.setLevel(logging.ERROR)
+    try:
+        ray.init(
+            address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False, logging_level="WARNING"
+        )
+    finally:
+        announcer.setLevel(level)
 
 
 def has_gpus() -> bool:
