@@ -80,13 +80,14 @@ class Saver:
         self, root: str | Path, keep: int, background: bool = False, pin: bool = False, timeout_s: float = 600.0
     ):
         import torch.distributed as dist
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        from distrain.compat import checkpoint_stager
 
         self.root, self.keep, self.background = Path(root), keep, background
         self.group, self.stager = None, None
         if background:
             self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
-            self.stager = DefaultStager(StagingOptions(pin, False, False, pin))
+            self.stager = checkpoint_stager(pin)
         self.committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-commit")
         self.pending: Future | None = None
         self.last_save_s = 0.0  # the last save's seconds from its start to its commit
@@ -97,6 +98,7 @@ class Saver:
         import torch.distributed.checkpoint as dcp
 
         self.wait()
+        refuse_unplain(state, f"the state of step {step}")
         start, rank = time.perf_counter(), dist.get_rank()
         path = step_dir(self.root, step)
         if rank == 0:
@@ -144,6 +146,34 @@ class Saver:
         self.committer.shutdown()
         if self.stager is not None:
             self.stager.close()
+
+
+PLAIN = (bool, int, float, str, bytes, type(None))
+
+
+def unplain_leaves(state: Any, allowed: Sequence[type] = (), at: str = "") -> list[str]:
+    """Where `state` holds something other than tensors, plain data in dicts, lists and tuples, and
+    instances of `allowed`: each such leaf's key path and type. Staging deep-copies whatever it finds,
+    and a resume's safe loader refuses it, so it must never reach a checkpoint."""
+    import torch
+
+    if isinstance(state, dict):
+        return [bad for k, v in state.items() for bad in unplain_leaves(v, allowed, f"{at}.{k}" if at else str(k))]
+    if isinstance(state, (list, tuple)):
+        return [bad for i, v in enumerate(state) for bad in unplain_leaves(v, allowed, f"{at}[{i}]")]
+    if isinstance(state, (torch.Tensor, *PLAIN, *allowed)):
+        return []
+    return [f"{at or 'the state'} ({type(state).__qualname__})"]
+
+
+def refuse_unplain(state: Any, what: str, allowed: Sequence[type] = ()) -> None:
+    """TypeError, before anything is written, if `state` holds more than tensors and plain data."""
+    bad = unplain_leaves(state, allowed)
+    if bad:
+        raise TypeError(
+            f"{what} holds {', '.join(bad[:3])}{' and more' if len(bad) > 3 else ''}: a checkpoint holds only "
+            f"tensors and plain data; nothing was written"
+        )
 
 
 def commit(root: str | Path, step: int, views: dict[str, dict[str, int]], keep: int, reader: str) -> None:

@@ -196,12 +196,12 @@ def make_op(
     import torch
     import torch.distributed as dist
 
+    from distrain.compat import all_gather_single as all_gather
+    from distrain.compat import reduce_scatter_single as reduce_scatter
+
     def filled(n: int) -> torch.Tensor:
         return torch.full((n,), float(rank + 1), dtype=dtype, device=device)
 
-    # all_gather_single / reduce_scatter_single are the names torch 2.13 prefers; older ones have the others
-    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     if op in ("broadcast", "reduce", "all_reduce"):
         buf = filled(count)
         if op == "broadcast":

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distrain.cli import compose
+from distrain.compat import ddp_without_buffer_sync
 from distrain.data.corpus import load_tokens
 from distrain.data.loader import TRAIN, Batches, split
 from distrain.model.llama import Transformer
@@ -73,7 +74,7 @@ def train(args: argparse.Namespace, device: torch.device, record: Callable[[dict
         device_ids=[device] if device.type == "cuda" else None,
         bucket_cap_mb=args.bucket_cap_mb,
         gradient_as_bucket_view=True,
-        forward_sync_buffers=False,
+        **ddp_without_buffer_sync(),
     )
     params = list(model.parameters())
     optimizer = torch.optim.AdamW(

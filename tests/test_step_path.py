@@ -49,6 +49,31 @@ def test_a_background_checkpoint_holds_the_state_at_save_time(tmp_path):
     assert torch.equal(state["model"]["weight"], torch.ones(64, 64))
 
 
+@pytest.mark.parametrize("pin", [False, True], ids=["plain", "pinned"])
+def test_one_saver_commits_every_background_save_of_a_run(tmp_path, pin: bool):
+    """A run's Saver makes every background save through one stager. torch 2.11's stager emptied itself
+    after each stage, so from the second save on staging raised `KeyError: <class 'type'>` (issue 30).
+    `pin` is the GPU's setting (host copies pinned, copied without blocking); without an accelerator
+    torch pins nothing, and the same saves must still commit."""
+    model = nn.Linear(16, 16)
+    saver = checkpoint.Saver(tmp_path, keep=4, background=True, pin=pin)
+    for step in (1, 2, 3):
+        with torch.no_grad():
+            model.weight.fill_(step)
+        # tensors and plain data, nested as an optimizer's flattened state is
+        optim = {"state.weight.step": torch.tensor(float(step)), "lr": 0.1, "betas": [0.9, 0.95], "name": "adamw"}
+        saver.save(step, {"model": model.state_dict(), "optim": optim}, {"step": step, "world_size": 1}, {})
+    saver.close()
+    assert [p.name for p in checkpoint.checkpoints(tmp_path)] == ["step_00000003", "step_00000002", "step_00000001"]
+    for step in (1, 2, 3):
+        path = checkpoint.step_dir(tmp_path, step)
+        assert checkpoint.problem(path) is None, path
+        state = {"model": nn.Linear(16, 16).state_dict(), "optim": {"state.weight.step": torch.tensor(0.0)}}
+        dcp.load(state, checkpoint_id=str(path))
+        assert torch.equal(state["model"]["weight"], torch.full((16, 16), float(step)))  # its own step's copy
+        assert state["optim"]["state.weight.step"].item() == step
+
+
 def test_memory_peaks_start_again_after_a_reset():
     memory_peaks(torch.device("cpu"), reset=True)
     big = torch.ones(64 << 20)  # 256 MiB, touched, then freed

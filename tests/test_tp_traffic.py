@@ -25,6 +25,7 @@ def rank_main(rank: int, port: int, out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
+    from distrain.compat import all_gather_single, reduce_scatter_single
     from distrain.parallel import process_group
     from distrain.parallel.traffic import Traffic
 
@@ -53,9 +54,9 @@ def rank_main(rank: int, port: int, out: str) -> None:
             "broadcast": lambda group=group: dist.broadcast(x(), group=group, group_src=0),
             "reduce": lambda group=group: dist.reduce(x(), group=group, group_dst=0),
             "all_reduce": lambda group=group: dist.all_reduce(x(), group=group),
-            "all_gather": lambda group=group, g=g: dist.all_gather_single(x(), x(N // g), group=group),
+            "all_gather": lambda group=group, g=g: all_gather_single(x(), x(N // g), group=group),
             "all_gather_list": lambda group=group, g=g: dist.all_gather([x(N // g)] * g, x(N // g), group=group),
-            "reduce_scatter": lambda group=group, g=g: dist.reduce_scatter_single(x(N // g), x(), group=group),
+            "reduce_scatter": lambda group=group, g=g: reduce_scatter_single(x(N // g), x(), group=group),
         }
         for case, call in cases.items():
             with Traffic() as t:

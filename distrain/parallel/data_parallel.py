@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
+from distrain.compat import ddp_without_buffer_sync
 from distrain.model.contract import owner
 
 
@@ -31,7 +32,7 @@ def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, bucket_cap_mb: float) -> nn
         process_group=dp_mesh.get_group(),
         bucket_cap_mb=bucket_cap_mb,
         gradient_as_bucket_view=True,
-        forward_sync_buffers=False,  # the only buffers are constant rotary tables
+        **ddp_without_buffer_sync(),
     )
 
 

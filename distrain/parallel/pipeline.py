@@ -84,7 +84,7 @@ class Pipeline:
         """Run the local batch through the pipeline (forward and backward when training); the
         micro-batch losses on the rank holding the last stage, an empty list elsewhere."""
         losses: list[torch.Tensor] = []
-        args = (x,) if self.has_first else ()
+        args = (x.contiguous(),) if self.has_first else ()  # torch 2.11 checks its strides against a contiguous one's
         kwargs = {"target": y, "losses": losses} if self.has_last else {}
         (self.schedule.step if train else self.schedule.eval)(*args, **kwargs)
         return losses

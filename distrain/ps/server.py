@@ -27,7 +27,7 @@ import ray
 import torch
 from torch import nn
 
-from distrain.checkpoint import load_tensors
+from distrain.checkpoint import load_tensors, refuse_unplain
 from distrain.config import from_plain
 from distrain.model.contract import fill_parameters
 from distrain.model.hf import hf_weights
@@ -287,6 +287,7 @@ class ParameterServer:
                     "norm_sq": self.norm_sq,  # a resumed sync worker may ask for a round this shard applied
                 }
             )
+        refuse_unplain(state, f"parameter server {self.index}'s state", allowed=[Piece])
         name = SERVER_FILE.format(self.index)
         path = f"{directory}/{name}"
         tmp = f"{path}.tmp"

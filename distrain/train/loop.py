@@ -61,6 +61,18 @@ def outside_steps_timeout_s(c: ClusterConfig) -> float:
     return max(c.collective_timeout_s, c.setup_timeout_s)
 
 
+def checkpoint_state(learner: Learner, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """What a checkpoint holds, and the hyperparameters it leaves out. Keyed by full-model parameter
+    name, whatever the layout: a checkpoint resumes on any. Optimizer state is flattened to one
+    entry per parameter so that ranks holding different parameters (pipeline stages, ZeRO-1
+    shards) contribute disjoint keys. Its `param_groups.*` entries (lr, betas, eps, weight decay:
+    one small item per parameter and key, most of what a load reads) are not saved: the config
+    says them, and the schedule sets lr every step."""
+    model_sd, optim_sd = get_state_dict(learner.module, local_optimizer(optimizer), options=STATE_OPTIONS)
+    groups = {k: optim_sd.pop(k) for k in [k for k in optim_sd if k.startswith("param_groups.")]}
+    return {"model": model_sd, "optim": learner.parallel.checkpoint_names(optim_sd, saving=True)}, groups
+
+
 def nvme_scratch(cfg: TrainConfig, rank: int) -> Scratch | None:
     """Where this rank's optimizer state lives under offload=nvme, else None."""
     s = cfg.strategy
@@ -280,15 +292,7 @@ class Trainer:
         self.channel.report({"phase": Phase.TRAIN})
 
     def state(self) -> tuple[dict, dict]:
-        """What a checkpoint holds, and the hyperparameters it leaves out. Keyed by full-model parameter
-        name, whatever the layout: a checkpoint resumes on any. Optimizer state is flattened to one
-        entry per parameter so that ranks holding different parameters (pipeline stages, ZeRO-1
-        shards) contribute disjoint keys. Its `param_groups.*` entries (lr, betas, eps, weight decay:
-        one small item per parameter and key, most of what a load reads) are not saved: the config
-        says them, and the schedule sets lr every step."""
-        model_sd, optim_sd = get_state_dict(self.learner.module, local_optimizer(self.optimizer), options=STATE_OPTIONS)
-        groups = {k: optim_sd.pop(k) for k in [k for k in optim_sd if k.startswith("param_groups.")]}
-        return {"model": model_sd, "optim": self.learner.parallel.checkpoint_names(optim_sd, saving=True)}, groups
+        return checkpoint_state(self.learner, self.optimizer)
 
     def save(self) -> None:
         meta = {

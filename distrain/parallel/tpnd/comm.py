@@ -10,6 +10,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from distrain.compat import all_gather_single, reduce_scatter_single
+
 Group = ProcessGroup | None
 
 
@@ -26,7 +28,7 @@ def all_gather(x: torch.Tensor, group: Group) -> torch.Tensor:
     if size(group) == 1:
         return x
     out = x.new_empty((size(group) * x.shape[0], *x.shape[1:]))
-    dist.all_gather_single(out, x.contiguous(), group=group)
+    all_gather_single(out, x.contiguous(), group=group)
     return out
 
 
@@ -34,7 +36,7 @@ def reduce_scatter(x: torch.Tensor, group: Group) -> torch.Tensor:
     if size(group) == 1:
         return x
     out = x.new_empty((x.shape[0] // size(group), *x.shape[1:]))
-    dist.reduce_scatter_single(out, x.contiguous(), group=group)
+    reduce_scatter_single(out, x.contiguous(), group=group)
     return out
 
 

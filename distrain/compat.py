@@ -1,0 +1,89 @@
+"""The differences between the torch releases distrain supports (torch >= 2.11), in one place.
+
+Nothing else in distrain (or its jobs and tests) asks which torch it runs on. Each guard picks by what
+the installed torch has, never by its version number, and tests/test_compat.py runs both branches of
+every guard on CPU by presenting the older API.
+
+| guard                      | torch 2.11                                   | torch 2.13                        |
+| -------------------------- | -------------------------------------------- | --------------------------------- |
+| `ddp_without_buffer_sync`  | `broadcast_buffers=False`                    | `forward_sync_buffers=False`      |
+| `all_gather_single`,       | `all_gather_into_tensor`,                    | the `*_single` names              |
+| `reduce_scatter_single`    | `reduce_scatter_tensor`                      |                                   |
+| `checkpoint_stager`        | DefaultStager empties its StateDictStager    | keeps it: host copies reused      |
+|                            | after every stage: a second stage raised     |                                   |
+|                            | `KeyError: <class 'type'>`                   |                                   |
+
+Private torch names distrain relies on, the first place to look after a torch upgrade:
+
+- `DefaultStager._state_dict_stager` and its `close` (checkpoint_stager, here);
+- DCP's `.metadata` pickle: `metadata._MEM_FORMAT_ENCODING`, `filesystem._StorageInfo`,
+  `serialization._get_layout` (checkpoint._metadata_globals), and `FileSystemReader._get_metadata_path`
+  (checkpoint._guarded_reader);
+- `distributed_c10d._abort_process_group`, `_set_pg_timeout` and `_world.pg_map` (parallel/process_group.py);
+- `torch.distributed._composable.replicate_with_fsdp.replicate` (parallel/data_parallel.py) and
+  `torch.distributed._composable.checkpoint` (parallel/parallelize.py);
+- `torch.utils._python_dispatch`, `torch.ops._c10d_functional`, `torch._ops.OpOverload` (parallel/traffic.py);
+- `torch._dynamo`, imported by a hot spare to warm up (train/loop.py).
+"""
+
+from __future__ import annotations
+
+import inspect
+from types import ModuleType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.nn.parallel import DistributedDataParallel
+
+
+def ddp_without_buffer_sync(ddp_class: type = DistributedDataParallel) -> dict[str, bool]:
+    """DDP's keyword that stops it broadcasting buffers before every forward (distrain's only buffers are
+    constant rotary tables, computed alike on every rank). torch < 2.13 has no `forward_sync_buffers`;
+    its `broadcast_buffers=False` also skips the broadcast when DDP wraps the model, which the same
+    reason makes unneeded."""
+    if "forward_sync_buffers" in inspect.signature(ddp_class.__init__).parameters:
+        return {"forward_sync_buffers": False}
+    return {"broadcast_buffers": False}
+
+
+def newer_or_older(module: ModuleType | Any, newer: str, older: str) -> Any:
+    """`module.newer` where this torch has it, else `module.older` (the same function under its old name)."""
+    found = getattr(module, newer, None)
+    return found if found is not None else getattr(module, older)
+
+
+all_gather_single = newer_or_older(dist, "all_gather_single", "all_gather_into_tensor")
+reduce_scatter_single = newer_or_older(dist, "reduce_scatter_single", "reduce_scatter_tensor")
+
+
+def checkpoint_stager(pin: bool, stager_class: type[DefaultStager] = DefaultStager) -> DefaultStager:
+    """A DefaultStager for every save of a run, keeping its host copies (pinned on an accelerator) from
+    one save to the next, so that only the first save allocates them.
+
+    torch 2.11's DefaultStager closes its StateDictStager after each stage, to break a reference cycle
+    between the stager and its deep-copy table; closing empties the table and the cache of copies, and
+    the next stage fails. Here that close waits for the stager's own `close`, as in newer torch (where
+    holding the cycle for the stager's life is what happens anyway). Without an accelerator nothing is
+    pinned and the copies are plain, blocking ones."""
+    accelerator = torch.accelerator.is_available()
+    stager = stager_class(
+        StagingOptions(
+            use_pinned_memory=pin and accelerator,
+            use_shared_memory=False,
+            use_async_staging=False,
+            use_non_blocking_copy=pin and accelerator,
+        )
+    )
+    copies = stager._state_dict_stager
+    close_copies = copies.close
+    copies.close = lambda: None  # instance attribute: what torch 2.11 calls after each stage
+    close_stager = stager.close
+
+    def close() -> None:
+        copies.close = close_copies
+        close_stager()
+
+    stager.close = close
+    return stager

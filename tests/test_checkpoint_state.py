@@ -1,0 +1,103 @@
+"""The exact state each layout hands to DCP holds only tensors and plain data, and a run's Saver commits it
+in the background save after save. (The parameter server's own state: test_ps.py's restored-server test.)"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from conftest import free_port, make_config
+
+WORLD = 4
+# Every layout of a collective run on 4 ranks: (name, overrides). The grid is tp2d's 2×2.
+LAYOUTS = {
+    "ddp": ("strategy=ddp",),
+    "zero1": ("strategy=zero1",),
+    "zero2": ("strategy=zero2",),
+    "zero3": ("strategy=zero3",),
+    "hsdp": ("strategy=hsdp",),
+    "offload": ("strategy=offload",),
+    "nvme": ("strategy=nvme",),
+    "tp": ("strategy=tp",),
+    "fsdp_tp": ("strategy=fsdp_tp",),
+    "pp": ("strategy=pp", "trainer.micro_batch_size=1"),
+    "tp2d": ("strategy=tp2d",),
+}
+
+
+def save_every_layout(rank: int, port: int, cases: dict, out: str) -> None:
+    """One rank: each layout's Learner and optimizer after a step; its checkpoint state, saved twice by
+    one Saver as a run saves it; what each state held that is neither a tensor nor plain data."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+    os.environ.update(MASTER_PORT=str(port), CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    from distrain import checkpoint
+    from distrain.config import from_plain
+    from distrain.layout import Layout
+    from distrain.parallel import process_group
+    from distrain.train.faults import Faults
+    from distrain.train.learner import Learner
+    from distrain.train.loop import checkpoint_state, nvme_scratch
+    from distrain.train.optim import build_optimizer
+
+    device = process_group.init_from_env()
+    found = {}
+    for name, (plain, layout) in cases.items():
+        cfg, layout = from_plain(plain), Layout.from_dict(layout)
+        learner = Learner(cfg, layout, layout.data_shard(rank), device, Faults(cfg.fault, rank, None))
+        optimizer = build_optimizer(learner.module, cfg.optim, learner.parallel.zero1_group, nvme_scratch(cfg, rank))
+        background = cfg.strategy.offload != "nvme"  # as the trainer chooses
+        saver = checkpoint.Saver(Path(out, name), keep=2, background=background)
+        for step in (1, 2):
+            learner.forward_backward(step)
+            learner.clip(1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            state, _ = checkpoint_state(learner, optimizer)
+            found[name] = checkpoint.unplain_leaves(state)
+            saver.save(step, state, {"step": step, "world_size": WORLD}, {})
+        saver.close()
+    torch.save(found, Path(out, f"rank{rank}.pt"))
+    process_group.destroy()
+
+
+@pytest.mark.timeout(300)
+def test_every_layout_checkpoints_only_tensors_and_plain_data_save_after_save(tmp_path: Path):
+    from distrain import checkpoint
+    from distrain.config import to_plain
+    from distrain.validation import validate
+
+    (tmp_path / "nvme").mkdir()
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "text.txt").write_text("the quick brown fox jumps over the lazy dog\n" * 500)
+
+    def case(*overrides: str) -> tuple:
+        cfg = make_config(
+            tmp_path,
+            f"cluster.num_workers={WORLD}",
+            f"data.path={tmp_path / 'corpus'}",
+            f"strategy.nvme_path={tmp_path / 'nvme'}",
+            *overrides,
+        )
+        return to_plain(cfg), validate(cfg).as_dict()
+
+    cases = {name: case(*overrides) for name, overrides in LAYOUTS.items()}
+    mp.spawn(save_every_layout, args=(free_port(), cases, str(tmp_path)), nprocs=WORLD)
+    for rank in range(WORLD):
+        found = torch.load(tmp_path / f"rank{rank}.pt")
+        assert found == {name: [] for name in LAYOUTS}, f"rank {rank}"
+    for name in LAYOUTS:  # both saves committed: the second is where torch 2.11's stager failed
+        assert [p.name for p in checkpoint.checkpoints(tmp_path / name)] == ["step_00000002", "step_00000001"]
+        assert all(checkpoint.problem(p) is None for p in checkpoint.checkpoints(tmp_path / name)), name
+
+
+def test_a_leaf_that_is_not_a_tensor_or_plain_data_is_named_and_nothing_is_written(tmp_path: Path):
+    from distrain import checkpoint
+
+    state = {"model": {"w": torch.ones(2)}, "optim": {"step": 3, "betas": (0.9, 0.95), "kind": torch.optim.AdamW}}
+    assert checkpoint.unplain_leaves(state) == ["optim.kind (type)"]
+    with pytest.raises(TypeError, match=r"holds optim.kind \(type\): a checkpoint holds only tensors"):
+        checkpoint.refuse_unplain(state, "the state of step 3")
+    assert checkpoint.unplain_leaves({"pieces": [slice(0, 2)]}, allowed=[slice]) == []
