@@ -55,8 +55,19 @@ SMOKES = [
     ("bench_ps", 240, True, ["## One straggler", "| PS sync |"]),
     # the spare, warm at the kill, took the dead rank
     ("bench_recovery", 240, True, ["| distrain + 1 hot spare, 2 workers | 1 |", "| yes |"]),
-    # the three ways trained the same (one final loss each), and the background's cost was computed
-    ("bench_checkpoint", 180, False, ["| background (`async=true`) |", "In the background a checkpoint costs"]),
+    # the three ways trained the same (one final loss each), the background's cost was computed, and the
+    # step's wait per save read from the trainer's checkpoint_block_s
+    (
+        "bench_checkpoint",
+        180,
+        False,
+        [
+            "| background (`async=true`) |",
+            "In the background the step waits",
+            "a background checkpoint costs",
+            "## GPU",
+        ],
+    ),
     # the grid's bytes were counted, and matched the theory's
     ("bench_tp", 180, True, ["| 2-D, 2×2 | 4 |", "| yes |"]),
     # three tiers trained the same, NVMe under its memory bound, the disk measured beside the step
@@ -75,16 +86,32 @@ def test_smoke(tmp_path: Path, script: str, timeout_s: float, plot: bool, holds:
         assert expected in text, text
 
 
-@pytest.mark.timeout(110)
+@pytest.mark.timeout(330)
 def test_mfu(tmp_path: Path) -> None:
-    """On a machine without a GPU it says it needs one, exits 0 and writes no page."""
+    """distrain, the plain loop and transformers each train the smoke's job in one run, their ratios on the page;
+    the plain loop, on distrain's model class with the same init, data and schedule, ends at distrain's loss.
+    Without --smoke, on a machine without a GPU, it says it needs one, exits 0 and writes no page."""
+    import json
+
     import torch
 
-    done, page = smoke(tmp_path, "bench_mfu", 50)
-    if torch.cuda.is_available():
-        assert_page(page)
-    else:
-        assert "needs a GPU" in done.log.read_text()
+    raw = tmp_path / "mfu.json"
+    _, page = smoke(tmp_path, "bench_mfu", 240, "--json", str(raw))
+    text = assert_page(page)
+    variants = ["eager", "compiled"] if torch.cuda.is_available() else ["eager"]
+    for variant in variants:
+        for side in ("distrain", "plain loop", "transformers"):
+            assert f"| {side}, {variant} | 1 | " in text, text
+        assert f"| {variant} | **" in text and f"With {variant} blocks distrain runs at " in text, text
+    runs = {(r["side"], r["variant"]): r for r in json.loads(raw.read_text())["runs"]}
+    assert sorted(runs) == sorted((s, v) for s in ("distrain", "plain", "transformers") for v in variants)
+    for variant in variants:
+        assert runs["plain", variant]["final_loss"] == pytest.approx(runs["distrain", variant]["final_loss"], rel=0.01)
+    if not torch.cuda.is_available():
+        page = tmp_path / "gpu" / "mfu.md"
+        cmd = [sys.executable, "jobs/bench_mfu.py", "--out", str(page)]
+        done = processes.run_command(cmd, tmp_path / "bench_mfu_gpu.log", 60)
+        assert done.rc == 0 and "needs a GPU" in done.log.read_text()
         assert not page.exists() and not page.parent.exists()
 
 

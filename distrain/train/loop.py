@@ -123,6 +123,7 @@ class Trainer:
             if self.rank == 0:
                 self.tracker = Tracker(str(self.run_dir), job["config"], self.step, job["wandb_run_id"])
         self.vote: tuple[dist.Work, torch.Tensor] | None = None  # the stop vote in flight (agree_on_stop)
+        self.blocked_s = 0.0  # how long checkpoints held the loop up since the last logged step
         channel.report({"step": self.step, "max_steps": cfg.trainer.max_steps, "loaded_at": time.time()})
 
     # -- reductions over the ranks ----------------------------------------------------------------
@@ -227,6 +228,8 @@ class Trainer:
         }
         if self.flops_to_mfu is not None:
             metrics["mfu"] = self.flops_to_mfu * tokens_per_s
+        if self.blocked_s:  # logged with the next step: the saving step's line is written before its save
+            metrics["checkpoint_block_s"], self.blocked_s = self.blocked_s, 0.0
         self.unread = (self.step, metrics, Readback(loss_sum, grad_norm))
         self.window = [time.perf_counter(), 0]
 
@@ -285,10 +288,12 @@ class Trainer:
         write it."""
         self.log_read()
         self.channel.report({"phase": Phase.CHECKPOINT})
+        start = time.perf_counter()
         with self.outside_steps():
             self.save()
             if wait:
                 self.saver.wait()
+        self.blocked_s += time.perf_counter() - start  # what a background save saves, per save (checkpoint_block_s)
         self.channel.report({"phase": Phase.TRAIN})
 
     def state(self) -> tuple[dict, dict]:
