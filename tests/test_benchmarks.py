@@ -123,7 +123,7 @@ def test_gpu_check_cpu_mode(tmp_path: Path) -> None:
     assert {name: path.stat().st_mtime_ns if path.exists() else None for name, path in docs.items()} == before
     page = (tmp_path / "docs" / "gpu.md").read_text()
     assert "| zero3 | 1 | 1 rank |" in page and "| bf16 against fp32 (ddp) | **PASS** |" in page
-    assert "| journey gpt2_nano: export → transformers | **PASS** |" in page
+    assert "| journey gpt2_nano: export → transformers | **PASS** |" in page and "## The journey" in page
     collectives = assert_page(tmp_path / "docs" / "collectives.md")
     assert "## Against torch.distributed without Ray" in collectives and "| all_reduce | " in collectives
 
