@@ -95,6 +95,8 @@ def test_gpu_check_cpu_mode(tmp_path: Path) -> None:
     under --storage, none into docs/. The journey, for both model families: a rank SIGKILLed mid-run, the run
     resumed from a committed checkpoint (one restart in its summary.json) with the uninterrupted run's losses
     to the bit (CPU, fp32), exported and loaded by transformers with the same logits, and sampled."""
+    import torch
+
     docs = {name: REPO / "docs" / name for name in ("gpu.md", "mfu.md", "collectives.md")}
     before = {name: path.stat().st_mtime_ns if path.exists() else None for name, path in docs.items()}
     cmd = [sys.executable, "jobs/gpu_check.py", "--storage", str(tmp_path)]
@@ -122,6 +124,7 @@ def test_gpu_check_cpu_mode(tmp_path: Path) -> None:
     assert all(f"SKIP  strategy {grid} " in log for grid in ("tp2d", "tp2p5d", "tp3d"))  # 4 and 8 workers
     assert {name: path.stat().st_mtime_ns if path.exists() else None for name, path in docs.items()} == before
     page = (tmp_path / "docs" / "gpu.md").read_text()
+    assert f"; torch {torch.__version__}" in page  # the header names the torch (and on a GPU its CUDA) it ran on
     assert "| zero3 | 1 | 1 rank |" in page and "| bf16 against fp32 (ddp) | **PASS** |" in page
     assert "| journey gpt2_nano: export → transformers | **PASS** |" in page and "## The journey" in page
     collectives = assert_page(tmp_path / "docs" / "collectives.md")
