@@ -27,8 +27,9 @@ test: setup
 bench: setup
 	$(PY) jobs/bench_ddp.py $(ARGS)
 
-# The GPU figures (strategies on NCCL, bf16 against fp32, MFU, collectives) in one command; without a GPU,
-# a check that the scripts work. On a GPU machine: make gpu-check TORCH=torch (see jobs/gpu_check.py).
+# The GPU figures (strategies on NCCL, bf16 against fp32, the user's journey: kill, resume, export, generate;
+# the parameter server, a sticky CUDA error) in one command, MFU and collectives with ARGS="--parts ..."; without
+# a GPU, a check that the scripts work. On a GPU machine: make gpu-check TORCH=torch (see jobs/gpu_check.py).
 gpu-check: setup
 	$(PY) jobs/gpu_check.py $(ARGS)
 

@@ -274,6 +274,12 @@ def _validate_training(cfg: TrainConfig) -> None:
         f"fault.straggler={f.straggler}: must be a rank below cluster.num_workers={n} (or null)",
     )
     _require(f.straggler_slowdown >= 1, f"fault.straggler_slowdown={f.straggler_slowdown}: must be ≥ 1")
+    _require(0 <= f.kill_rank < n, f"fault.kill_rank={f.kill_rank}: must be a rank below cluster.num_workers={n}")
+    _require(
+        f.kill_at_step is None or (1 <= f.kill_at_step <= t.max_steps and cfg.ps.mode is None),
+        f"fault.kill_at_step={f.kill_at_step}: must be a step of trainer.max_steps={t.max_steps} in collective "
+        "training (or null)",
+    )
     _require(o.name in OPTIMIZERS, f"optim.name={o.name!r}: choose one of {', '.join(OPTIMIZERS)}")
     _require(o.lr > 0, f"optim.lr={o.lr}: must be positive")
     _require(o.warmup_steps >= 0, f"optim.warmup_steps={o.warmup_steps}: must be ≥ 0")

@@ -115,27 +115,45 @@ def test_mfu(tmp_path: Path) -> None:
         assert not page.exists() and not page.parent.exists()
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(420)
 def test_gpu_check_cpu_mode(tmp_path: Path) -> None:
     """Without a GPU (hidden where there is one), jobs/gpu_check.py runs every part at tiny sizes, one worker
     in place of one GPU: those that fit pass, those that need more workers are skipped, and every page goes
-    under --storage, none into docs/."""
+    under --storage, none into docs/. The journey, for both model families: a rank SIGKILLed mid-run, the run
+    resumed from a committed checkpoint (one restart in its summary.json) with the uninterrupted run's losses
+    to the bit (CPU, fp32), exported and loaded by transformers with the same logits, and sampled."""
+    import torch
+
     docs = {name: REPO / "docs" / name for name in ("gpu.md", "mfu.md", "collectives.md")}
     before = {name: path.stat().st_mtime_ns if path.exists() else None for name, path in docs.items()}
     cmd = [sys.executable, "jobs/gpu_check.py", "--storage", str(tmp_path)]
-    done = processes.run_command(cmd, tmp_path / "gpu_check.log", 180, env={"CUDA_VISIBLE_DEVICES": ""})
+    cmd += ["--parts", "strategies,journey,ps,sticky,mfu,collectives"]  # the benchmarks are optional parts
+    done = processes.run_command(cmd, tmp_path / "gpu_check.log", 360, env={"CUDA_VISIBLE_DEVICES": ""})
     log = done.log.read_text()
     assert done.rc == 0, done.tail(60)
-    for part in ("ddp", "zero1", "zero2", "zero3", "offload", "nvme"):
+    for part in ("ddp", "zero1", "zero2", "zero3", "offload", "nvme", "ps"):
         assert f"PASS  strategy {part} (1 CPU worker)" in log, log
     assert "SKIP  strategy tp " in log and "needs 2 CPU workers (tp 2)" in log and "needs 4 CPU workers" in log
     for part in ("bf16 against fp32 (ddp)", "MFU (jobs/bench_mfu.py)", "collectives (jobs/bench_collectives.py)"):
         assert f"PASS  {part} (" in log, log
-    assert "9 passed, 0 failed, 8 skipped" in log and "are still to be taken" in log
+    lines = {line.split(" (")[0]: line for line in log.splitlines() if line.startswith(("PASS", "FAIL", "SKIP"))}
+    for model in ("nano", "gpt2_nano"):
+        resume, export, generate = (f"PASS  journey {model}: {p}" for p in ("SIGKILL → resume", "export", "generate"))
+        assert "equal to the bit of the uninterrupted run's" in lines.get(resume, ""), log
+        assert "logits within" in lines.get(f"{export} → transformers", ""), log
+        assert "32 characters after 'def '" in lines.get(f"{generate} on cpu", ""), log
+        summary = harness.read_json(tmp_path / f"journey-{model}" / "summary.json")
+        assert summary["status"] == "completed" and summary["restarts"] == 1, summary
+        assert [a["outcome"] for a in summary["attempts"]] == ["failed", "completed"], summary
+        assert summary["attempts"][1]["info"]["resumed_from_step"] in (4, 8), summary  # committed before step 10
+    assert "SKIP  a sticky CUDA error leaves the worker unreused" in log and "needs a GPU" in log
+    assert "16 passed, 0 failed, 9 skipped" in log and "are still to be taken" in log
     assert all(f"SKIP  strategy {grid} " in log for grid in ("tp2d", "tp2p5d", "tp3d"))  # 4 and 8 workers
     assert {name: path.stat().st_mtime_ns if path.exists() else None for name, path in docs.items()} == before
     page = (tmp_path / "docs" / "gpu.md").read_text()
+    assert f"; torch {torch.__version__}" in page  # the header names the torch (and on a GPU its CUDA) it ran on
     assert "| zero3 | 1 | 1 rank |" in page and "| bf16 against fp32 (ddp) | **PASS** |" in page
+    assert "| journey gpt2_nano: export → transformers | **PASS** |" in page and "## The journey" in page
     collectives = assert_page(tmp_path / "docs" / "collectives.md")
     assert "## Against torch.distributed without Ray" in collectives and "| all_reduce | " in collectives
 

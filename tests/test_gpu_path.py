@@ -67,9 +67,12 @@ def test_a_gpu_rank_whose_torch_cannot_use_cuda_fails_in_one_line_naming_the_nod
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch that cannot use CUDA")
 @pytest.mark.timeout(200)
-def test_a_run_given_gpus_its_torch_cannot_use_ends_at_once(tmp_path: Path):
+@pytest.mark.parametrize("strategy", ["ddp", "ps"])
+def test_a_run_given_gpus_its_torch_cannot_use_ends_at_once(tmp_path: Path, strategy: str):
     """The whole path: Ray gives each worker a GPU (an embedded cluster that declares 2), the engine tells
-    the ranks, and the run ends on the first attempt (the error says retrying cannot help)."""
+    the ranks, and the run ends on the first attempt (the error says retrying cannot help). A parameter-server
+    worker, which has no process group, chooses its device through the same `device_for`: before, it trained
+    on the CPU in silence while its GPU sat idle."""
     import subprocess
 
     from conftest import REPO, TINY
@@ -77,7 +80,7 @@ def test_a_run_given_gpus_its_torch_cannot_use_ends_at_once(tmp_path: Path):
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
     env.pop("RAY_ADDRESS", None)
     gpus = ["cluster.local_cpus=2", "cluster.local_gpus=2", "cluster.use_gpu=true", "cluster.reuse_workers=false"]
-    args = [*TINY, *gpus, f"run.storage={tmp_path}", "run.name=gpu"]
+    args = [*TINY, *gpus, f"strategy={strategy}", f"run.storage={tmp_path}", "run.name=gpu"]
     result = subprocess.run(
         [sys.executable, str(REPO / "jobs" / "train.py"), *args],
         capture_output=True,

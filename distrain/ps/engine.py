@@ -88,7 +88,12 @@ class ParameterServerEngine:
         attempt.info["servers_version"] = self.servers.drain(wait_s=self.spec.start_timeout_s)["version"]
         self.tracker = Tracker(str(self.run_dir), self.plain, step, self.wandb_run_id)
         self.group = group
-        self.worker_job = {"config": self.plain, "layout": self.layout.as_dict(), "servers": self.servers.actors}
+        self.worker_job = {
+            "config": self.plain,
+            "layout": self.layout.as_dict(),
+            "servers": self.servers.actors,
+            "use_gpu": group.spec.gpus_per_worker > 0,  # Ray gave each worker a GPU: it must train on it
+        }
         return Work(run_worker, (self.worker_job,), [{"server": k, **info} for k, info in enumerate(where)])
 
     def tick(self, suspect: bool) -> None:

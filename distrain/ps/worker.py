@@ -54,7 +54,8 @@ class PSWorker:
         faults = Faults(cfg.fault, self.rank, channel)
         # The whole model in this process (no process group), this worker's data-parallel slice.
         single = Layout.single(layout.micro_batches)
-        self.learner = Learner(cfg, single, layout.data_shard(self.rank), local_device(), faults, collective=False)
+        device = local_device(job.get("use_gpu"))  # absent: whatever torch sees, as under torchrun
+        self.learner = Learner(cfg, single, layout.data_shard(self.rank), device, faults, collective=False)
         self.model = self.learner.module
         self.views = [ShardView(self.model, pieces) for pieces in model_shards(self.model, cfg.ps.num_servers)]
         self.versions = [-1] * len(self.servers)  # the version of each shard the model holds

@@ -1,9 +1,10 @@
-"""Faults injected on purpose (fault.* in the config), for tests and benchmarks: a slow rank, and a
-run held at a known point while a test changes the world around it."""
+"""Faults injected on purpose (fault.* in the config), for tests and benchmarks: a slow rank, a run held
+at a known point while a test changes the world around it, and a rank killed at a known step."""
 
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 from distrain.channel import Channel, Phase
@@ -28,3 +29,10 @@ class Faults:
         """The simulated straggler stretches its step to fault.straggler_slowdown × its compute time."""
         if self.cfg.straggler == self.rank:
             time.sleep((self.cfg.straggler_slowdown - 1) * compute_s)
+
+    def kill(self, step: int, began: int) -> None:
+        """SIGKILL this process (as the OOM killer or a lost node ends one, with no chance to clean up) after
+        step fault.kill_at_step on rank fault.kill_rank, in an attempt that began at step 0 (`began`): the
+        attempt that resumes from a checkpoint goes on to the end."""
+        if self.cfg.kill_at_step == step and self.cfg.kill_rank == self.rank and began == 0:
+            os.kill(os.getpid(), signal.SIGKILL)

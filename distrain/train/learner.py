@@ -24,6 +24,7 @@ from distrain.layout import Layout
 from distrain.model.contract import fill_parameters
 from distrain.model.hf import hf_weights
 from distrain.model.registry import build_model
+from distrain.parallel import process_group
 from distrain.parallel.parallelize import ParallelModel
 from distrain.train.faults import Faults
 
@@ -32,12 +33,15 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
-def local_device() -> torch.device:
-    """The rank's device without a process group: its GPU (LOCAL_RANK) when CUDA is visible, else the CPU."""
+def local_device(gpu: bool | None) -> torch.device:
+    """The device of a rank without a process group (a parameter-server worker), chosen as a collective rank's
+    is (`process_group.device_for`): its GPU when the cluster gave it one (`gpu`), failing in one line if
+    torch cannot use it, never falling back to the CPU in silence."""
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")
+    device = process_group.device_for(gpu)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device
 
 
 class Learner:

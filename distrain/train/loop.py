@@ -176,6 +176,7 @@ class Trainer:
         self.unread: tuple[int, dict, Readback] | None = None  # a logged step whose scalars are in flight
         self.first_step_s, self.val_loss, stopped = None, None, False
         memory_peaks(self.device, reset=True)
+        began = self.step
 
         while self.step < t.max_steps:
             self.step += 1
@@ -205,6 +206,7 @@ class Trainer:
                 self.checkpoint(wait=last or stopped)
             elif stopped and save_fits:
                 self.checkpoint(wait=True)
+            self.learner.faults.kill(self.step, began)
             if stopped:
                 break
         if self.vote is not None:
