@@ -33,7 +33,7 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
-def local_device(gpu: bool | None) -> torch.device:
+def local_device(gpu: bool | None = None) -> torch.device:
     """The device of a rank without a process group (a parameter-server worker), chosen as a collective rank's
     is (`process_group.device_for`): its GPU when the cluster gave it one (`gpu`), failing in one line if
     torch cannot use it, never falling back to the CPU in silence."""
