@@ -33,14 +33,15 @@ gpu-check: setup
 	$(PY) jobs/gpu_check.py $(ARGS)
 
 # A folder of wheels that installs distrain, torch excepted, on a GPU node with no package index
-# (docs/install.md): make wheelhouse PYTHON=3.12 PLATFORM=manylinux_2_28_x86_64 [EXTRAS=hf] [OUT=wheelhouse].
-# PYTHON and PLATFORM default to this machine's; set here, not from the environment (PYTHON is often a path).
+# (docs/install.md): make wheelhouse PYTHON=3.12 PLATFORM=manylinux_2_28_x86_64 [EXTRAS=hf] [OUT=dir].
+# PYTHON and PLATFORM default to this machine's, OUT to wheelhouse-cp312-manylinux_2_28_x86_64 (the target's
+# name); set here, not from the environment (PYTHON is often a path).
 PYTHON =
 PLATFORM =
 EXTRAS ?=
-OUT ?= wheelhouse
+OUT ?=
 wheelhouse: setup
-	$(PY) jobs/wheelhouse.py --out "$(OUT)" $(if $(PYTHON),--python $(PYTHON)) $(if $(PLATFORM),--platform $(PLATFORM)) $(if $(EXTRAS),--extras $(EXTRAS))
+	$(PY) jobs/wheelhouse.py $(if $(PYTHON),--python $(PYTHON)) $(if $(PLATFORM),--platform $(PLATFORM)) $(if $(EXTRAS),--extras $(EXTRAS)) $(if $(OUT),--out "$(OUT)")
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -30,12 +30,14 @@ import wheelhouse  # noqa: E402  (jobs/wheelhouse.py)
 
 def test_platform_tags() -> None:
     """A manylinux_2_X tag stands for every older one, the legacy names included (pip expands only those)."""
-    arch, tags = wheelhouse.platform_tags("manylinux_2_28_x86_64")
-    assert arch == "x86_64" and tags[0] == "manylinux_2_28_x86_64"
+    target = wheelhouse.Target.of("3.12", "manylinux_2_28_x86_64")
+    tags = target.tags
+    assert target.arch == "x86_64" and tags[0] == "manylinux_2_28_x86_64"
     assert {"manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux2010_x86_64", "manylinux1_x86_64"} <= set(tags)
     assert "manylinux_2_29_x86_64" not in tags
-    arch, tags = wheelhouse.platform_tags("manylinux2014_aarch64")
-    assert arch == "aarch64" and tags[0] == "manylinux_2_17_aarch64" and "manylinux2014_aarch64" in tags
+    target = wheelhouse.Target.of("3.12", "manylinux2014_aarch64")
+    assert target.arch == "aarch64" and target.tags[0] == "manylinux_2_17_aarch64"
+    assert "manylinux2014_aarch64" in target.tags and str(target) == "CPython 3.12 on manylinux2014_aarch64"
 
 
 @pytest.mark.parametrize(
@@ -75,9 +77,13 @@ def test_needed_follows_target_markers_and_leaves_torch_out() -> None:
         "ray": meta("filelock", "aiohttp; extra == 'default'", "py-spy; platform_machine == 'x86_64'"),
         **{name: meta() for name in ("sympy", "filelock", "nvidia-cublas", "aiohttp", "py-spy", "old", "transformers")},
     }
-    keep, missing = wheelhouse.needed(items, [Requirement("distrain")], wheelhouse.target_env("3.12", "aarch64"))
+    keep, missing = wheelhouse.needed(
+        items, [Requirement("distrain")], wheelhouse.Target.of("3.12", "manylinux_2_28_aarch64").markers()
+    )
     assert keep == {"distrain", "ray", "filelock", "aiohttp"} and missing == ["new"]
-    keep, missing = wheelhouse.needed(items, [Requirement("distrain[hf]")], wheelhouse.target_env("3.11", "x86_64"))
+    keep, missing = wheelhouse.needed(
+        items, [Requirement("distrain[hf]")], wheelhouse.Target.of("3.11", "manylinux_2_28_x86_64").markers()
+    )
     assert keep == {"distrain", "ray", "filelock", "aiohttp", "py-spy", "old", "transformers"} and missing == []
 
 
