@@ -15,6 +15,7 @@ import os
 import shlex
 import shutil
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -85,6 +86,32 @@ def test_needed_follows_target_markers_and_leaves_torch_out() -> None:
         items, [Requirement("distrain[hf]")], wheelhouse.Target.of("3.11", "manylinux_2_28_x86_64").markers()
     )
     assert keep == {"distrain", "ray", "filelock", "aiohttp", "py-spy", "old", "transformers"} and missing == []
+
+
+def fake_wheel(folder: Path, name: str, *requires: str) -> None:
+    """A wheel of `name` 1.0 with nothing in it but its metadata."""
+    meta = f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n" + "".join(f"Requires-Dist: {r}\n" for r in requires)
+    with zipfile.ZipFile(folder / f"{name}-1.0-py3-none-any.whl", "w") as whl:
+        whl.writestr(f"{name}-1.0.dist-info/METADATA", meta)
+        whl.writestr(f"{name}-1.0.dist-info/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        whl.writestr(f"{name}-1.0.dist-info/RECORD", "")
+
+
+def test_a_requirement_of_the_target_only_is_resolved_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """pip, on this machine, leaves out a requirement whose marker holds on the target only; the tool adds it
+    and resolves again (real pip, local wheels, no index)."""
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.delenv("PIP_FIND_LINKS", raising=False)
+    fake_wheel(tmp_path, "top", "later; python_version >= '3.99'", "torch")
+    fake_wheel(tmp_path, "later")
+    fake_wheel(tmp_path, "torch")
+    target = wheelhouse.Target.of("3.99", "manylinux_2_28_x86_64")
+    items, keep = wheelhouse.resolve_target(["top"], [Requirement("top")], target, tmp_path / "r.json", tmp_path, [])
+    assert keep == {"top", "later"} and "torch" in items
+    assert "later: required on the target only; resolving again" in capsys.readouterr().out
 
 
 def link_torch(site: Path) -> None:
