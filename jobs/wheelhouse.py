@@ -156,8 +156,8 @@ def build_pure(items: dict[str, dict], out: Path) -> list[str]:
 
 
 def needed(items: dict[str, dict], roots: list[Requirement], env: dict[str, str]) -> tuple[set[str], list[str]]:
-    """The names `roots` need on the target, torch's own requirements excepted, and the requirements pip
-    left unresolved because their markers hold on the target but not on this machine."""
+    """The names `roots` need on the target, torch and what only torch requires left out, and the
+    requirements pip left unresolved because their markers hold on the target but not on this machine."""
     keep: set[str] = set()
     missing: list[str] = []
     todo = [(canonicalize_name(root.name), extra) for root in roots for extra in ("", *root.extras)]
@@ -175,7 +175,7 @@ def needed(items: dict[str, dict], roots: list[Requirement], env: dict[str, str]
             dep = canonicalize_name(req.name)
             if dep not in items and dep != EXCLUDED:
                 req.marker = None
-                missing.append(str(req))
+                missing += [str(req)] if str(req) not in missing else []
                 continue
             todo += [(dep, e) for e in ("", *req.extras)]
     return keep, missing
