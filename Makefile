@@ -7,7 +7,7 @@ TORCH ?= torch==2.13.0
 TORCH_INDEX ?=
 PIP := $(PY) -m pip install --quiet --disable-pip-version-check
 
-.PHONY: setup train test bench gpu-check lint clean
+.PHONY: setup train test bench gpu-check wheelhouse lint clean
 
 setup: $(VENV)/.installed
 
@@ -32,6 +32,17 @@ bench: setup
 # a GPU, a check that the scripts work. On a GPU machine: make gpu-check TORCH=torch (see jobs/gpu_check.py).
 gpu-check: setup
 	$(PY) jobs/gpu_check.py $(ARGS)
+
+# A folder of wheels that installs distrain, torch excepted, on a GPU node with no package index
+# (docs/install.md): make wheelhouse PYTHON=3.12 PLATFORM=manylinux_2_28_x86_64 [EXTRAS=hf] [OUT=dir].
+# PYTHON and PLATFORM default to this machine's, OUT to wheelhouse-cp312-manylinux_2_28_x86_64 (the target's
+# name); set here, not from the environment (PYTHON is often a path).
+PYTHON =
+PLATFORM =
+EXTRAS ?=
+OUT ?=
+wheelhouse: setup
+	$(PY) jobs/wheelhouse.py $(if $(PYTHON),--python $(PYTHON)) $(if $(PLATFORM),--platform $(PLATFORM)) $(if $(EXTRAS),--extras $(EXTRAS)) $(if $(OUT),--out "$(OUT)")
 
 lint: setup
 	$(VENV)/bin/ruff check .
