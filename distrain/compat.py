@@ -12,6 +12,9 @@ every guard on CPU by presenting the older API.
 | `checkpoint_stager`        | DefaultStager empties its StateDictStager    | keeps it: host copies reused      |
 |                            | after every stage: a second stage raised     |                                   |
 |                            | `KeyError: <class 'type'>`                   |                                   |
+| `settle_gradients`         | a replicated parameter fed by sharded        | its gradient is reduced in the    |
+|                            | activations (1-D TP's norms) keeps a Partial | backward, as its parameter's      |
+|                            | gradient, which clipping left unscaled       | placement says                    |
 
 Private torch names distrain relies on, the first place to look after a torch upgrade:
 
@@ -34,7 +37,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 
@@ -46,6 +51,18 @@ def ddp_without_buffer_sync(ddp_class: type = DistributedDataParallel) -> dict[s
     if "forward_sync_buffers" in inspect.signature(ddp_class.__init__).parameters:
         return {"forward_sync_buffers": False}
     return {"broadcast_buffers": False}
+
+
+def settle_gradients(params: list[nn.Parameter]) -> None:
+    """Give every DTensor gradient its parameter's placements. torch 2.11 leaves the gradient of a
+    replicated parameter computed from sequence-sharded activations (1-D tensor parallelism's norms)
+    Partial, a sum still to be taken, and clipping's in-place scaling did not reach it (seen: with a
+    gradient norm of 1.33 clipped to 1, the norms' gradients were 1.33× one process's)
+    Newer torch reduces it in the backward, and nothing here moves."""
+    for p in params:
+        g = p.grad
+        if isinstance(g, DTensor) and isinstance(p, DTensor) and g.placements != p.placements:
+            p.grad = g.redistribute(p.device_mesh, p.placements)
 
 
 def newer_or_older(module: ModuleType | Any, newer: str, older: str) -> Any:

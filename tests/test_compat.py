@@ -82,3 +82,23 @@ def test_the_older_stager_presented_fails_as_torch_211_did():
     with pytest.raises(KeyError):
         stager.stage({"w": torch.ones(2), "n": 1})
     stager.close()
+
+
+def test_a_gradient_is_given_its_parameters_placement_before_clipping():
+    """torch 2.11 left a replicated parameter's gradient Partial (1-D TP's norms) and clipping missed it;
+    newer torch hands it over Replicate already, and then it is left as it is."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (1,))
+    param = nn.Parameter(distribute_tensor(torch.ones(4), mesh, [Replicate()]))
+    param.grad = DTensor.from_local(torch.full((4,), 2.0), mesh, [Partial()])  # the older torch's
+    compat.settle_gradients([param])
+    assert param.grad.placements == (Replicate(),)
+    torch.nn.utils.clip_grads_with_norm_([param], 1.0, torch.tensor(4.0))
+    torch.testing.assert_close(param.grad.full_tensor(), torch.full((4,), 0.5), rtol=1e-5, atol=0)
+
+    newer = DTensor.from_local(torch.full((4,), 2.0), mesh, [Replicate()])
+    param.grad = newer
+    compat.settle_gradients([param])
+    assert param.grad is newer

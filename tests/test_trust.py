@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import ray
 import torch
+import torch.distributed.checkpoint as dcp
 from conftest import make_config
 from torch import nn
 
@@ -91,7 +92,12 @@ def test_a_non_tensor_item_holding_a_callable_is_refused_not_run(process_group, 
     checkpoint.load(plain, state)
     assert state["extra"] == {"a": 1}
 
-    path = checkpoint.save(tmp_path / "ckpt", 1, {"model": model.state_dict(), "extra": Planted(marker)}, meta, {}, 1)
+    planted = {"model": model.state_dict(), "extra": Planted(marker)}
+    with pytest.raises(TypeError, match="holds extra"):  # distrain never writes one
+        checkpoint.save(tmp_path / "ckpt", 1, planted, meta, {}, 1)
+    assert not (tmp_path / "ckpt").exists()
+    path = checkpoint.prepare(tmp_path / "ckpt", 1)  # someone else's, written straight with DCP
+    dcp.save(planted, checkpoint_id=str(path))
     with pytest.raises(checkpoint.UnsafeCheckpointError) as error:
         checkpoint.load(path, {"model": model.state_dict(), "extra": None})
     assert_refused(error, f"item extra of {path}")

@@ -24,6 +24,7 @@ from torch.distributed._composable import checkpoint
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from distrain.compat import settle_gradients
 from distrain.config import StrategyConfig
 from distrain.layout import Layout
 from distrain.model.contract import tie
@@ -267,6 +268,7 @@ class ParallelModel:
         """The norm of the whole model's gradient, over shards, tensor-parallel peers and stages;
         scale the gradient down to max_norm when it is positive and the norm exceeds it."""
         params = [p for p in self.module.parameters() if p.grad is not None]
+        settle_gradients(params)
         grads = [p.grad for p in (self.tied.counted(params) if self.tied is not None else params)]
         norm = self.grid.total_norm(grads) if self.grid is not None else as_tensor(torch.nn.utils.get_total_norm(grads))
         if self.pipeline is not None:
