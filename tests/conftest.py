@@ -51,6 +51,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def rank_env(rank: int, world: int, port: int, **extra: str) -> None:
+    """The environment of a gloo rank on loopback as torchrun sets it, one torch thread; `extra` beside."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+    os.environ.update(MASTER_PORT=str(port), OMP_NUM_THREADS="1", **extra)
+
+
 def make_config(storage: Path, *overrides: str) -> TrainConfig:
     """The config `python jobs/train.py TINY... overrides...` would train."""
     return compose([*TINY, f"run.storage={storage}", *overrides])

@@ -3,13 +3,12 @@ in the background save after save. (The parameter server's own state: test_ps.py
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
-from conftest import free_port, make_config
+from conftest import free_port, make_config, rank_env
 
 WORLD = 4
 # Every layout of a collective run on 4 ranks: (name, overrides). The grid is tp2d's 2×2.
@@ -31,8 +30,7 @@ LAYOUTS = {
 def save_every_layout(rank: int, port: int, cases: dict, out: str) -> None:
     """One rank: each layout's Learner and optimizer after a step; its checkpoint state, saved twice by
     one Saver as a run saves it; what each state held that is neither a tensor nor plain data."""
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
-    os.environ.update(MASTER_PORT=str(port), CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    rank_env(rank, WORLD, port, CUDA_VISIBLE_DEVICES="")
     from distrain import checkpoint
     from distrain.config import from_plain
     from distrain.layout import Layout

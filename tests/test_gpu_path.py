@@ -19,17 +19,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-from conftest import free_port, make_config
+from conftest import free_port, make_config, rank_env
 
 from distrain.config import ConfigError
 from distrain.parallel import process_group
 
 # Ray is imported by the tests that use it: the ranks spawned below import this module, and start faster without.
-
-
-def rank_env(rank: int, world: int, port: int, **extra: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
-    os.environ.update(MASTER_PORT=str(port), OMP_NUM_THREADS="1", **extra)
 
 
 # -- a GPU rank on a torch that cannot use CUDA --------------------------------------------------------

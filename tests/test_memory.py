@@ -18,13 +18,12 @@ Then the plan for the same config and layout must say the same, within tolerance
 from __future__ import annotations
 
 import json
-import os
 import weakref
 from pathlib import Path
 
 import pytest
 import torch.multiprocessing as mp
-from conftest import free_port, make_config
+from conftest import free_port, make_config, rank_env
 
 WORLD = 4
 
@@ -101,8 +100,7 @@ class SavedActivations:
 
 def measure(rank: int, port: int, cases: dict, out: str) -> None:
     """One rank: for each layout, one training step of the tiny model; its bytes to a file."""
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
-    os.environ.update(MASTER_PORT=str(port), CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    rank_env(rank, WORLD, port, CUDA_VISIBLE_DEVICES="")
     import torch
 
     from distrain.config import from_plain

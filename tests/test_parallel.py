@@ -4,13 +4,12 @@ already sharded."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
-from conftest import free_port, make_config
+from conftest import free_port, make_config, rank_env
 from torch import nn
 
 from distrain.config import ModelConfig, StrategyConfig
@@ -157,8 +156,7 @@ def rss(field: str) -> int:
 def build_learners(rank: int, port: int, large: tuple, cases: dict, out: str) -> None:
     """One rank: each case's Learner's weights, gathered whole, and the peak memory a ZeRO-3 Learner
     of the large model adds while it is built, saved to a file."""
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
-    os.environ.update(MASTER_PORT=str(port), CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    rank_env(rank, WORLD, port, CUDA_VISIBLE_DEVICES="")
     from distrain.config import from_plain
     from distrain.layout import Layout
     from distrain.parallel import process_group

@@ -5,12 +5,11 @@ groups of 2 (subgroups) and of 4 (the world), forward and backward, c10d and DTe
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 import torch.multiprocessing as mp
-from conftest import free_port
+from conftest import free_port, rank_env
 
 WORLD = 4
 N = 24  # float32 elements of each message: 96 bytes, divisible over 2 and 4 ranks
@@ -18,8 +17,7 @@ N = 24  # float32 elements of each message: 96 bytes, divisible over 2 and 4 ran
 
 def rank_main(rank: int, port: int, out: str) -> None:
     """Every case on every rank, under its own Traffic: the counts to a file."""
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
-    os.environ.update(MASTER_PORT=str(port), CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    rank_env(rank, WORLD, port, CUDA_VISIBLE_DEVICES="")
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
