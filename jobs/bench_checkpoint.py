@@ -31,7 +31,8 @@ import shutil
 import statistics
 from pathlib import Path
 
-import harness  # first: it keeps Ray on loopback
+import bench_mfu  # its first import is harness, which keeps Ray on loopback
+import harness
 
 GOAL = 0.05  # time lost per checkpoint in the background ÷ (interval × step time)
 BLOCK_GOAL_S = 1.0  # the step's wait per background save
@@ -43,10 +44,10 @@ VARIANTS = {
 HEAD = ["checkpoints", "step time (s)", "step blocked per save (s)", "lost per checkpoint (s)"]
 HEAD += ["% of the steps between two", "final losses"]
 LABELS = {"none": "no checkpoints", "sync": "foreground (`async=false`)", "async": "background (`async=true`)"}
-# One GPU as jobs/bench_mfu.py trains on it; the model and the step count come from the options.
-GPU_RUN = ["strategy=zero3", "cluster.num_workers=1", "cluster.use_gpu=true", "trainer.precision=bf16"]
-GPU_RUN += ["strategy.compile=true", "logger.wandb.mode=disabled", "logger.progress_interval_s=600"]
-GPU_BATCH = ["trainer.global_batch_size=16", "trainer.micro_batch_size=8", "trainer.seq_len=2048"]
+# One GPU as jobs/bench_mfu.py trains on it, compiled; the model and the step count come from the options.
+GPU_RUN = [*bench_mfu.ONE_GPU, "cluster.use_gpu=true", "strategy.compile=true", "logger.wandb.mode=disabled"]
+GPU_RUN += ["logger.progress_interval_s=600"]
+GPU_BATCH = [f"trainer.{key}={value}" for key, value in bench_mfu.BATCH.items()]
 # Each device's defaults; a GPU's page beside the CPU's, which keeps its figures.
 DEFAULTS = {
     "cpu": {"model": "nano", "steps": 210, "repeats": 3, "out": "docs/checkpoint.md"},

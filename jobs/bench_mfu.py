@@ -40,6 +40,11 @@ RATIO_GOAL = 1.0  # distrain's tokens/s ÷ the plain loop's
 VARIANTS = {"eager": "strategy.compile=false", "compiled": "strategy.compile=true"}
 SIDES = {"distrain": "distrain", "plain": "plain loop", "transformers": "transformers"}
 TIMEOUT_S = 1800.0  # one run
+# distrain on one GPU: FSDP at world size 1, bf16 (jobs/bench_checkpoint.py's GPU mode trains the same way).
+ONE_GPU = ["strategy=zero3", "cluster.num_workers=1", "trainer.precision=bf16"]
+# The job: sequences per step, per forward/backward (8, not 4: on an H100 micro-batch 4 gave 49.6% MFU
+# compiled, 8 gave 54.0%), tokens per sequence.
+BATCH = {"global_batch_size": 16, "micro_batch_size": 8, "seq_len": 2048}
 
 
 @dataclass
@@ -57,10 +62,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default="llama_1b", help="a conf/model/*.yaml name (default llama_1b)")
     p.add_argument("--steps", type=int, default=30, help="training steps per run (default 30)")
     p.add_argument("--warmup", type=int, default=10, help="first steps left out: compilation, allocator (default 10)")
-    p.add_argument("--global-batch", type=int, default=16, help="sequences per step (default 16)")
-    # 8, not 4: on an H100 micro-batch 4 gave 49.6% MFU compiled, 8 gave 54.0%.
-    p.add_argument("--micro-batch", type=int, default=8, help="sequences per forward/backward (default 8)")
-    p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default 2048)")
+    b = BATCH
+    p.add_argument(
+        "--global-batch",
+        type=int,
+        default=b["global_batch_size"],
+        help=f"sequences per step (default {b['global_batch_size']})",
+    )
+    p.add_argument(
+        "--micro-batch",
+        type=int,
+        default=b["micro_batch_size"],
+        help=f"sequences per forward/backward (default {b['micro_batch_size']})",
+    )
+    p.add_argument("--seq-len", type=int, default=b["seq_len"], help=f"tokens per sequence (default {b['seq_len']})")
     p.add_argument(
         "--variants", default=None, help=f"a subset of {','.join(VARIANTS)} (default both; smoke without a GPU eager)"
     )
@@ -104,9 +119,7 @@ def overrides(args: argparse.Namespace, variant: str, storage: Path, name: str) 
     """The Hydra overrides of one run: `python jobs/train.py <these>` trains the same thing."""
     return [
         f"model={args.model}",
-        "strategy=zero3",
-        "cluster.num_workers=1",
-        "trainer.precision=bf16",
+        *ONE_GPU,
         VARIANTS[variant],
         f"trainer.max_steps={args.steps}",
         f"trainer.global_batch_size={args.global_batch}",
