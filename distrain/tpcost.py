@@ -2,7 +2,7 @@
 2-D (SUMMA), 2.5-D (Tesseract) and 3-D send and receive in one forward and backward pass of one
 micro-batch, and the weights and saved activations each rank holds. Derived from the algorithms as
 distrain runs them (distrain/parallel/tpnd/, and DTensor's plan for 1-D), op by op, so that
-jobs/bench_tp.py can set them beside the bytes it counts; `tp_memory` is also the plan's estimate.
+jobs/bench/bench_tp.py can set them beside the bytes it counts; `tp_memory` is also the plan's estimate.
 Plain Python: it imports neither torch nor Ray.
 
 Traffic follows docs/collectives.md's convention: a rank of a group of g sends (and receives)

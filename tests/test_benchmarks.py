@@ -13,16 +13,17 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.append(str(REPO / "jobs"))
+sys.path.append(str(REPO / "jobs" / "bench"))
 
-import harness  # noqa: E402  (jobs/harness.py)
-import processes  # noqa: E402  (jobs/processes.py)
+import harness  # noqa: E402  (jobs/bench/harness.py)
+import processes  # noqa: E402  (jobs/bench/processes.py)
 
 
 def smoke(tmp_path: Path, script: str, timeout_s: float, *extra: str) -> tuple[processes.Finished, Path]:
     """`python jobs/<script> --smoke --out <tmp_path>/<page>.md`; its exit, and the page's path."""
     page = tmp_path / "docs" / f"{script.removeprefix('bench_')}.md"
-    cmd = [sys.executable, f"jobs/{script}.py", "--smoke", "--out", str(page), "--storage", str(tmp_path / "runs")]
+    cmd = [sys.executable, f"jobs/bench/{script}.py", "--smoke", "--out", str(page)]
+    cmd += ["--storage", str(tmp_path / "runs")]
     done = processes.run_command([*cmd, *extra], tmp_path / f"{script}.log", timeout_s)
     assert done.rc == 0, f"{script} exited with {done.rc}:\n{done.tail(60)}"
     return done, page
@@ -109,7 +110,7 @@ def test_mfu(tmp_path: Path) -> None:
         assert runs["plain", variant]["final_loss"] == pytest.approx(runs["distrain", variant]["final_loss"], rel=0.01)
     if not torch.cuda.is_available():
         page = tmp_path / "gpu" / "mfu.md"
-        cmd = [sys.executable, "jobs/bench_mfu.py", "--out", str(page)]
+        cmd = [sys.executable, "jobs/bench/bench_mfu.py", "--out", str(page)]
         done = processes.run_command(cmd, tmp_path / "bench_mfu_gpu.log", 60)
         assert done.rc == 0 and "needs a GPU" in done.log.read_text()
         assert not page.exists() and not page.parent.exists()
@@ -117,7 +118,7 @@ def test_mfu(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(420)
 def test_gpu_check_cpu_mode(tmp_path: Path) -> None:
-    """Without a GPU (hidden where there is one), jobs/gpu_check.py runs every part at tiny sizes, one worker
+    """Without a GPU (hidden where there is one), jobs/bench/gpu_check.py runs every part at tiny sizes, one worker
     in place of one GPU: those that fit pass, those that need more workers are skipped, and every page goes
     under --storage, none into docs/. The journey, for both model families: a rank SIGKILLed mid-run, the run
     resumed from a committed checkpoint (one restart in its summary.json) with the uninterrupted run's losses
@@ -126,7 +127,7 @@ def test_gpu_check_cpu_mode(tmp_path: Path) -> None:
 
     docs = {name: REPO / "docs" / name for name in ("gpu.md", "mfu.md", "collectives.md")}
     before = {name: path.stat().st_mtime_ns if path.exists() else None for name, path in docs.items()}
-    cmd = [sys.executable, "jobs/gpu_check.py", "--storage", str(tmp_path)]
+    cmd = [sys.executable, "jobs/bench/gpu_check.py", "--storage", str(tmp_path)]
     cmd += ["--parts", "strategies,journey,ps,sticky,mfu,collectives"]  # the benchmarks are optional parts
     done = processes.run_command(cmd, tmp_path / "gpu_check.log", 360, env={"CUDA_VISIBLE_DEVICES": ""})
     log = done.log.read_text()
@@ -134,7 +135,8 @@ def test_gpu_check_cpu_mode(tmp_path: Path) -> None:
     for part in ("ddp", "zero1", "zero2", "zero3", "offload", "nvme", "ps"):
         assert f"PASS  strategy {part} (1 CPU worker)" in log, log
     assert "SKIP  strategy tp " in log and "needs 2 CPU workers (tp 2)" in log and "needs 4 CPU workers" in log
-    for part in ("bf16 against fp32 (ddp)", "MFU (jobs/bench_mfu.py)", "collectives (jobs/bench_collectives.py)"):
+    mfu, collectives = "MFU (jobs/bench/bench_mfu.py)", "collectives (jobs/bench/bench_collectives.py)"
+    for part in ("bf16 against fp32 (ddp)", mfu, collectives):
         assert f"PASS  {part} (" in log, log
     lines = {line.split(" (")[0]: line for line in log.splitlines() if line.startswith(("PASS", "FAIL", "SKIP"))}
     for model in ("nano", "gpt2_nano"):
@@ -161,12 +163,13 @@ def test_gpu_check_cpu_mode(tmp_path: Path) -> None:
 @pytest.mark.timeout(30)
 def test_index_of_pages(tmp_path: Path) -> None:
     """The index lists every benchmark, with the commit and date its page names, or says why there is none."""
-    (tmp_path / "ddp.md").write_text("# DDP\n\n```bash\njobs/bench_ddp.py\n```\n\n- Commit measured: `abc1234`; now.\n")
-    (tmp_path / "ps.md").write_text("# PS, as written before the harness\n\n    jobs/bench_ps.py\n")
+    page = "# DDP\n\n```bash\njobs/bench/bench_ddp.py\n```\n\n- Commit measured: `abc1234`; now.\n"
+    (tmp_path / "ddp.md").write_text(page)
+    (tmp_path / "ps.md").write_text("# PS, as written before the harness\n\n    jobs/bench/bench_ps.py\n")
     harness.main(["index", "--out", str(tmp_path / "benchmarks.md")])
     index = (tmp_path / "benchmarks.md").read_text()
     assert harness.COMMIT_LINE.search(index)[1] == harness.commit()[0]
-    assert "| `jobs/bench_ddp.py` | [ddp.md](ddp.md) | `abc1234`, now |" in index
-    assert "| `jobs/bench_ps.py` | [ps.md](ps.md) | not recorded" in index
-    assert "| `jobs/bench_mfu.py` | — | no page: it needs a GPU" in index
-    assert "| `jobs/bench_recovery.py` | — | no page yet |" in index
+    assert "| `jobs/bench/bench_ddp.py` | [ddp.md](ddp.md) | `abc1234`, now |" in index
+    assert "| `jobs/bench/bench_ps.py` | [ps.md](ps.md) | not recorded" in index
+    assert "| `jobs/bench/bench_mfu.py` | — | no page: it needs a GPU" in index
+    assert "| `jobs/bench/bench_recovery.py` | — | no page yet |" in index

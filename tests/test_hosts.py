@@ -1,5 +1,5 @@
 """Real hosts: Ray nodes in network namespaces, each with its own address and interface name
-(jobs/hosts.py), jobs sent with `ray job submit` from the head's namespace. What differs between
+(jobs/bench/hosts.py), jobs sent with `ray job submit` from the head's namespace. What differs between
 real hosts shows here and nowhere else: the interface gloo binds to, the rendezvous across hosts, the
 environment each worker gets, and a host lost with every process on it.
 
@@ -18,8 +18,8 @@ from conftest import REPO, TINY, attempt_placement, committed_step, logged, logg
 
 from distrain.launch import train
 
-sys.path.append(str(REPO / "jobs"))
-from hosts import Bed, unavailable  # noqa: E402  (jobs/hosts.py: the benchmarks use it too)
+sys.path.append(str(REPO / "jobs" / "bench"))
+from hosts import Bed, unavailable  # noqa: E402  (jobs/bench/hosts.py: the benchmarks use it too)
 
 pytestmark = pytest.mark.skipif(bool(reason := unavailable()), reason=reason or "")
 

@@ -23,9 +23,9 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.append(str(REPO / "jobs"))
+sys.path += [str(REPO / "jobs"), str(REPO / "jobs" / "bench")]
 
-import processes  # noqa: E402  (jobs/processes.py)
+import processes  # noqa: E402  (jobs/bench/processes.py)
 import wheelhouse  # noqa: E402  (jobs/wheelhouse.py)
 
 

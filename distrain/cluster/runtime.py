@@ -41,10 +41,6 @@ def connect(address: str | None, num_cpus: int | None = None, num_gpus: int | No
         announcer.setLevel(level)
 
 
-def has_gpus() -> bool:
-    return gpu_count() > 0
-
-
 def gpu_count() -> float:
     """The GPUs of the cluster's alive nodes, taken or free."""
     return ray.cluster_resources().get("GPU", 0)

@@ -1,4 +1,4 @@
-"""Parameter server beside all-reduce, with and without a straggler:  python jobs/bench_ps.py
+"""Parameter server beside all-reduce, with and without a straggler:  python jobs/bench/bench_ps.py
 
 Trains one job (model, corpus, workers, steps) under DDP and under every parameter-server mode (sync, sync with
 a backup worker, async, Hogwild, EASGD) through `distrain.launch.train` on one embedded Ray cluster on loopback,
@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import harness  # first: it keeps Ray on loopback
-import hosts  # jobs/hosts.py
-from svgplot import Axes, Canvas, ticks  # jobs/svgplot.py, beside this script
+import hosts  # jobs/bench/hosts.py
+from svgplot import Axes, Canvas, ticks  # jobs/bench/svgplot.py, beside this script
 
 from distrain.config import OptimConfig
 
@@ -266,8 +266,8 @@ def body(args: argparse.Namespace, runs: list[dict], plot: str) -> str:
     summary = reading(runs, args.target, args.steps, args.workers)
     link_note = (
         f"Two hosts over a slow link: each run's driver and Ray cluster on two hosts made of network namespaces on "
-        f"this machine (`jobs/hosts.py`: own addresses, veth pairs to a bridge), every packet between them shaped "
-        f"on the bridge's ports: {getattr(args, 'link_applied', args.link)}; "
+        f"this machine (`jobs/bench/hosts.py`: own addresses, veth pairs to a bridge), every packet between them "
+        f"shaped on the bridge's ports: {getattr(args, 'link_applied', args.link)}; "
         f"`cluster.placement_strategy=SPREAD ps.num_servers=2`. The hosts still share this machine's cores: the "
         f"link is what differs."
         if "link" in args.scenarios
@@ -319,7 +319,7 @@ reversed on every other repeat (a cell is the median over them, a curve the firs
 
 @contextlib.contextmanager
 def two_hosts(args: argparse.Namespace) -> Iterator[Any]:
-    """For the link scenario: two hosts (network namespaces, jobs/hosts.py) whose every packet to the other
+    """For the link scenario: two hosts (network namespaces, jobs/bench/hosts.py) whose every packet to the other
     is delayed by --link's delay and limited to its rate (tc netem); removed at the end."""
     if "link" not in args.scenarios:
         yield None

@@ -1,4 +1,4 @@
-"""The GPU figures and the user's journey in one command:  python jobs/gpu_check.py  (make gpu-check)
+"""The GPU figures and the user's journey in one command:  python jobs/bench/gpu_check.py  (make gpu-check)
 
 On a machine with G ≥ 1 GPUs (`torch.cuda.device_count()`) it runs, one console line per part (PASS, FAIL
 or SKIP, and its figure), then a summary, and exits 1 if any part failed. `--parts` picks them (default:
@@ -48,10 +48,10 @@ strategies, journey, ps, sticky; the benchmarks mfu and collectives are optional
    (`process_group.check_device`), then writes far out of bounds on the device (issue 14's recipe: an
    illegal address, which leaves the process's CUDA context unusable for good); it passes when the check
    then fails and the group kills the worker instead of keeping it for the next attempt.
-6. **MFU** (optional): jobs/bench_mfu.py, llama_1b in bf16 with compiled blocks, distrain beside a plain
+6. **MFU** (optional): jobs/bench/bench_mfu.py, llama_1b in bf16 with compiled blocks, distrain beside a plain
    PyTorch loop and transformers (the ratios are reported): writes docs/mfu.md. It passes when distrain's
    best run reaches the goal, ≥ 50% MFU (set for one H100).
-7. **collectives** (optional): jobs/bench_collectives.py on every GPU (NCCL), against torch.distributed's
+7. **collectives** (optional): jobs/bench/bench_collectives.py on every GPU (NCCL), against torch.distributed's
    plain processes on the same GPUs (--repeats passes of each, alternating): writes docs/collectives.md.
    It passes when every operation's bandwidth ratio is ≥ 0.95; on one GPU, where nothing crosses a link,
    the ratio is only reported.
@@ -103,6 +103,8 @@ from typing import TYPE_CHECKING
 
 import harness  # first: it keeps Ray on loopback
 import processes
+
+sys.path.append(str(harness.ROOT / "jobs"))  # the user's jobs it runs: export.py, generate.py
 
 if TYPE_CHECKING:
     from distrain.config import TrainConfig
@@ -353,7 +355,7 @@ def journey_section(args: argparse.Namespace, workers: int) -> list[str]:
         f"temperature=0 device={device}`. The resumed run's loss must match the uninterrupted run's at every "
         f"step within {RESUME_TOLERANCE['cuda']:.0%} on CUDA in bf16 (kernels are not bitwise reproducible; the "
         "restored state is exact), to the bit on the CPU; the export's logits must match distrain's within "
-        f"{LOGITS_TOLERANCE:g} × the largest logit (fp32). jobs/gpu_check.py's docstring says why.",
+        f"{LOGITS_TOLERANCE:g} × the largest logit (fp32). jobs/bench/gpu_check.py's docstring says why.",
         "",
     ]
 
@@ -386,7 +388,7 @@ def resume_part(label: str, reference: harness.Trained, killed: harness.Trained,
 def export_part(label: str, cfg: TrainConfig, out: Path) -> Part:
     """`python jobs/export.py` on the run; PASS when transformers loads the directory and its logits on the
     same tokens match distrain's own model from the same checkpoint (both fp32, on the CPU)."""
-    import export  # jobs/export.py, beside this script
+    import export  # jobs/export.py (sys.path: below)
     import torch
 
     from distrain.trained import load_trained
@@ -413,7 +415,7 @@ def export_part(label: str, cfg: TrainConfig, out: Path) -> Part:
 
 def generate_part(label: str, cfg: TrainConfig, device: str) -> Part:
     """`python jobs/generate.py` on the run, greedy, on `device`; PASS when it continues the prompt."""
-    import generate  # jobs/generate.py, beside this script
+    import generate  # jobs/generate.py (sys.path: below)
 
     label += f": generate on {device}"
     argv = [f"run.name={cfg.run.name}", f"run.storage={cfg.run.storage}", f"prompt={PROMPT}"]
@@ -509,7 +511,7 @@ def bench(args: argparse.Namespace, script: str, pages: Path, storage: Path, *ex
     """`python jobs/<script>.py` with its page in `pages` and its numbers in JSON; those numbers ({} if it
     wrote none) and what went wrong, if anything."""
     out = storage / f"{script}.json"
-    cmd = [sys.executable, f"jobs/{script}.py", "--out", str(pages / f"{script.removeprefix('bench_')}.md")]
+    cmd = [sys.executable, f"jobs/bench/{script}.py", "--out", str(pages / f"{script.removeprefix('bench_')}.md")]
     cmd += ["--json", str(out), "--storage", str(storage / script), *(["--smoke"] if args.smoke else []), *extra]
     try:
         done = processes.run_command(cmd, storage / f"{script}.log", timeout_s=480)
@@ -522,7 +524,7 @@ def bench(args: argparse.Namespace, script: str, pages: Path, storage: Path, *ex
 
 
 def mfu_part(args: argparse.Namespace, pages: Path, storage: Path) -> Part:
-    label = "MFU (jobs/bench_mfu.py)"
+    label = "MFU (jobs/bench/bench_mfu.py)"
     # The compiled blocks only: their best is what the goal is about, and eager's three runs would take the
     # part past its budget.
     raw, error = bench(args, "bench_mfu", pages, storage, *([] if args.smoke else ["--variants", "compiled"]))
@@ -544,7 +546,7 @@ def mfu_part(args: argparse.Namespace, pages: Path, storage: Path) -> Part:
 
 
 def collectives_part(args: argparse.Namespace, pages: Path, storage: Path) -> Part:
-    label = "collectives (jobs/bench_collectives.py)"
+    label = "collectives (jobs/bench/bench_collectives.py)"
     raw, error = bench(
         args, "bench_collectives", pages, storage, *([] if args.smoke else ["--repeats", str(args.repeats)])
     )

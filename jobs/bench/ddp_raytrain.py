@@ -1,9 +1,9 @@
-"""jobs/ddp_torchrun.py's DDP loop under Ray Train's TorchTrainer, for jobs/bench_ddp.py.
+"""jobs/bench/ddp_torchrun.py's DDP loop under Ray Train's TorchTrainer, for jobs/bench/bench_ddp.py.
 
-    python jobs/ddp_raytrain.py --workers N [--model nano --steps 60 ...]
+    python jobs/bench/ddp_raytrain.py --workers N [--model nano --steps 60 ...]
 
 What a user of Ray Train would write for the same job: a local Ray cluster on loopback (as
-jobs/bench_recovery.py starts one for Ray Train), a worker per rank with distrain's CPU share and torch
+jobs/bench/bench_recovery.py starts one for Ray Train), a worker per rank with distrain's CPU share and torch
 threads per worker, gloo on loopback, and `ray.train.report` on every rank after every step, as for a
 user who logs every step. Rank 0 returns its records; once fit() returns, this driver prints them as
 ddp_torchrun.py's JSON lines (each holds the time its step ended, so printing them late changes nothing

@@ -1,4 +1,4 @@
-"""Offload tiers (none, CPU, NVMe) side by side, and the NVMe step's disk bandwidth:  python jobs/bench_offload.py
+"""Offload tiers (none, CPU, NVMe) side by side, and the NVMe step's disk bandwidth:  python jobs/bench/bench_offload.py
 
 1. **Tiers.** The same job (default `llama_1b` on 2 workers, a few steps) three ways through distrain's own
    driver: `strategy=zero3` (no offload), `strategy=offload` (CPU) and `strategy=nvme`, alternating the order

@@ -1,4 +1,4 @@
-"""What every benchmark shares, so that each jobs/bench_*.py keeps only what it measures.
+"""What every benchmark shares, so that each jobs/bench/bench_*.py keeps only what it measures.
 
 - **Environment.** Importing this module (before Ray) keeps Ray on loopback and quiet: the embedded
   cluster binds 127.0.0.1 only (`RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`, which Ray reads when first
@@ -7,11 +7,11 @@
 - **Runs.** `alternate()`: each configuration once per repeat, the order reversed on every other repeat
   (ABBA), the 1-minute load average taken before each run. `train()`: one distrain run through
   `distrain.launch.train`, bounded in time, with what it wrote. `ray_cluster()`: one embedded cluster.
-- Starting and ending processes (commands, bounded calls, gloo ranks) is jobs/processes.py's.
+- Starting and ending processes (commands, bounded calls, gloo ranks) is jobs/bench/processes.py's.
 - **Command line.** `parser()` with the options every benchmark has (--out, --repeats, --smoke,
   --storage), `parse()` (which keeps the exact command for the page), `storage()`.
 - **Pages.** `Page` writes a page's header (title, command, commit, date, machine, loads), its body and
-  its plots. `python jobs/harness.py index` writes docs/benchmarks.md from the pages' headers.
+  its plots. `python jobs/bench/harness.py index` writes docs/benchmarks.md from the pages' headers.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ os.environ.pop("RAY_ADDRESS", None)  # an embedded cluster of this machine's, ne
 if "ray" in sys.modules:
     print("harness: imported after Ray: the embedded cluster may bind the external interface", file=sys.stderr)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 PROG = Path(sys.argv[0]).stem  # the benchmark running, for its console lines
 # The overrides every CPU benchmark run shares: gloo, fp32, no W&B, a quiet console.
@@ -194,7 +194,7 @@ class Trained:
 
 def train(overrides: list[str], timeout_s: float = 1800.0, bed: Any = None) -> Trained:
     """`python jobs/train.py <overrides>`, in this process (on the cluster `ray_cluster` started), or as a
-    driver on the head host of `bed` (jobs/hosts.py): the config, its layout, summary.json and
+    driver on the head host of `bed` (jobs/bench/hosts.py): the config, its layout, summary.json and
     metrics.jsonl; a failure, a timeout or a worker off loopback (off the bed's own addresses) is in
     `error`."""
     from distrain.cli import compose
@@ -360,27 +360,28 @@ def index(docs: Path = DOCS) -> str:
     pages = {}
     for page in sorted(docs.glob("*.md")):
         text = page.read_text()
-        script = re.search(r"jobs/(\w+)\.py", text)  # the first: the page's own command
+        script = re.search(r"jobs/bench/(\w+)\.py", text)  # the first: the page's own command
         if page.name != "benchmarks.md" and script:
             pages.setdefault(script[1], []).append((page.name, COMMIT_LINE.search(text)))
     rows = []
-    for script in sorted((ROOT / "jobs").glob("bench_*.py")):
+    for script in sorted((ROOT / "jobs" / "bench").glob("bench_*.py")):
         what, found = summary_line(script), pages.get(script.stem, [])
         for name, measured in found:
             when = "not recorded (written before the harness: rerun)"
             if measured:
                 when = f"`{measured[1]}`{' + changes' if measured[2] else ''}, {measured[3]}"
-            rows.append([f"`jobs/{script.name}`", f"[{name}]({name})", when, what])
+            rows.append([f"`jobs/bench/{script.name}`", f"[{name}]({name})", when, what])
         if not found:
             needs = "no page: it needs a GPU, and none has run it yet" if "Needs a GPU" in script.read_text() else ""
-            rows.append([f"`jobs/{script.name}`", "—", needs or "no page yet", what])
+            rows.append([f"`jobs/bench/{script.name}`", "—", needs or "no page yet", what])
     return "\n".join(
         [
             "Each benchmark is one command that writes its own page: the header names the command, the commit",
             "measured, the date, the machine and its load. Every one takes `--smoke` (a seconds-long run that",
             "checks it works; `tests/test_benchmarks.py` runs them all), `--out` (where the page goes),",
             "`--repeats` (runs of each configuration, in alternating order) and `--storage` (keep the runs).",
-            "`jobs/harness.py` holds what they share. This index is written by `python jobs/harness.py index`.",
+            "`jobs/bench/harness.py` holds what they share. This index is written by",
+            "`python jobs/bench/harness.py index`.",
             "",
             *table(["benchmark", "page", "measured at", "what it measures"], rows, "llll"),
             "",

@@ -1,4 +1,4 @@
-"""Recovery after a worker is killed: distrain, distrain with a hot spare, Ray Train:  python jobs/bench_recovery.py
+"""Recovery after a worker is killed: distrain, with a hot spare, Ray Train:  python jobs/bench/bench_recovery.py
 
 The same job trains on one embedded Ray cluster while a killer thread SIGKILLs a random worker: under
 distrain's supervisor (`cluster.spares=0`, and `cluster.spares=1`: a warm worker takes the dead rank at
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import harness  # first: it keeps Ray on loopback
 import processes
-from svgplot import Canvas  # jobs/svgplot.py, beside this script
+from svgplot import Canvas  # jobs/bench/svgplot.py, beside this script
 
 from distrain.tracking import read_metrics
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 BIN = Path(sys.executable).parent
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PREFIX = "dtr"  # every namespace of a bed is named dtr<pid>-..., so leftovers of dead runs can be found
 SUBNET = "10.213.7"  # /24, private, inside the bed's namespaces only
 DASHBOARD_PORT = 8265

@@ -1,4 +1,4 @@
-"""Training time lost per checkpoint, written in the foreground and in the background:  python jobs/bench_checkpoint.py
+"""Training time lost per checkpoint, in the foreground and in the background:  python jobs/bench/bench_checkpoint.py
 
 Trains the same job three ways through distrain's own driver on one embedded Ray cluster: without
 checkpoints (`checkpoint.interval=0`), with a checkpoint every --interval steps written in the foreground
@@ -19,7 +19,7 @@ checkpoints, and the step blocked ≤ 1 s per save (torchtitan reports 0.78 s fo
 
 On CPU workers (the default without a GPU, or --device cpu): `model=nano` on --workers DDP workers, gloo,
 fp32. On a GPU (the default where CUDA is available, or --device gpu): `model=llama_1b` on one GPU as
-jobs/bench_mfu.py trains it (FSDP at world size 1, bf16, compiled blocks, 16 × 2048 tokens per step),
+jobs/bench/bench_mfu.py trains it (FSDP at world size 1, bf16, compiled blocks, 16 × 2048 tokens per step),
 each checkpoint ~12 GB (weights and AdamW state in fp32). Writes docs/checkpoint.md (CPU) or
 docs/checkpoint-gpu.md (GPU).
 """
@@ -44,7 +44,7 @@ VARIANTS = {
 HEAD = ["checkpoints", "step time (s)", "step blocked per save (s)", "lost per checkpoint (s)"]
 HEAD += ["% of the steps between two", "final losses"]
 LABELS = {"none": "no checkpoints", "sync": "foreground (`async=false`)", "async": "background (`async=true`)"}
-# One GPU as jobs/bench_mfu.py trains on it, compiled; the model and the step count come from the options.
+# One GPU as jobs/bench/bench_mfu.py trains on it, compiled; the model and the step count come from the options.
 GPU_RUN = [*bench_mfu.ONE_GPU, "cluster.use_gpu=true", "strategy.compile=true", "logger.wandb.mode=disabled"]
 GPU_RUN += ["logger.progress_interval_s=600"]
 GPU_BATCH = [f"trainer.{key}={value}" for key, value in bench_mfu.BATCH.items()]
@@ -165,7 +165,7 @@ def body(args: argparse.Namespace, trials: list[harness.Trial]) -> str:
     wait, wait_sync = (statistics.median(blocked[v]) for v in ("async", "sync"))
     if args.device == "gpu":
         where = (
-            f"model `{args.model}` on one GPU as jobs/bench_mfu.py trains it (FSDP at world size 1, bf16, "
+            f"model `{args.model}` on one GPU as jobs/bench/bench_mfu.py trains it (FSDP at world size 1, bf16, "
             "compiled blocks"
             + (")" if args.smoke else ", 16 × 2048 tokens per step)")
             + ", the checkpoint's state staged in pinned host memory"
@@ -209,8 +209,8 @@ def gpu_section() -> list[str]:
         "",
         "## GPU",
         "",
-        "`python jobs/bench_checkpoint.py` on a machine with a GPU (or `--device gpu`) measures the same on "
-        "`model=llama_1b` on one GPU as jobs/bench_mfu.py trains it (FSDP at world size 1, bf16, compiled "
+        "`python jobs/bench/bench_checkpoint.py` on a machine with a GPU (or `--device gpu`) measures the same on "
+        "`model=llama_1b` on one GPU as jobs/bench/bench_mfu.py trains it (FSDP at world size 1, bf16, compiled "
         "blocks), a checkpoint every 50 steps, and writes "
         + (
             "[checkpoint-gpu.md](checkpoint-gpu.md)."

@@ -1,8 +1,8 @@
-"""distrain's DDP beside plain torchrun and Ray Train on the same job:  python jobs/bench_ddp.py
+"""distrain's DDP beside plain torchrun and Ray Train on the same job:  python jobs/bench/bench_ddp.py
 
 All three run as commands on this machine with the same model, batches, optimizer and worker count, each
-logging metrics every step: `jobs/train.py` (Ray workers), `torchrun --standalone jobs/ddp_torchrun.py`
-and `jobs/ddp_raytrain.py` (the same loop under Ray Train's TorchTrainer), the order reversed on every
+logging metrics every step: `jobs/train.py` (Ray workers), `torchrun --standalone jobs/bench/ddp_torchrun.py`
+and `jobs/bench/ddp_raytrain.py` (the same loop under Ray Train's TorchTrainer), the order reversed on every
 other repeat. Per run it takes the median step time after a warm-up (from the wall-clock `time` of
 consecutive step records, so all per-step work counts, logging included) and the time from launching the
 command to the first completed step. Writes docs/ddp.md.
@@ -98,10 +98,10 @@ def command(runner: str, args, storage: Path, name: str) -> tuple[list[str], dic
     options = [f"--model={args.model}", f"--steps={args.steps}", f"--precision={precision()}"]
     options += [f"--global-batch={args.global_batch}", f"--micro-batch={args.micro_batch}", f"--seq-len={args.seq_len}"]
     if runner == "raytrain":  # it sets gloo on loopback in its workers' environment itself
-        return [sys.executable, "jobs/ddp_raytrain.py", f"--workers={args.workers}", *options], {}
+        return [sys.executable, "jobs/bench/ddp_raytrain.py", f"--workers={args.workers}", *options], {}
     torchrun = [str(Path(sys.executable).parent / "torchrun"), "--standalone", f"--nproc_per_node={args.workers}"]
     # gloo on loopback, as distrain sets it for a local rendezvous (distrain/parallel/process_group.py)
-    return [*torchrun, "jobs/ddp_torchrun.py", *options], {"GLOO_SOCKET_IFNAME": "lo"}
+    return [*torchrun, "jobs/bench/ddp_torchrun.py", *options], {"GLOO_SOCKET_IFNAME": "lo"}
 
 
 def run_once(runner: str, repeat: int, args, storage: Path, attempt: int) -> Result:
@@ -275,9 +275,9 @@ def body(args, trials: list[harness.Trial]) -> str:
     return "\n".join(
         [
             "distrain's DDP (`jobs/train.py`: an embedded Ray cluster, one worker actor per rank) beside the",
-            "plain DDP script a user would write by hand (`jobs/ddp_torchrun.py` under",
+            "plain DDP script a user would write by hand (`jobs/bench/ddp_torchrun.py` under",
             "`torchrun --standalone`) and the same script's loop under Ray Train's `TorchTrainer`",
-            "(`jobs/ddp_raytrain.py`: a local Ray cluster on loopback, distrain's CPU share and torch threads",
+            "(`jobs/bench/ddp_raytrain.py`: a local Ray cluster on loopback, distrain's CPU share and torch threads",
             "per worker): the same model, initial weights, batches, AdamW, LR schedule, gradient accumulation",
             "(`no_sync`), clipping, DDP options and per-step loss all-reduce, run one after the other on the",
             "same machine. Each logs metrics every step: distrain to metrics.jsonl (`trainer.log_interval=1`),",

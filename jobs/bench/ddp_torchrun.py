@@ -1,11 +1,11 @@
-"""The hand-written DDP baseline for jobs/bench_ddp.py.
+"""The hand-written DDP baseline for jobs/bench/bench_ddp.py.
 
-    torchrun --standalone --nproc_per_node=N jobs/ddp_torchrun.py [--model nano --steps 60 ...]
+    torchrun --standalone --nproc_per_node=N jobs/bench/ddp_torchrun.py [--model nano --steps 60 ...]
 
 What a user would write without distrain (nanoGPT style), on the same model, data, optimizer and
 LR schedule as distrain's trainer, so that the benchmark's ratio is distrain's overhead alone.
 Rank 0 prints one JSON line per step: step, loss, grad_norm, step_time_s and unix time.
-`train()` is the whole loop in a process group already formed: jobs/ddp_raytrain.py runs the same
+`train()` is the whole loop in a process group already formed: jobs/bench/ddp_raytrain.py runs the same
 function under Ray Train.
 """
 
@@ -116,7 +116,7 @@ def train(args: argparse.Namespace, device: torch.device, record: Callable[[dict
 
 
 def print_record(record: dict) -> None:
-    """One step as the JSON line jobs/bench_ddp.py reads from the console."""
+    """One step as the JSON line jobs/bench/bench_ddp.py reads from the console."""
     print(json.dumps(record), flush=True)
 
 

@@ -1,4 +1,4 @@
-"""Pipeline bubble of every schedule, measured against theory:  python jobs/bench_bubble.py
+"""Pipeline bubble of every schedule, measured against theory:  python jobs/bench/bench_bubble.py
 
 Runs every schedule distrain offers (`distrain.layout.SCHEDULES`) through `ParallelModel` in `pp` gloo
 processes on 127.0.0.1 (no Ray: a parallel-layer measurement) and times, on each rank, the calls that
@@ -23,7 +23,7 @@ import harness  # first: it keeps Ray on loopback
 import processes
 import torch
 import torch.distributed as dist
-from svgplot import Axes, Canvas  # jobs/svgplot.py, beside this script
+from svgplot import Axes, Canvas  # jobs/bench/svgplot.py, beside this script
 
 from distrain.config import ModelConfig, StrategyConfig
 from distrain.layout import SCHEDULES, Layout, stage_layers

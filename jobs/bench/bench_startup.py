@@ -1,9 +1,9 @@
-"""Launch → first step, phase by phase: distrain embedded, distrain attached, torchrun:  python jobs/bench_startup.py
+"""Launch → first step, phase by phase: distrain embedded, attached, torchrun:  python jobs/bench/bench_startup.py
 
-Each run is a command on this machine, the job of jobs/bench_ddp.py cut to a few steps (nano, 2 workers,
+Each run is a command on this machine, the job of jobs/bench/bench_ddp.py cut to a few steps (nano, 2 workers,
 no W&B, no checkpoint, no evaluation): `jobs/train.py` starting an embedded Ray cluster; `jobs/train.py`
 attached (`cluster.address=`) to a cluster that `ray start --head` started on 127.0.0.1 before the first
-run and that stays up until the last; `torchrun --standalone jobs/ddp_torchrun.py`. With `--baseline DIR`
+run and that stays up until the last; `torchrun --standalone jobs/bench/ddp_torchrun.py`. With `--baseline DIR`
 (a checkout of an earlier commit, e.g. `git worktree add /tmp/before <commit>`), its distrain runs go
 beside this checkout's, from its own directory. Every configuration runs --repeats times, the order
 reversed on every other repeat. Launch → first step is from starting the command to the first step's

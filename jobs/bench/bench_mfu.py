@@ -1,4 +1,4 @@
-"""Tokens/s and MFU of a ~1B model on one GPU, distrain beside a plain loop and transformers:  python jobs/bench_mfu.py
+"""Tokens/s and MFU of a ~1B model on one GPU, beside a plain loop and transformers:  python jobs/bench/bench_mfu.py
 
 Trains `model=llama_1b` in bf16 three ways, on the same job (batch, micro-batch, seq_len, AdamW, data),
 eager (`strategy.compile=false`) and with each block compiled (`strategy.compile=true`):
@@ -6,12 +6,12 @@ eager (`strategy.compile=false`) and with each block compiled (`strategy.compile
 - **distrain**, through its own driver (`distrain.launch.train`, Ray worker included) with FSDP at world
   size 1 (`strategy=zero3 cluster.num_workers=1`); its metrics.jsonl gives each step's figures;
 - **plain loop**: distrain's model class built directly (its contract: on the meta device, then
-  `init_weights()`) in a plain PyTorch loop, no Ray, no FSDP (jobs/mfu_loop.py), AdamW fused;
+  `init_weights()`) in a plain PyTorch loop, no Ray, no FSDP (jobs/bench/mfu_loop.py), AdamW fused;
 - **transformers**: Hugging Face's implementation of the same shape (`LlamaForCausalLM`, `GPT2LMHeadModel`;
   its config from `distrain.model.hf.hf_config`) in that same loop, its decoder layers compiled alike;
   left out for a model family transformers lacks.
 
-The two loops run as commands of their own (jobs/processes.py), so each finds the GPU free and gives its
+The two loops run as commands of their own (jobs/bench/processes.py), so each finds the GPU free and gives its
 memory back. The order of the runs alternates over the repeats. Each run's figures are medians over the
 steps after --warmup: tokens/s, MFU (the same FLOPs per token for all three: the model contract's
 `flops_per_token`), step time; then the ratios distrain ÷ plain loop and distrain ÷ transformers. The goals,
@@ -40,7 +40,7 @@ RATIO_GOAL = 1.0  # distrain's tokens/s ÷ the plain loop's
 VARIANTS = {"eager": "strategy.compile=false", "compiled": "strategy.compile=true"}
 SIDES = {"distrain": "distrain", "plain": "plain loop", "transformers": "transformers"}
 TIMEOUT_S = 1800.0  # one run
-# distrain on one GPU: FSDP at world size 1, bf16 (jobs/bench_checkpoint.py's GPU mode trains the same way).
+# distrain on one GPU: FSDP at world size 1, bf16 (jobs/bench/bench_checkpoint.py's GPU mode trains the same way).
 ONE_GPU = ["strategy=zero3", "cluster.num_workers=1", "trainer.precision=bf16"]
 # The job: sequences per step, per forward/backward (8, not 4: on an H100 micro-batch 4 gave 49.6% MFU
 # compiled, 8 gave 54.0%), tokens per sequence.
@@ -166,9 +166,9 @@ def run(key: tuple[str, str], repeat: int, args: argparse.Namespace, storage: Pa
 
 
 def loop(side: str, args: argparse.Namespace, variant: str, storage: Path, name: str) -> tuple[list, str | None, float]:
-    """`python jobs/mfu_loop.py <side> <distrain's overrides>` as a command of its own: its step records,
+    """`python jobs/bench/mfu_loop.py <side> <distrain's overrides>` as a command of its own: its step records,
     what went wrong, and the seconds from its launch to the end of its first step."""
-    cmd = [sys.executable, "jobs/mfu_loop.py", side, *overrides(args, variant, storage, name)]
+    cmd = [sys.executable, "jobs/bench/mfu_loop.py", side, *overrides(args, variant, storage, name)]
     try:
         done = processes.run_command(cmd, storage / f"{name}.log", TIMEOUT_S)
     except processes.CommandTimeout as e:
@@ -225,7 +225,7 @@ def body(args: argparse.Namespace, trials: list[harness.Trial], fpt: float) -> s
         "- **distrain**: through its own driver (`distrain.launch.train`, Ray worker included), FSDP at world",
         "  size 1 (`strategy=zero3 cluster.num_workers=1`);",
         "- **plain loop**: distrain's model class built directly (on the meta device, then `init_weights()`)",
-        "  in a plain PyTorch loop (`jobs/mfu_loop.py`): no Ray, no FSDP, fp32 weights under bf16 autocast,",
+        "  in a plain PyTorch loop (`jobs/bench/mfu_loop.py`): no Ray, no FSDP, fp32 weights under bf16 autocast,",
         "  AdamW (fused on a GPU), gradient clipping, the same batches, a command of its own;",
         "- **transformers**: Hugging Face's implementation of the same shape (config from",
         "  `distrain.model.hf.hf_config`, SDPA attention) in that same loop, a command of its own.",

@@ -1,4 +1,4 @@
-"""Bytes of 1-D, 2-D, 2.5-D and 3-D tensor parallelism per rank, counted against theory:  python jobs/bench_tp.py
+"""Bytes of 1-D, 2-D, 2.5-D and 3-D tensor parallelism per rank, counted against theory:  python jobs/bench/bench_tp.py
 
 For each layout, p gloo processes on 127.0.0.1 (no Ray) build the model as a worker does (on the meta device,
 laid out by `ParallelModel`) and take one training step of one micro-batch: an unmeasured one first, then

@@ -1,4 +1,4 @@
-"""Collective bandwidth between distrain's workers, like nccl-tests:  python jobs/bench_collectives.py
+"""Collective bandwidth between distrain's workers, like nccl-tests:  python jobs/bench/bench_collectives.py
 
 Checks a cluster before training on it. The workers are started the way training starts them (distrain's
 Ray layer: one worker per GPU, or a CPU share each with gloo when the cluster has no GPUs) and join the
@@ -471,7 +471,7 @@ def body(args: argparse.Namespace, run: dict, rows: list[Row], theirs: list[Row]
     lines = [
         "Bandwidth of torch.distributed collectives between distrain's workers, reported the way",
         "[nccl-tests](https://github.com/NVIDIA/nccl-tests) reports it, so a cluster can be checked before",
-        "training on it. `jobs/bench_collectives.py` starts the workers through distrain's own Ray layer",
+        "training on it. `jobs/bench/bench_collectives.py` starts the workers through distrain's own Ray layer",
         "(`WorkerGroup`: one worker per GPU with NCCL, or a CPU share each with gloo) and each rank joins the",
         "process group with `init_from_env`, exactly as training does.",
         "",
@@ -532,7 +532,7 @@ def main(argv: list[str] | None = None) -> None:
     import ray
 
     from distrain.cluster.placement import GroupSpec, PlacementError, WorkerFailure
-    from distrain.cluster.runtime import CapacityError, check_capacity, has_gpus
+    from distrain.cluster.runtime import CapacityError, check_capacity, gpu_count
     from distrain.cluster.worker_group import WorkerGroup
 
     page = harness.Page("Collectives", args)
@@ -542,7 +542,7 @@ def main(argv: list[str] | None = None) -> None:
         sides["torch"] = "torch.distributed, plain processes"
     try:
         with harness.ray_cluster(args.address):
-            use_gpu = has_gpus() and not args.cpu
+            use_gpu = gpu_count() > 0 and not args.cpu
             if args.num_workers is None:
                 args.num_workers = int(ray.cluster_resources().get("GPU", 0)) if use_gpu else 2
             if args.max_bytes is None:

@@ -1,6 +1,6 @@
-"""The loops jobs/bench_mfu.py measures distrain against: one process, one device, no Ray, no FSDP.
+"""The loops jobs/bench/bench_mfu.py measures distrain against: one process, one device, no Ray, no FSDP.
 
-    python jobs/mfu_loop.py plain|transformers <the Hydra overrides of distrain's run>
+    python jobs/bench/mfu_loop.py plain|transformers <the Hydra overrides of distrain's run>
 
 What a user would write in plain PyTorch, on the run's own config (model, batch, micro-batch, seq_len,
 precision, strategy.compile, optimizer, seed, data), so that the benchmark's ratios are distrain's
@@ -122,7 +122,7 @@ def report(step: int, loss: torch.Tensor, step_time_s: float, tokens: int, devic
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] not in SIDES:
-        raise SystemExit(f"usage: python jobs/mfu_loop.py {{{','.join(SIDES)}}} [Hydra overrides ...]")
+        raise SystemExit(f"usage: python jobs/bench/mfu_loop.py {{{','.join(SIDES)}}} [Hydra overrides ...]")
     train(argv[0], compose(argv[1:]))
 
 

@@ -1,4 +1,4 @@
-"""Memory per rank and step time of every strategy, side by side:  python jobs/bench_strategies.py
+"""Memory per rank and step time of every strategy, side by side:  python jobs/bench/bench_strategies.py
 
 1. Memory per rank of ZeRO-0/1/2/3 and CPU offload on gloo processes (no Ray), counted from the tensors
    by `distrain.parallel.memory.state_bytes` and set beside ZeRO's arithmetic.
@@ -6,7 +6,7 @@
    embedded Ray cluster, on the same model, batch and worker count, the presets' order reversed on every
    other repeat.
 
-Writes docs/strategies.md. The pipeline schedules' bubble is jobs/bench_bubble.py's (docs/bubble.md).
+Writes docs/strategies.md. The pipeline schedules' bubble is jobs/bench/bench_bubble.py's (docs/bubble.md).
 """
 
 from __future__ import annotations
