@@ -12,7 +12,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from distrain.config import ModelConfig
 from distrain.model.families import FAMILIES
 from distrain.model.llama import Transformer
-from distrain.model.registry import build_model
+from distrain.model.registry import build_model, has_plan
 from distrain.model.size import _counted_parts, flops_per_token, num_params, parts
 
 
@@ -32,14 +32,17 @@ def test_num_params_matches_the_built_model(cfg: ModelConfig):
 
 @pytest.mark.parametrize("target", FAMILIES)
 @pytest.mark.parametrize("tied", [False, True])
-def test_a_family_records_sizes_match_its_built_model(target: str, tied: bool):
-    """Every registered family's record (families/): its parameter count and pipeline parts are the
-    built model's, with and without a tied head, grouped-query attention and a positions' table."""
+def test_a_family_record_matches_its_built_model(target: str, tied: bool):
+    """Every registered family's record (families/) says what the built model has: its parameter
+    count, its pipeline parts, its tensor-parallel plans; with and without a tied head, with
+    grouped-query attention and a positions' table sized by the run's seq_len."""
     cfg = ModelConfig(_target_=target, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, tie_embeddings=tied)
     with torch.device("meta"):
         model = build_model(cfg, max_seq_len=16)
     assert num_params(cfg, 16) == sum(p.numel() for p in model.parameters())
     assert parts(cfg, 16) == _counted_parts(model)
+    assert has_plan(cfg, 16, "1d") == (model.tp_plan(True) is not None)
+    assert has_plan(cfg, 16, "2d") == (model.grid_tp_plan() is not None)
 
 
 @pytest.mark.parametrize("target", FAMILIES)

@@ -89,6 +89,7 @@ FAMILY = Family(
     other_params=other_params,
     learned_positions=True,
     rotary=False,
+    tp=True,
     grid_tp=False,
     hf=HFMapping("GPT2LMHeadModel", unsupported, shape, config, rules, bare_prefix="transformer."),
 )

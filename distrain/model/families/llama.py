@@ -93,6 +93,7 @@ FAMILY = Family(
     other_params=other_params,
     learned_positions=False,
     rotary=True,
+    tp=True,
     grid_tp=True,
     hf=HFMapping("LlamaForCausalLM", unsupported, shape, config, rules),
 )

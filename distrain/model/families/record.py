@@ -52,14 +52,15 @@ class Family:
     Its parameters are `matmul_weights` (those multiplying a token, the head included even when tied)
     plus `other_params` (embeddings not counted there, norms, biases) plus, with `learned_positions`,
     a positions' table of model.n_positions (else the run's seq_len) rows. `rotary`: the head
-    dimension must be even. `grid_tp`: a plan for 2-D/2.5-D/3-D tensor parallelism (1-D every
-    shipped family has). `hf`: its Hugging Face counterpart, if any."""
+    dimension must be even. `tp` / `grid_tp`: the model has a plan for 1-D / for 2-D, 2.5-D and 3-D
+    tensor parallelism (the latter not with a tied head). `hf`: its Hugging Face counterpart, if any."""
 
     target: str
     matmul_weights: Callable[[ModelConfig], int]
     other_params: Callable[[ModelConfig], int]
     learned_positions: bool
     rotary: bool
+    tp: bool
     grid_tp: bool
     hf: HFMapping | None = None
 
