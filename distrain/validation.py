@@ -11,6 +11,7 @@ from distrain.config import ClusterConfig, ConfigError, TrainConfig, attach_addr
 from distrain.data.checks import check_data
 from distrain.data.corpus import corpus_files
 from distrain.layout import SCHEDULES, Layout
+from distrain.model.families import shipped
 from distrain.model.registry import check_model, has_plan
 from distrain.plan import rank_memory
 
@@ -19,7 +20,6 @@ WANDB_MODES = (None, "online", "offline", "disabled")
 PRECISIONS = ("auto", "fp32", "bf16")
 OFFLOADS = ("none", "cpu", "nvme")
 PS_MODES = ("sync", "async", "hogwild", "easgd")
-LLAMA, GPT2 = "distrain.model.llama.Transformer", "distrain.model.gpt2.GPT2"
 # What WorkerGroup.environments sets for each rank (distrain/cluster/worker_group.py).
 PER_RANK_VARIABLES = (
     "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK",
@@ -53,8 +53,9 @@ def _validate_model(cfg: TrainConfig) -> None:
     its shape works for its family."""
     m, t = cfg.model, cfg.trainer
     check_model(m, t.seq_len)
+    family = shipped(m._target_)
     _require(m.dim % m.n_heads == 0, f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}")
-    if m._target_ == LLAMA:
+    if family is not None and family.rotary:
         _require(
             (m.dim // m.n_heads) % 2 == 0, f"model.dim / model.n_heads = {m.dim // m.n_heads} must be even (rotary)"
         )
@@ -74,7 +75,7 @@ def _validate_model(cfg: TrainConfig) -> None:
             f"{m.tie_embeddings}) has no plan for it; "
             + ("use strategy.tp_mode=1d" if s.tp_mode != "1d" else "use a strategy without tensor parallelism"),
         )
-    if s.tp > 1 and s.tp_mode == "1d" and m._target_ == GPT2:
+    if s.tp > 1 and s.tp_mode == "1d" and family is not None and family.learned_positions:  # split over its rows
         rows = m.n_positions or t.seq_len
         _require(
             rows % s.tp == 0,

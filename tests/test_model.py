@@ -10,9 +10,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from distrain.config import ModelConfig
+from distrain.model.families import FAMILIES
 from distrain.model.llama import Transformer
-from distrain.model.registry import build_model
-from distrain.model.size import flops_per_token, num_params
+from distrain.model.registry import build_model, has_plan
+from distrain.model.size import _counted_parts, flops_per_token, num_params, parts
 
 
 def conf_models() -> list[ModelConfig]:
@@ -29,26 +30,43 @@ def test_num_params_matches_the_built_model(cfg: ModelConfig):
     assert num_params(cfg, 16) == sum(p.numel() for p in model.parameters())
 
 
+@pytest.mark.parametrize("target", FAMILIES)
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_family_record_matches_its_built_model(target: str, tied: bool):
+    """Every registered family's record (families/) says what the built model has: its parameter
+    count, its pipeline parts, its tensor-parallel plans; with and without a tied head, with
+    grouped-query attention and a positions' table sized by the run's seq_len."""
+    cfg = ModelConfig(_target_=target, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, tie_embeddings=tied)
+    with torch.device("meta"):
+        model = build_model(cfg, max_seq_len=16)
+    assert num_params(cfg, 16) == sum(p.numel() for p in model.parameters())
+    assert parts(cfg, 16) == _counted_parts(model)
+    assert has_plan(cfg, 16, "1d") == (model.tp_plan(True) is not None)
+    assert has_plan(cfg, 16, "2d") == (model.grid_tp_plan() is not None)
+
+
+@pytest.mark.parametrize("target", FAMILIES)
+@pytest.mark.parametrize("kv_heads", [None, 1])
+def test_flops_per_token_matches_counted_flops(target: str, kv_heads: int | None):
+    """torch's FlopCounterMode counts every matmul of forward + backward; with the math attention
+    kernel that includes the attention matmuls over the whole sequence, as PaLM's formula does."""
+    cfg = ModelConfig(_target_=target, dim=64, n_layers=3, n_heads=4, n_kv_heads=kv_heads, ffn_dim=96)
+    seq_len, batch = 32, 2
+    model = build_model(cfg, seq_len)
+    tokens = torch.randint(0, 256, (batch, seq_len))
+    with FlopCounterMode(display=False) as counter, sdpa_kernel(SDPBackend.MATH):
+        model(tokens).float().sum().backward()
+    counted_per_token = counter.get_total_flops() / (batch * seq_len)
+    assert flops_per_token(cfg, seq_len) == pytest.approx(counted_per_token, rel=1e-9)
+    assert model.flops_per_token(seq_len) == flops_per_token(cfg, seq_len)
+
+
 def test_model_sizes_are_what_their_names_say():
     sizes = {c.name: num_params(c, 16) for c in conf_models()}
     assert sizes["nano"] < 2e6 and sizes["gpt2_nano"] < 2e6
     assert 100e6 < sizes["llama_124m"] < 130e6
     assert 85e6 < sizes["gpt2_124m"] < 90e6  # GPT-2 small's 124M less 50K − 256 vocabulary rows: 85.8M
     assert 0.9e9 < sizes["llama_1b"] < 1.3e9
-
-
-@pytest.mark.parametrize("kv_heads", [None, 1])
-def test_flops_per_token_matches_counted_flops(kv_heads):
-    """torch's FlopCounterMode counts every matmul of forward + backward; with the math attention
-    kernel that includes the attention matmuls over the whole sequence, as PaLM's formula does."""
-    cfg = ModelConfig(dim=64, n_layers=3, n_heads=4, n_kv_heads=kv_heads, ffn_dim=96)
-    seq_len, batch = 32, 2
-    model = Transformer(cfg, seq_len)
-    tokens = torch.randint(0, 256, (batch, seq_len))
-    with FlopCounterMode(display=False) as counter, sdpa_kernel(SDPBackend.MATH):
-        model(tokens).float().sum().backward()
-    counted_per_token = counter.get_total_flops() / (batch * seq_len)
-    assert flops_per_token(cfg, seq_len) == pytest.approx(counted_per_token, rel=1e-9)
 
 
 def test_attention_is_causal_and_grouped_query_attention_works():

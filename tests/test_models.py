@@ -146,7 +146,7 @@ def test_gpt2_resumes_across_pipeline_layouts(order: str, references, tmp_path: 
             "distrain.model.gpt2 has no attribute GTP2; did you mean distrain.model.gpt2.GPT2?",
         ),
         (["model._target_=mypkg.models.Net"], "no module named mypkg; "),
-        (["model._target_=distrain.model.gpt2.SHIPPED"], "is a dict, not a class or function"),
+        (["model._target_=distrain.model.families.FAMILIES"], "is a dict, not a class or function"),
         (["model._target_=torch.nn.Identity"], "the model lacks `layers`"),
         (["model._target_=test_models.without_tp_plan"], "the model lacks the method `tp_plan`"),
         (["model=gpt2_nano", "strategy=tp2d", "cluster.num_workers=4"], "has no plan for it; use strategy.tp_mode=1d"),

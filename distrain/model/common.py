@@ -1,5 +1,6 @@
-"""What the shipped families (llama.py, gpt2.py) share: initial weights drawn per parameter name, the
-tied head, and the Megatron tensor-parallel plan over their common names (tok_embeddings, optional
+"""What the shipped families (llama.py, gpt2.py) share: a base class keeping their part of the contract
+alike (initial weights drawn per parameter name, the tied head, FLOPs from the family's record), and
+the Megatron tensor-parallel plan over their common names (tok_embeddings, optional
 pos_embeddings, layers.{i}.attention_norm / attention.{wq,wk,wv,wo} / ffn_norm / feed_forward.w*, norm,
 output). A user's model may use these or write its own (contract.py)."""
 
@@ -20,6 +21,8 @@ from torch.distributed.tensor.parallel import (
 )
 
 from distrain.config import ModelConfig
+from distrain.model.contract import fill_parameters, tie
+from distrain.model.families import Family
 
 
 def parameter_seed(seed: int, name: str) -> int:
@@ -42,9 +45,42 @@ def initial_value(cfg: ModelConfig, seed: int, name: str, shape: torch.Size) -> 
     return torch.empty(shape, device="cpu").normal_(0.0, std, generator=generator)
 
 
-def tied_head(cfg: ModelConfig) -> tuple[tuple[str, str], ...]:
-    """The head's weight is the token embedding's when model.tie_embeddings."""
-    return (("output.weight", "tok_embeddings.weight"),) if cfg.tie_embeddings else ()
+class FamilyModel(nn.Module):
+    """A shipped family's model: a subclass names its `family` record, builds its modules between
+    `super().__init__` and `self.ready()`, and adds its forward and tensor-parallel plans. Its initial
+    weights are a function of `seed` and each parameter's name alone.
+
+    Built on the meta device (`with torch.device("meta")`) it allocates nothing: a parallel layout
+    shards it first, then `to_empty` and `init_weights` give each rank its shard of these weights."""
+
+    family: Family
+    input_modules: tuple[str, ...]
+    output_modules = ("norm", "output")
+
+    def __init__(self, cfg: ModelConfig, max_seq_len: int, seed: int = 0):
+        super().__init__()
+        self.cfg, self.max_seq_len, self.seed = cfg, max_seq_len, seed
+
+    def ready(self) -> None:
+        """Tie the head and, off the meta device, draw the initial weights (on it, the layout does)."""
+        tie(self)
+        if not self.tok_embeddings.weight.is_meta:
+            self.init_weights()
+
+    @property
+    def tied_parameters(self) -> tuple[tuple[str, str], ...]:
+        """The head's weight is the token embedding's when model.tie_embeddings."""
+        return (("output.weight", "tok_embeddings.weight"),) if self.cfg.tie_embeddings else ()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Every parameter its initial value (initial_value), drawn whole on the CPU one at a time, so
+        the weights are the same on every device and under every layout while at most one full
+        parameter exists at once. A sharded parameter (a DTensor: FSDP2, TP) keeps only its piece."""
+        fill_parameters(self, lambda name, shape: initial_value(self.cfg, self.seed, name, shape))
+
+    def flops_per_token(self, seq_len: int) -> float:
+        return self.family.flops_per_token(self.cfg, seq_len)
 
 
 def megatron_plan(model: nn.Module, loss_parallel: bool, attention_args: int) -> dict[str, ParallelStyle]:

@@ -15,9 +15,8 @@ from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from distrain.config import ModelConfig
-from distrain.model.common import initial_value, megatron_plan, tied_head
-from distrain.model.contract import fill_parameters, tie
-from distrain.model.size import SHIPPED, family_flops
+from distrain.model.common import FamilyModel, megatron_plan
+from distrain.model.families.gpt2 import FAMILY
 
 
 class Attention(nn.Module):
@@ -64,32 +63,20 @@ class Block(nn.Module):
         return x + self.feed_forward(self.ffn_norm(x))
 
 
-class GPT2(nn.Module):
-    """The model, its initial weights a function of `seed` and each parameter's name alone (contract.py)."""
+class GPT2(FamilyModel):
+    """The model (common.FamilyModel); it keeps the contract of contract.py."""
 
+    family = FAMILY
     input_modules = ("tok_embeddings", "pos_embeddings")
-    output_modules = ("norm", "output")
 
     def __init__(self, cfg: ModelConfig, max_seq_len: int, seed: int = 0):
-        super().__init__()
-        self.cfg, self.max_seq_len, self.seed = cfg, max_seq_len, seed
+        super().__init__(cfg, max_seq_len, seed)
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.pos_embeddings = nn.Embedding(cfg.n_positions or max_seq_len, cfg.dim)
         self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
         self.norm = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        tie(self)
-        if not self.tok_embeddings.weight.is_meta:
-            self.init_weights()
-
-    @property
-    def tied_parameters(self) -> tuple[tuple[str, str], ...]:
-        return tied_head(self.cfg)
-
-    @torch.no_grad()
-    def init_weights(self) -> None:
-        """Every parameter its initial value (common.initial_value), under any layout (fill_parameters)."""
-        fill_parameters(self, lambda name, shape: initial_value(self.cfg, self.seed, name, shape))
+        self.ready()
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if self.tok_embeddings is not None:
@@ -111,6 +98,3 @@ class GPT2(nn.Module):
     def grid_tp_plan(self) -> None:
         """None: the grid layers (distrain/parallel/tpnd/) have no biases, LayerNorm or positions yet."""
         return None
-
-    def flops_per_token(self, seq_len: int) -> float:
-        return family_flops(SHIPPED["distrain.model.gpt2.GPT2"].matmul_weights(self.cfg), self.cfg, seq_len)

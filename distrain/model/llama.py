@@ -15,9 +15,8 @@ from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from distrain.config import ModelConfig
-from distrain.model.common import initial_value, megatron_plan, tied_head
-from distrain.model.contract import fill_parameters, tie
-from distrain.model.size import SHIPPED, family_flops
+from distrain.model.common import FamilyModel, megatron_plan
+from distrain.model.families.llama import FAMILY
 
 
 def rotary_tables(head_dim: int, seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,41 +93,27 @@ class Block(nn.Module):
         return x + self.feed_forward(self.ffn_norm(x))
 
 
-class Transformer(nn.Module):
-    """The model, its initial weights a function of `seed` and each parameter's name alone; it keeps
-    the contract of contract.py.
+class Transformer(FamilyModel):
+    """The model (common.FamilyModel); it keeps the contract of contract.py."""
 
-    Built on the meta device (`with torch.device("meta")`) it allocates nothing: a parallel layout
-    shards it first, then `to_empty` and `init_weights` give each rank its shard of these weights."""
-
+    family = FAMILY
     input_modules = ("tok_embeddings",)
-    output_modules = ("norm", "output")
 
     def __init__(self, cfg: ModelConfig, max_seq_len: int, seed: int = 0):
-        super().__init__()
-        self.cfg, self.max_seq_len, self.seed = cfg, max_seq_len, seed
+        super().__init__(cfg, max_seq_len, seed)
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        tie(self)
         cos, sin = rotary_tables(cfg.dim // cfg.n_heads, max_seq_len, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        if not self.tok_embeddings.weight.is_meta:
-            self.init_weights()
-
-    @property
-    def tied_parameters(self) -> tuple[tuple[str, str], ...]:
-        return tied_head(self.cfg)
+        self.ready()
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """Every parameter its initial value (common.initial_value), drawn whole on the CPU one at a
-        time, so the weights are the same on every device and under every layout while at most one
-        full parameter exists at once. A sharded parameter (a DTensor: FSDP2, TP) keeps only its piece.
-        The rotary tables are recomputed too: after `to_empty` they hold garbage."""
-        fill_parameters(self, lambda name, shape: initial_value(self.cfg, self.seed, name, shape))
+        """The parameters' initial values, and the rotary tables again: after `to_empty` they hold garbage."""
+        super().init_weights()
         cos, sin = rotary_tables(self.cfg.dim // self.cfg.n_heads, self.max_seq_len, self.cfg.rope_theta)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
@@ -161,6 +146,3 @@ class Transformer(nn.Module):
             plan |= {f"{block}.attention.{w}": "in" for w in ("wq", "wk", "wv")} | {f"{block}.attention.wo": "out"}
             plan |= {f"{block}.feed_forward.{w}": "in" for w in ("w1", "w3")} | {f"{block}.feed_forward.w2": "out"}
         return plan
-
-    def flops_per_token(self, seq_len: int) -> float:
-        return family_flops(SHIPPED["distrain.model.llama.Transformer"].matmul_weights(self.cfg), self.cfg, seq_len)

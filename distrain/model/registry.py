@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from distrain.config import ConfigError, ModelConfig
-from distrain.model.size import SHIPPED
+from distrain.model.families import FAMILIES, shipped
 
 
 def resolve(target: str) -> Callable[..., Any]:
@@ -24,14 +24,14 @@ def resolve(target: str) -> Callable[..., Any]:
     module_name, _, attr = target.rpartition(".")
     key = f"model._target_={target}"
     if not module_name:
-        raise ConfigError(f"{key}: not a dotted path pkg.module.name; shipped: {', '.join(SHIPPED)}")
+        raise ConfigError(f"{key}: not a dotted path pkg.module.name; shipped: {', '.join(FAMILIES)}")
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
         if e.name is None or not module_name.startswith(e.name):
             raise ConfigError(f"{key}: importing {module_name} failed: {e}") from None
-        close = difflib.get_close_matches(target, SHIPPED, n=1)
-        hint = f"did you mean {close[0]}?" if close else f"shipped: {', '.join(SHIPPED)};"
+        close = difflib.get_close_matches(target, FAMILIES, n=1)
+        hint = f"did you mean {close[0]}?" if close else f"shipped: {', '.join(FAMILIES)};"
         raise ConfigError(
             f"{key}: no module named {e.name}; {hint} a module of your own must be importable: run from "
             f"its directory or put that directory on PYTHONPATH"
@@ -41,7 +41,7 @@ def resolve(target: str) -> Callable[..., Any]:
     if not hasattr(module, attr):
         names = [n for n in dir(module) if not n.startswith("_")]
         close = difflib.get_close_matches(attr, names, n=1)
-        hint = f"did you mean {module_name}.{close[0]}?" if close else f"shipped: {', '.join(SHIPPED)}"
+        hint = f"did you mean {module_name}.{close[0]}?" if close else f"shipped: {', '.join(FAMILIES)}"
         raise ConfigError(f"{key}: {module_name} has no attribute {attr}; {hint}")
     fn = getattr(module, attr)
     if not callable(fn):
@@ -74,16 +74,16 @@ def build_model(cfg: ModelConfig, max_seq_len: int, seed: int = 0) -> Any:
 def check_model(cfg: ModelConfig, max_seq_len: int) -> None:
     """The driver's check before any worker starts: a shipped family needs none (and no torch import);
     a user's target is imported and built on the meta device, which costs no memory."""
-    if cfg._target_ not in SHIPPED:
+    if shipped(cfg._target_) is None:
         meta_model(cfg, max_seq_len)
 
 
 def has_plan(cfg: ModelConfig, max_seq_len: int, mode: str) -> bool:
     """Whether the model has a tensor-parallel plan for strategy.tp_mode=`mode`: `tp_plan` (1d) or
     `grid_tp_plan` (2d, 2.5d, 3d) not None."""
-    family = SHIPPED.get(cfg._target_)
+    family = shipped(cfg._target_)
     if family is not None:
-        return mode == "1d" or (family.grid_tp and not cfg.tie_embeddings)
+        return family.tp if mode == "1d" else family.grid_tp and not cfg.tie_embeddings
     model = meta_model(cfg, max_seq_len)
     return (model.tp_plan(True) if mode == "1d" else model.grid_tp_plan()) is not None
 

@@ -1,0 +1,88 @@
+"""What distrain knows of a shipped model family without building it: the record the driver reads
+(sizes, FLOPs, which tensor-parallel plans exist) and the Hugging Face mapping export and import read.
+Torch-free: the driver plans and validates without importing torch.
+
+FLOPs are counted as PaLM does (Chowdhery et al. 2022, appendix B): 6·N + 12·L·H·Q·T, N the weights
+that multiply the token (every matrix but the embedding lookups; the head counts even when tied), L
+layers, H heads of Q dimensions, T the sequence length. The attention term counts the scores and their
+weighted sum over the whole sequence, as PaLM and Megatron do, so MFU compares with theirs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from distrain.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class Rule:
+    """HF tensor `hf` holds distrain's `names`, concatenated along rows (GPT-2's fused Q, K, V);
+    `conv1d`: stored transposed (in, out); `heads`: rows permuted per head (Llama's Q and K)."""
+
+    hf: str
+    names: tuple[str, ...]
+    conv1d: bool = False
+    heads: int | None = None
+
+
+@dataclass(frozen=True)
+class HFMapping:
+    """A family's Hugging Face counterpart, both ways (model/hf.py applies it).
+
+    `unsupported(config.json)`: each option distrain's model would compute differently, as
+    {key: (set to what distrain cannot compute, what it must be)}; `shape(config.json)`: the ModelConfig
+    fields it describes (a KeyError for a key it lacks); `config(cfg, max_seq_len)`: the config.json
+    of cfg's counterpart, less what every family shares (a ConfigError where HF has no such model);
+    `rules(cfg)`: where each distrain parameter lives in the HF files; `bare_prefix`: a prefix the
+    files of the bare base model (no head) leave out of every name."""
+
+    architecture: str
+    unsupported: Callable[[dict], dict[str, tuple[bool, str]]]
+    shape: Callable[[dict], dict]
+    config: Callable[[ModelConfig, int], dict]
+    rules: Callable[[ModelConfig], list[Rule]]
+    bare_prefix: str = ""
+
+
+@dataclass(frozen=True)
+class Family:
+    """A shipped family: `target` builds it (model._target_, imported only when a model is built).
+    Its parameters are `matmul_weights` (those multiplying a token, the head included even when tied)
+    plus `other_params` (embeddings not counted there, norms, biases) plus, with `learned_positions`,
+    a positions' table of model.n_positions (else the run's seq_len) rows. `rotary`: the head
+    dimension must be even. `tp` / `grid_tp`: the model has a plan for 1-D / for 2-D, 2.5-D and 3-D
+    tensor parallelism (the latter not with a tied head). `hf`: its Hugging Face counterpart, if any."""
+
+    target: str
+    matmul_weights: Callable[[ModelConfig], int]
+    other_params: Callable[[ModelConfig], int]
+    learned_positions: bool
+    rotary: bool
+    tp: bool
+    grid_tp: bool
+    hf: HFMapping | None = None
+
+    def flops_per_token(self, cfg: ModelConfig, seq_len: int) -> float:
+        """Training FLOPs (forward + backward) per token at sequence length `seq_len` (module docstring)."""
+        return decoder_flops(self.matmul_weights(cfg), cfg, seq_len)
+
+
+def decoder_flops(matmul_weights: int, cfg: ModelConfig, seq_len: int) -> float:
+    """6·N + 12·L·H·Q·T: a model of the usual decoder shape may compute its own with this."""
+    return 6 * matmul_weights + 12 * cfg.n_layers * cfg.n_heads * (cfg.dim // cfg.n_heads) * seq_len
+
+
+def attention_weights(cfg: ModelConfig) -> int:
+    """wq, wo (dim × dim) and wk, wv (dim × the key/value heads' width) of one block."""
+    return cfg.dim * cfg.dim * 2 + cfg.dim * kv_width(cfg) * 2
+
+
+def kv_width(cfg: ModelConfig) -> int:
+    return (cfg.n_kv_heads or cfg.n_heads) * (cfg.dim // cfg.n_heads)
+
+
+def untied_embedding(cfg: ModelConfig) -> int:
+    """The token embedding's table where it is not the head's weight (that one counts as a matmul)."""
+    return 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.dim
