@@ -19,8 +19,6 @@ from distrain.config import TrainConfig
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 SCHEMA = "train_schema"  # the name conf/train.yaml's defaults list gives TrainConfig
-# A plan writes nothing: Hydra's record and log stay out of the run directory (and off the disk).
-PLAN_HYDRA_OVERRIDES = ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=stdout"]
 ALIASES = {"checkpoint.async": "checkpoint.async_save"}  # command-line name → the field it sets
 
 
@@ -132,10 +130,10 @@ def overrides_of(argv: list[str]) -> list[str]:
 
 
 def plan_overrides(args: list[str]) -> list[str]:
-    """`--plan` is the override `plan=true`; either one also keeps Hydra from writing its record. Public
-    names that no dataclass field can have become the field's (`spell_out`)."""
-    args = ["plan=true" if a == "--plan" else a for a in spell_out(args)]
-    return [*args, *PLAN_HYDRA_OVERRIDES] if "plan=true" in args else args
+    """`--plan` is the override `plan=true` (which, like any run, Hydra writes nothing for: conf/train.yaml
+    keeps its record and log out of the working directory). Public names that no dataclass field can have
+    become the field's (`spell_out`)."""
+    return ["plan=true" if a == "--plan" else a for a in spell_out(args)]
 
 
 def spell_out(args: list[str] | tuple[str, ...]) -> list[str]:

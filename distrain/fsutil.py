@@ -1,4 +1,5 @@
-"""Files of a run directory: writes never seen half-done, and a lock so one run has one writer."""
+"""Files of a run directory: writes never seen half-done, and a lock so one run has one writer. Neither
+torch nor Ray: the driver and the trainer both use it."""
 
 from __future__ import annotations
 
@@ -65,7 +66,7 @@ def exclusive_lock(path: str | os.PathLike) -> Iterator[None]:
                 holder = json.loads(path.read_text())
             except (OSError, ValueError):
                 holder = {}
-            if holder.get("host") == me["host"] and not _alive(holder.get("pid", -1)):
+            if holder.get("host") == me["host"] and not alive(holder.get("pid", -1)):
                 path.unlink(missing_ok=True)  # its holder died without cleaning up
                 continue
             raise LockedError(
@@ -80,11 +81,13 @@ def exclusive_lock(path: str | os.PathLike) -> Iterator[None]:
         path.unlink(missing_ok=True)
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Whether process `pid` of this host lives (someone else's included); never for 0 or a negative
+    number, which os.kill takes for process groups."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
+    except PermissionError:  # someone else's
         return True
     return pid > 0

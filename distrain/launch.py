@@ -35,6 +35,7 @@ from distrain.plan import describe
 from distrain.progress import ProgressLine
 from distrain.stop import stop_signals
 from distrain.tracking import SUMMARY_FILE, read_metrics, wandb_mode, write_summary
+from distrain.train.job import RankJob
 from distrain.validation import validate
 
 LOCK_FILE = ".lock"  # held by the driver while the run trains: one writer per run directory
@@ -51,19 +52,11 @@ class AllReduceEngine:
 
     replaces_workers = False
 
-    def __init__(
-        self, cfg: TrainConfig, layouts: dict[int, Layout], run_dir: Path, wandb_run_id: str | None, started: float
-    ):
-        self.layouts, self.run_dir = layouts, run_dir
-        self.job = {
-            "config": to_plain(cfg),
-            "run_dir": str(run_dir),
-            "wandb_run_id": wandb_run_id,
-            "started_at": started,
-        }
+    def __init__(self, job: RankJob, layouts: dict[int, Layout]):
+        self.job, self.layouts, self.run_dir = job, layouts, Path(job.run_dir)
 
     def warm_up(self) -> tuple[str, tuple]:
-        return f"{TRAINER}:warm_up", (self.job,)
+        return f"{TRAINER}:warm_up", (self.job.config,)
 
     def begin(self, group: WorkerGroup, attempt: Attempt) -> Work:
         """The attempt's work; and what the group runs in the ranks after a failure: an abort of the
@@ -72,13 +65,12 @@ class AllReduceEngine:
         group.recover_with(f"{PROCESS_GROUP}:check_device", f"{PROCESS_GROUP}:abort")
         latest = checkpoint.latest(self.run_dir / "checkpoints")
         attempt.info["resumed_from_step"] = checkpoint.read_meta(latest)["step"] if latest else 0
-        layout = self.layouts[len(group.table)]
-        job = {
-            **self.job,
-            "layout": layout.as_dict(),
-            "resume_from": latest and str(latest),
-            "use_gpu": group.spec.gpus_per_worker > 0,  # Ray gave each rank a GPU: it must train on it
-        }
+        job = replace(
+            self.job,
+            layout=self.layouts[len(group.table)],
+            resume_from=latest and str(latest),
+            use_gpu=group.spec.gpus_per_worker > 0,  # Ray gave each rank a GPU: it must train on it
+        )
         return Work(f"{TRAINER}:run_rank", (job,))
 
     def tick(self, suspect: bool) -> None:
@@ -153,22 +145,9 @@ def train(
     `on_run_dir`: called with the run directory once the config is valid and the directory made (the
     command line keeps its record and console log there); nothing is written before."""
     started = time.time()
-    cfg = resolve_init_from(cfg)  # model.init_from: the model's family and shape from its config.json
-    layout = validate(cfg)
-    if not os.path.isabs(cfg.run.storage) and attach_address(cfg.cluster.address):
-        raise ConfigError(
-            f"run.storage={cfg.run.storage!r} is relative, and on a Ray cluster the job's working directory is "
-            f"temporary: give an absolute path on storage every node shares"
-        )
+    cfg, layout = resolved(cfg)
     if cfg.plan:
         return {"status": "planned", "plan": plan(cfg, layout)}
-    # What the workers must see resolved: they run elsewhere, and their environment is not the user's.
-    cfg = replace(
-        cfg,
-        run=replace(cfg.run, storage=os.path.abspath(cfg.run.storage)),
-        data=replace(cfg.data, shards=cfg.data.shards and os.path.abspath(cfg.data.shards)),
-        logger=replace(cfg.logger, wandb=replace(cfg.logger.wandb, mode=wandb_mode(cfg.logger.wandb.mode))),
-    )
     run_dir = make_run_dir(cfg)
     if on_run_dir is not None:
         on_run_dir(run_dir)
@@ -193,6 +172,26 @@ def train(
             summary["wall_s"] = time.time() - started
             write_summary(str(run_dir), summary)
     return summary
+
+
+def resolved(given: TrainConfig) -> tuple[TrainConfig, Layout]:
+    """The config the run trains, validated, and its layout: model.init_from's family and shape (from its
+    config.json), and what the workers must see resolved, since they run elsewhere and their environment
+    is not the user's (absolute paths, the W&B mode)."""
+    cfg = resolve_init_from(given)
+    layout = validate(cfg)
+    if not os.path.isabs(cfg.run.storage) and attach_address(cfg.cluster.address):
+        raise ConfigError(
+            f"run.storage={cfg.run.storage!r} is relative, and on a Ray cluster the job's working directory is "
+            f"temporary: give an absolute path on storage every node shares"
+        )
+    workers_see = replace(
+        cfg,
+        run=replace(cfg.run, storage=os.path.abspath(cfg.run.storage)),
+        data=replace(cfg.data, shards=cfg.data.shards and os.path.abspath(cfg.data.shards)),
+        logger=replace(cfg.logger, wandb=replace(cfg.logger.wandb, mode=wandb_mode(cfg.logger.wandb.mode))),
+    )
+    return workers_see, layout
 
 
 def _prepare(cfg: TrainConfig, layout: Layout, run_dir: Path, startup: dict[str, float]) -> tuple:
@@ -228,11 +227,8 @@ def _prepare(cfg: TrainConfig, layout: Layout, run_dir: Path, startup: dict[str,
         on_rank_progress, sizes = lambda p: None, [layout.world_size]
     else:
         layouts = {layout.world_size: layout, **layout.smaller(cfg)}
-        engine, on_rank_progress, sizes = (
-            AllReduceEngine(cfg, layouts, run_dir, wandb_run_id, started),
-            progress.update,
-            list(layouts),
-        )
+        job = RankJob(cfg, layout, str(run_dir), started, wandb_run_id)
+        engine, on_rank_progress, sizes = AllReduceEngine(job, layouts), progress.update, list(layouts)
     supervisor = Supervisor(
         spec, policy(cfg.cluster), engine, sizes, run_dir, on_rank_progress, progress.message, cfg.cluster.reuse_workers
     )

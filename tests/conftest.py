@@ -111,6 +111,42 @@ def logged(cfg: TrainConfig, key: str = "loss") -> dict[int, float]:
     return {m["step"]: m[key] for m in read_metrics(cfg.run_dir)}
 
 
+def assert_matches(cfg: TrainConfig, reference: dict, steps: range, tol: float) -> None:
+    """The run's loss and gradient norm at each of `steps` are the reference run's ({"loss": {step: value},
+    "grad_norm": ...}), within `tol` absolute or relative."""
+    for key in ("loss", "grad_norm"):
+        got = logged(cfg, key)
+        for step in steps:
+            assert got[step] == pytest.approx(reference[key][step], rel=tol, abs=tol), f"{key} at step {step}"
+
+
+LayoutArgs = tuple[int, list[str]]  # a layout as a test gives it: (workers, overrides)
+
+
+def train_half_then_resume(
+    storage: Path, name: str, first: LayoutArgs, then: LayoutArgs, steps: int, *common: str
+) -> TrainConfig:
+    """Run `name` for `steps` steps in two invocations: the first half under `first`, the rest resumed from its
+    checkpoint under `then`, on the whole run's LR schedule. The second's config: its run holds every step."""
+    from distrain.launch import train
+
+    half = steps // 2
+    for (workers, overrides), max_steps in zip((first, then), (half, steps), strict=True):
+        cfg = make_config(
+            storage,
+            f"run.name={name}",
+            f"cluster.num_workers={workers}",
+            *common,
+            *overrides,
+            f"trainer.max_steps={max_steps}",
+            f"optim.decay_steps={steps}",
+        )
+        summary = train(cfg)
+        assert summary["status"] == "completed"
+    assert summary["resumed_from"].endswith(f"step_{half:08d}")  # the second layout did resume
+    return cfg
+
+
 @pytest.fixture(scope="session")
 def process_group():
     """A one-rank gloo group on loopback, for parallel-layer and checkpoint tests without Ray."""

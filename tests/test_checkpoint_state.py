@@ -50,7 +50,7 @@ def save_every_layout(rank: int, port: int, cases: dict, out: str) -> None:
         saver = checkpoint.Saver(Path(out, name), keep=2, background=background)
         for step in (1, 2):
             learner.forward_backward(step)
-            learner.clip(1.0)
+            learner.parallel.clip_grad_norm(1.0)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             state, _ = checkpoint_state(learner, optimizer)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -13,7 +14,7 @@ from conftest import make_config
 
 from distrain.config import ConfigError, OptimConfig, to_plain
 from distrain.fsutil import LockedError, exclusive_lock
-from distrain.launch import check_resumable, group_spec, train
+from distrain.launch import check_resumable, group_spec, resolved, train
 from distrain.train.optim import lr_at
 from distrain.validation import validate
 
@@ -49,6 +50,14 @@ def test_resume_refuses_another_model_and_warns_about_other_data(tmp_path: Path)
         check_resumable(saved, to_plain(make_config(tmp_path, "run.name=r", "model.dim=64")))
     with pytest.warns(UserWarning, match=r"trainer\.seed=7"):
         check_resumable(saved, to_plain(make_config(tmp_path, "run.name=r", "trainer.seed=7")))
+
+
+def test_a_checkpoints_config_is_what_a_resume_compares(tmp_path: Path):
+    """Rank 0 records the config it trains (checkpoint meta, W&B) as dataclasses.asdict gives it, no OmegaConf on
+    its way to the first step; a resume compares that record with the driver's to_plain: one dict, to the type."""
+    cfg, _ = resolved(make_config(tmp_path, "strategy=fsdp_tp", "cluster.num_workers=4", "+cluster.env_vars.A=b"))
+    recorded = dataclasses.asdict(cfg)
+    assert recorded == to_plain(cfg) and json.dumps(recorded) == json.dumps(to_plain(cfg))
 
 
 def test_relative_storage_is_refused_on_an_existing_cluster(tmp_path: Path, monkeypatch):

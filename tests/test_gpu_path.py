@@ -23,6 +23,7 @@ from conftest import free_port, make_config, rank_env
 
 from distrain.config import ConfigError
 from distrain.parallel import process_group
+from distrain.train.job import RankJob
 
 # Ray is imported by the tests that use it: the ranks spawned below import this module, and start faster without.
 
@@ -215,7 +216,7 @@ class Channel:
 SLOW_WRITE_S = 5.0
 
 
-def train_rank(rank: int, port: int, job: dict, out: str) -> None:
+def train_rank(rank: int, port: int, job: RankJob, out: str) -> None:
     """One rank of a 2-rank run whose rank 1 takes SLOW_WRITE_S longer to write its first checkpoint."""
     rank_env(rank, 2, port, CUDA_VISIBLE_DEVICES="")
     from distrain import checkpoint
@@ -236,7 +237,6 @@ def train_rank(rank: int, port: int, job: dict, out: str) -> None:
 @pytest.mark.timeout(180)
 def test_a_slow_checkpoint_write_on_one_rank_does_not_time_out_the_other(tmp_path: Path):
     from distrain import checkpoint
-    from distrain.config import to_plain
     from distrain.validation import validate
 
     corpus = tmp_path / "corpus.txt"
@@ -253,15 +253,7 @@ def test_a_slow_checkpoint_write_on_one_rank_does_not_time_out_the_other(tmp_pat
     )
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True)
-    job = {
-        "config": to_plain(cfg),
-        "layout": validate(cfg).as_dict(),
-        "run_dir": str(run_dir),
-        "resume_from": None,
-        "wandb_run_id": None,
-        "started_at": time.time(),
-        "use_gpu": False,
-    }
+    job = RankJob(cfg, validate(cfg), str(run_dir), time.time(), use_gpu=False)
     mp.spawn(train_rank, args=(free_port(), job, str(tmp_path)), nprocs=2)
     assert json.loads((tmp_path / "rank0.json").read_text())["final_step"] == 1
     assert checkpoint.read_meta(checkpoint.latest(run_dir / "checkpoints"))["step"] == 1

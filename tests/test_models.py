@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, TINY, final_weights, logged, make_config
+from conftest import REPO, TINY, assert_matches, final_weights, logged, make_config, train_half_then_resume
 
 from distrain.config import ConfigError
 from distrain.launch import train
@@ -75,13 +75,6 @@ def references(ray_cluster, tmp_path_factory) -> dict:
     return refs
 
 
-def assert_matches(cfg, want: dict, tol: float, steps: range) -> None:
-    for key in ("loss", "grad_norm"):
-        got = logged(cfg, key)
-        for step in steps:
-            assert got[step] == pytest.approx(want[key][step], rel=tol, abs=tol), f"{key} at step {step}"
-
-
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(("family", "layout"), CASES)
 def test_family_matches_one_process(family: str, layout: str, references, tmp_path: Path):
@@ -97,7 +90,7 @@ def test_family_matches_one_process(family: str, layout: str, references, tmp_pa
     assert train(cfg)["status"] == "completed"
     want, steps = references[family], cfg.trainer.max_steps
     assert sorted(logged(cfg)) == list(range(1, steps + 1))
-    assert_matches(cfg, want, tol, range(1, steps + 1))
+    assert_matches(cfg, want, range(1, steps + 1), tol)
     if steps < STEPS:
         return
     weights = final_weights(cfg)
@@ -114,24 +107,9 @@ def test_gpt2_resumes_across_pipeline_layouts(order: str, references, tmp_path: 
     """Half a GPT-2 run under one layout, the rest under the other from its checkpoint: the tied head,
     a copy of its own on the last pipeline stage, is saved and loaded under both names."""
     pp, ddp = (2, ["strategy=pp"]), (1, ["strategy=ddp"])
-    half = STEPS // 2
-    for (workers, overrides), steps in zip(
-        (pp, ddp) if order == "pp_to_ddp" else (ddp, pp), (half, STEPS), strict=True
-    ):
-        cfg = make_config(
-            tmp_path,
-            f"run.name={order}",
-            f"cluster.num_workers={workers}",
-            *COMMON,
-            *FAMILIES["gpt2"],
-            *overrides,
-            f"trainer.max_steps={steps}",
-            f"optim.decay_steps={STEPS}",
-        )
-        summary = train(cfg)
-        assert summary["status"] == "completed"
-    assert summary["resumed_from"].endswith(f"step_{half:08d}")
-    assert_matches(cfg, references["gpt2"], 1e-4, range(half + 1, STEPS + 1))
+    first, then = (pp, ddp) if order == "pp_to_ddp" else (ddp, pp)
+    cfg = train_half_then_resume(tmp_path, order, first, then, STEPS, *COMMON, *FAMILIES["gpt2"])
+    assert_matches(cfg, references["gpt2"], range(STEPS // 2 + 1, STEPS + 1), 1e-4)
 
 
 @pytest.mark.parametrize(

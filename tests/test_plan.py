@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO, TINY, fake_table, make_config
 
-from distrain.cli import PLAN_HYDRA_OVERRIDES, plan_overrides
+from distrain.cli import plan_overrides
 from distrain.config import TrainConfig
 from distrain.layout import MESH_DIMS, Layout
 from distrain.model.registry import build_model
@@ -128,7 +128,7 @@ def test_pipeline_stages_list_their_layers(family: str, tmp_path: Path):
 
 @pytest.mark.timeout(30)
 def test_plan_switch_becomes_an_override():
-    assert plan_overrides(["--plan", "strategy=tp"]) == ["plan=true", "strategy=tp", *PLAN_HYDRA_OVERRIDES]
+    assert plan_overrides(["--plan", "strategy=tp"]) == ["plan=true", "strategy=tp"]
     assert plan_overrides(["strategy=tp"]) == ["strategy=tp"]
 
 

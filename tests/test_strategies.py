@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import logged, make_config
+from conftest import assert_matches, logged, make_config, train_half_then_resume
 
 from distrain.launch import train
 
@@ -71,21 +71,5 @@ RESHARDS = {
 def test_checkpoint_resumes_under_another_layout(case: str, reference, tmp_path: Path):
     """Half the run under one layout, the rest under another from its checkpoint: the loss goes
     on as the one-process run's did (weights and optimizer state are resharded on load)."""
-    half = STEPS // 2
-    for (workers, overrides), steps in zip(RESHARDS[case], (half, STEPS), strict=True):
-        cfg = make_config(
-            tmp_path,
-            f"run.name={case}",
-            f"cluster.num_workers={workers}",
-            *COMMON,
-            *overrides,
-            f"trainer.max_steps={steps}",
-            f"optim.decay_steps={STEPS}",
-        )
-        summary = train(cfg)
-        assert summary["status"] == "completed"
-    assert summary["resumed_from"].endswith(f"step_{half:08d}")  # the second layout did resume
-    for key in ("loss", "grad_norm"):
-        got, want = logged(cfg, key), reference[key]
-        for step in range(half + 1, STEPS + 1):
-            assert got[step] == pytest.approx(want[step], rel=1e-4, abs=1e-4), f"{key} at step {step}"
+    cfg = train_half_then_resume(tmp_path, case, *RESHARDS[case], STEPS, *COMMON)
+    assert_matches(cfg, reference, range(STEPS // 2 + 1, STEPS + 1), tol=1e-4)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import fake_table, logged, make_config
+from conftest import assert_matches, fake_table, logged, make_config, train_half_then_resume
 
 from distrain.launch import train
 from distrain.layout import Layout
@@ -36,13 +36,6 @@ def reference(ray_cluster, tmp_path_factory) -> dict[str, dict[int, float]]:
     return {"loss": logged(cfg), "grad_norm": logged(cfg, "grad_norm")}
 
 
-def assert_matches(cfg, reference: dict, steps: range) -> None:
-    for key in ("loss", "grad_norm"):
-        got, want = logged(cfg, key), reference[key]
-        for step in steps:
-            assert got[step] == pytest.approx(want[step], rel=TOL, abs=TOL), f"{key} at step {step}"
-
-
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("grid", GRIDS)
 def test_grid_matches_one_process(grid: str, reference, tmp_path: Path):
@@ -52,7 +45,7 @@ def test_grid_matches_one_process(grid: str, reference, tmp_path: Path):
     )
     assert train(cfg)["status"] == "completed"
     assert sorted(logged(cfg)) == list(range(1, STEPS + 1))
-    assert_matches(cfg, reference, range(1, STEPS + 1))
+    assert_matches(cfg, reference, range(1, STEPS + 1), TOL)
 
 
 @pytest.mark.timeout(300)
@@ -61,20 +54,8 @@ def test_grid_matches_one_process(grid: str, reference, tmp_path: Path):
 )  # fmt: skip
 def test_grid_checkpoint_resumes_under_another_layout(then: tuple[int, list[str]], reference, tmp_path: Path):
     """Half the run on a 2×2 grid, the rest from its checkpoint on one worker or under 1-D TP."""
-    half = STEPS // 2
-    for (workers, overrides), steps in zip([(4, ["strategy=tp2d"]), then], (half, STEPS), strict=True):
-        cfg = make_config(
-            tmp_path,
-            "run.name=resume",
-            f"cluster.num_workers={workers}",
-            f"trainer.max_steps={steps}",
-            f"optim.decay_steps={STEPS}",
-            *overrides,
-        )
-        summary = train(cfg)
-        assert summary["status"] == "completed"
-    assert summary["resumed_from"].endswith(f"step_{half:08d}")
-    assert_matches(cfg, reference, range(half + 1, STEPS + 1))
+    cfg = train_half_then_resume(tmp_path, "resume", (4, ["strategy=tp2d"]), then, STEPS)
+    assert_matches(cfg, reference, range(STEPS // 2 + 1, STEPS + 1), TOL)
 
 
 def test_layout_lays_the_tp_dim_out_as_the_grid(tmp_path: Path):

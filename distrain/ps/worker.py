@@ -69,7 +69,7 @@ class PSWorker:
         and the gradient's norm (clipped as the trainer clips when `clip`: a gradient applied alone)."""
         self.model.zero_grad(set_to_none=True)
         loss_sum = self.learner.forward_backward(step)
-        norm = self.learner.clip(self.cfg.optim.grad_clip if clip else 0.0)
+        norm = self.learner.parallel.clip_grad_norm(self.cfg.optim.grad_clip if clip else 0.0)
         return loss_sum.item() / self.learner.parallel.layout.micro_batches, norm
 
     def evaluate(self) -> float:

@@ -1,7 +1,7 @@
 """One rank's model, data and step arithmetic: the path the trainer and the parameter-server worker share.
 
-A Learner builds the model on the rank's device, lays it out for its layout (`ParallelModel`), and
-runs a step's micro-batches forward and backward under autocast, the gradient norm and clipping,
+A Learner builds the model on the rank's device, lays it out for its layout (`ParallelModel`, whose
+`clip_grad_norm` its users call), and runs a step's micro-batches forward and backward under autocast,
 and evaluation. Where the gradient is synchronised is the one difference between its users: under
 collective training the data-parallel wrapper all-reduces it during the last micro-batch's backward;
 a parameter-server worker's model has no wrapper (`collective=False`), and the worker pushes the
@@ -91,11 +91,6 @@ class Learner:
             loss_sum = self.parallel.forward_backward(*self.inputs.get(step))
         self.faults.straggle(time.perf_counter() - start)
         return loss_sum
-
-    def clip(self, max_norm: float) -> torch.Tensor:
-        """The whole model's gradient norm before clipping; the gradient scaled down to max_norm
-        when it is positive and exceeded (0: the norm only)."""
-        return self.parallel.clip_grad_norm(max_norm)
 
     @torch.no_grad()
     def evaluate(self, shard: tuple[int, int] | None = None) -> torch.Tensor:

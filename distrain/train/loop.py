@@ -9,6 +9,7 @@ reports progress through the channel it is given, and reads a stop request from 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import secrets
@@ -22,13 +23,13 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from distrain import checkpoint
 from distrain.channel import Channel, Phase
-from distrain.config import ClusterConfig, TrainConfig, from_plain
+from distrain.config import ClusterConfig, TrainConfig
 from distrain.data.loader import run_batches
-from distrain.layout import Layout
 from distrain.model.size import flops_per_token
 from distrain.parallel import process_group
 from distrain.tracking import Tracker, run_results
 from distrain.train.faults import Faults
+from distrain.train.job import RankJob
 from distrain.train.learner import Learner
 from distrain.train.metrics import Readback, memory_peaks, peak_flops
 from distrain.train.nvme import NVMeAdamW, Scratch
@@ -37,17 +38,14 @@ from distrain.train.optim import build_optimizer, local_optimizer, lr_at, set_lr
 STATE_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-def run_rank(job: dict, channel: Channel) -> dict:
-    """Train this rank's part of the run described by `job` (a plain dict: config, layout, run_dir,
-    resume_from, wandb_run_id, started_at, and use_gpu: whether the rank was given a GPU, absent where
-    it trains on whatever torch sees); rank 0 returns the run's results, the others an empty dict. The
-    results say `stopped` when a stop request ended the run before max_steps."""
-    cfg, layout = from_plain(job["config"]), Layout.from_dict(job["layout"])
+def run_rank(job: RankJob, channel: Channel) -> dict:
+    """Train this rank's part of the run `job` describes; rank 0 returns the run's results, the others an
+    empty dict. The results say `stopped` when a stop request ended the run before max_steps."""
     channel.report({"phase": Phase.JOIN})
-    device = process_group.init_from_env(outside_steps_timeout_s(cfg.cluster), job.get("use_gpu"))
+    device = process_group.init_from_env(outside_steps_timeout_s(job.config.cluster), job.use_gpu)
     channel.report({"phase": Phase.SETUP, "joined_at": time.time()})
     try:
-        results = Trainer(cfg, layout, job, device, channel).fit()
+        results = Trainer(job, device, channel).fit()
     except BaseException:
         process_group.abort()  # a graceful destroy would wait for collectives its peers may never join
         raise
@@ -85,19 +83,22 @@ def nvme_scratch(cfg: TrainConfig, rank: int) -> Scratch | None:
     return Scratch(Path(root), os.path.join(run, own), int(s.nvme_buffer_mb * 2**20))
 
 
-def warm_up(job: dict) -> None:
+def warm_up(cfg: TrainConfig) -> None:
     """What a hot spare does while it waits for a rank: this module's imports (torch and the whole
     trainer, loaded as this function arrives), what torch imports on first use (DDP imports dynamo
     as it is built: 1.3 s), and the run's corpus, so that taking over costs none of them."""
     import torch._dynamo  # noqa: F401
 
-    run_batches(from_plain(job["config"]))
+    run_batches(cfg)
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, layout: Layout, job: dict, device: torch.device, channel: Channel):
+    def __init__(self, job: RankJob, device: torch.device, channel: Channel):
+        cfg, layout = job.config, job.layout
         self.cfg, self.layout, self.device, self.channel = cfg, layout, device, channel
-        self.plain_config, self.run_dir, self.started_at = job["config"], Path(job["run_dir"]), job["started_at"]
+        self.run_dir, self.started_at = Path(job.run_dir), job.started_at
+        # What checkpoints and the tracker record: config.to_plain's dict, without its OmegaConf (0.2 s here).
+        self.plain_config = dataclasses.asdict(cfg)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         assert layout.world_size == self.world, f"{layout} does not cover the {self.world} ranks"
         self.window = [time.perf_counter(), 0]  # when this logging window's training began, and its steps
@@ -116,12 +117,12 @@ class Trainer:
                 pin=device.type == "cuda",
                 timeout_s=outside_steps_timeout_s(cfg.cluster),
             )
-            if job["resume_from"]:
-                self.load(job["resume_from"])
+            if job.resume_from:
+                self.load(job.resume_from)
             self.learner.settle(self.step + 1)
             self.tracker = None
             if self.rank == 0:
-                self.tracker = Tracker(str(self.run_dir), job["config"], self.step, job["wandb_run_id"])
+                self.tracker = Tracker(str(self.run_dir), self.plain_config, self.step, job.wandb_run_id)
         self.vote: tuple[dist.Work, torch.Tensor] | None = None  # the stop vote in flight (agree_on_stop)
         self.blocked_s = 0.0  # how long checkpoints held the loop up since the last logged step
         channel.report({"step": self.step, "max_steps": cfg.trainer.max_steps, "loaded_at": time.time()})
@@ -184,7 +185,7 @@ class Trainer:
             # the summed micro-batch losses (local) and the norm before clipping; one optimizer step.
             set_lr(self.optimizer, lr_at(self.step, self.cfg.optim, t.max_steps))
             loss_sum = self.learner.forward_backward(self.step)
-            grad_norm = self.learner.clip(self.cfg.optim.grad_clip)
+            grad_norm = self.learner.parallel.clip_grad_norm(self.cfg.optim.grad_clip)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             self.window[1] += 1

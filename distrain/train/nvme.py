@@ -21,7 +21,6 @@ collected.
 
 from __future__ import annotations
 
-import os
 import shutil
 import weakref
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from distrain import directio
+from distrain.fsutil import alive
 
 STATES = ("exp_avg", "exp_avg_sq")
 FP32 = 4
@@ -209,18 +209,8 @@ def _remove_stale(directory: Path) -> None:
     rank, dot, _ = directory.name.rpartition(".")
     for old in directory.parent.glob(f"{rank}.*") if dot else []:
         pid = old.name.rpartition(".")[2].partition("-")[0]
-        if old != directory and pid.isdigit() and not _alive(int(pid)):
+        if old != directory and pid.isdigit() and not alive(int(pid)):
             shutil.rmtree(old, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's
-        return True
-    return True
 
 
 def _remove_scratch(stream: directio.Stream, directory: Path) -> None:

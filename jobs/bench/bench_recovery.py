@@ -272,17 +272,20 @@ class Recorder:
                 f.write(json.dumps(self.record) + "\n")
 
 
-def raytrain_loop(job: dict) -> None:
+def raytrain_loop(config: dict) -> None:
     """One Ray Train worker: distrain's trainer in the process group Ray Train formed (init_from_env
     leaves it alone), resuming, like an attempt under distrain, from the newest committed checkpoint."""
+    from dataclasses import replace
+
     import torch.distributed as dist
 
     from distrain import checkpoint
     from distrain.train.loop import run_rank
 
-    run_dir = Path(job["run_dir"])
+    job = config["job"]
+    run_dir = Path(job.run_dir)
     latest = checkpoint.latest(run_dir / "checkpoints")
-    run_rank({**job, "resume_from": str(latest) if latest else None}, Recorder(run_dir, dist.get_rank()))
+    run_rank(replace(job, resume_from=str(latest) if latest else None), Recorder(run_dir, dist.get_rank()))
 
 
 def run_raytrain(system: str, workers: int, repeat: int, args, storage: Path) -> Run:
@@ -292,20 +295,19 @@ def run_raytrain(system: str, workers: int, repeat: int, args, storage: Path) ->
     from ray.train.torch import TorchTrainer
 
     from distrain.cli import compose
-    from distrain.config import to_plain
+    from distrain.train.job import RankJob
     from distrain.validation import validate
 
     name = f"raytrain-{workers}w-{repeat}"
     cfg = compose(overrides(args, system, workers, storage, name))
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True)
-    job = {"config": to_plain(cfg), "layout": validate(cfg).as_dict(), "run_dir": str(run_dir)}
-    job |= {"wandb_run_id": None, "started_at": time.time()}
+    job = RankJob(cfg, validate(cfg), str(run_dir), time.time())
     cpus, threads = cfg.cluster.cpus_per_worker, cfg.cluster.threads_per_worker
     env = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": str(threads)}
     trainer = TorchTrainer(
         raytrain_loop,
-        train_loop_config=job,
+        train_loop_config={"job": job},
         scaling_config=ScalingConfig(num_workers=workers, use_gpu=False, resources_per_worker={"CPU": cpus}),
         run_config=RunConfig(
             name=name,
