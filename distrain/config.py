@@ -4,7 +4,7 @@ Hydra composes `conf/` on top of these schemas (so a misspelt key fails at compo
 files in `conf/` hold presets, i.e. only what differs from these defaults. `validation.validate`
 checks what types cannot, and `to_plain` turns the result into the plain dict that crosses into
 Ray actors, where `from_plain` rebuilds the dataclasses. Nothing here touches Hydra's global
-state: `distrain.cli` registers the schema and composes.
+state: `distrain.driver.cli` registers the schema and composes.
 """
 
 from __future__ import annotations

@@ -27,8 +27,8 @@ def export(run_dir: str | Path, out: str | Path, step: int | None = None) -> Pat
     from safetensors.torch import save_file
 
     from distrain.data.tokenizer import run_tokenizer
+    from distrain.driver.trained import load_trained
     from distrain.model.hf import hf_config, to_hf
-    from distrain.trained import load_trained
 
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -64,7 +64,7 @@ def readable(path: Path) -> None:
 
 
 def main(argv: list[str]) -> None:
-    from distrain.trained import REQUIRED, job_args
+    from distrain.driver.trained import REQUIRED, job_args
 
     spec = {"run.name": (str, REQUIRED), "run.storage": (str, "runs"), "out": (str, REQUIRED), "step": (int, None)}
     try:

@@ -65,7 +65,7 @@ def resolve_device(name: str) -> torch.device:
 
 def generate(args: dict) -> str:
     from distrain.data.tokenizer import run_tokenizer
-    from distrain.trained import load_trained
+    from distrain.driver.trained import load_trained
 
     if args["temperature"] < 0 or args["top_k"] < 0 or args["max_new_tokens"] < 0:
         raise ConfigError("temperature, top_k and max_new_tokens must be ≥ 0 (temperature=0: greedy; top_k=0: all)")
@@ -90,7 +90,7 @@ def generate(args: dict) -> str:
 
 
 def main(argv: list[str]) -> None:
-    from distrain.trained import REQUIRED, job_args
+    from distrain.driver.trained import REQUIRED, job_args
 
     spec = {
         "run.name": (str, REQUIRED),

@@ -9,8 +9,8 @@ the command that trains on the shards."""
 import os
 import sys
 
-from distrain.cli import BadInput, compose
 from distrain.config import ConfigError
+from distrain.driver.cli import BadInput, compose
 
 
 def fail(message: str, code: int = 2) -> None:

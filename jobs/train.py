@@ -13,9 +13,9 @@ from pathlib import Path
 
 STARTUP: dict[str, float] = {"imported_at": time.time()}  # wall-clock marks of this process's start
 
-from distrain.cli import CONF_DIR, BadInput, check_overrides, overrides_of, plan_overrides, register  # noqa: E402
-from distrain.console import DriverLog  # noqa: E402
-from distrain.sweep import Point, point_name, point_values, sweep_overrides, swept_keys, table, write_record  # noqa: E402
+from distrain.driver.cli import CONF_DIR, BadInput, check_overrides, overrides_of, plan_overrides, register  # noqa: E402
+from distrain.driver.console import DriverLog  # noqa: E402
+from distrain.driver.sweep import Point, point_name, point_values, sweep_overrides, swept_keys, table, write_record  # noqa: E402
 
 LOG = DriverLog()
 SWEEP: dict = {"keys": set(), "points": [], "dir": None}
@@ -33,8 +33,8 @@ def run(config, record) -> tuple[int, dict | None]:
     from distrain.cluster.placement import PlacementError, WorkerFailure
     from distrain.cluster.runtime import CapacityError
     from distrain.config import ConfigError
-    from distrain.fsutil import LockedError
-    from distrain.launch import train
+    from distrain.driver.launch import train
+    from distrain.storage.fsutil import LockedError
 
     CURRENT["config"] = config
     try:
@@ -70,7 +70,7 @@ def run_state() -> str:
     config = CURRENT.get("config")
     if config is None:
         return "nothing was started"
-    from distrain import checkpoint
+    from distrain.storage import checkpoint
 
     latest = checkpoint.latest(Path(config.run_dir) / "checkpoints")
     if latest is None:
@@ -133,7 +133,7 @@ def main(cfg) -> None:
 def check_sweep_storage(overrides: list[str]) -> None:
     """Hydra makes a sweep's directory (under run.storage) before any point's config is checked: check first."""
     from distrain.config import RunConfig
-    from distrain.fsutil import make_writable_dir
+    from distrain.storage.fsutil import make_writable_dir
 
     given = [o.partition("=")[2] for o in overrides if o.lstrip("+").startswith("run.storage=")]
     storage = given[-1] if given else RunConfig.storage

@@ -15,10 +15,10 @@ os.environ["RAY_USAGE_STATS_ENABLED"] = "0"  # and send nothing anywhere else
 os.environ.pop("RAY_ADDRESS", None)
 os.environ.pop("WANDB_API_KEY", None)
 
-from distrain import checkpoint  # noqa: E402
-from distrain.cli import CONF_DIR, compose  # noqa: E402, F401  (CONF_DIR: for test modules)
 from distrain.cluster.attempt import Mark  # noqa: E402
 from distrain.config import TrainConfig  # noqa: E402
+from distrain.driver.cli import CONF_DIR, compose  # noqa: E402, F401  (CONF_DIR: for test modules)
+from distrain.storage import checkpoint  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -82,8 +82,8 @@ def final_weights(cfg: TrainConfig) -> dict:
     """The model weights of the run's newest committed checkpoint, read without a process group."""
     import torch.distributed.checkpoint as dcp
 
-    from distrain import checkpoint
     from distrain.model.registry import build_model
+    from distrain.storage import checkpoint
 
     path = checkpoint.latest(Path(cfg.run_dir) / "checkpoints")
     state = {"model": build_model(cfg.model, cfg.trainer.seq_len).state_dict()}
@@ -106,7 +106,7 @@ def assert_recovery_in_order(timings: dict, after: float, logged_at: float | Non
 
 def logged(cfg: TrainConfig, key: str = "loss") -> dict[int, float]:
     """step → the value of `key` in the run's metrics.jsonl."""
-    from distrain.tracking import read_metrics
+    from distrain.storage.tracking import read_metrics
 
     return {m["step"]: m[key] for m in read_metrics(cfg.run_dir)}
 
@@ -128,7 +128,7 @@ def train_half_then_resume(
 ) -> TrainConfig:
     """Run `name` for `steps` steps in two invocations: the first half under `first`, the rest resumed from its
     checkpoint under `then`, on the whole run's LR schedule. The second's config: its run holds every step."""
-    from distrain.launch import train
+    from distrain.driver.launch import train
 
     half = steps // 2
     for (workers, overrides), max_steps in zip((first, then), (half, steps), strict=True):

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from distrain import checkpoint
+from distrain.storage import checkpoint
 
 pytestmark = pytest.mark.usefixtures("process_group")
 

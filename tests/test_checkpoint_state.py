@@ -31,10 +31,10 @@ def save_every_layout(rank: int, port: int, cases: dict, out: str) -> None:
     """One rank: each layout's Learner and optimizer after a step; its checkpoint state, saved twice by
     one Saver as a run saves it; what each state held that is neither a tensor nor plain data."""
     rank_env(rank, WORLD, port, CUDA_VISIBLE_DEVICES="")
-    from distrain import checkpoint
     from distrain.config import from_plain
     from distrain.layout import Layout
     from distrain.parallel import process_group
+    from distrain.storage import checkpoint
     from distrain.train.faults import Faults
     from distrain.train.learner import Learner
     from distrain.train.loop import checkpoint_state, nvme_scratch
@@ -63,9 +63,9 @@ def save_every_layout(rank: int, port: int, cases: dict, out: str) -> None:
 
 @pytest.mark.timeout(300)
 def test_every_layout_checkpoints_only_tensors_and_plain_data_save_after_save(tmp_path: Path):
-    from distrain import checkpoint
     from distrain.config import to_plain
-    from distrain.validation import validate
+    from distrain.driver.validation import validate
+    from distrain.storage import checkpoint
 
     (tmp_path / "nvme").mkdir()
     (tmp_path / "corpus").mkdir()
@@ -92,7 +92,7 @@ def test_every_layout_checkpoints_only_tensors_and_plain_data_save_after_save(tm
 
 
 def test_a_leaf_that_is_not_a_tensor_or_plain_data_is_named_and_nothing_is_written(tmp_path: Path):
-    from distrain import checkpoint
+    from distrain.storage import checkpoint
 
     state = {"model": {"w": torch.ones(2)}, "optim": {"step": 3, "betas": (0.9, 0.95), "kind": torch.optim.AdamW}}
     assert checkpoint.unplain_leaves(state) == ["optim.kind (type)"]

@@ -16,9 +16,9 @@ import pytest
 from conftest import REPO, TINY, committed_step, logged_step, make_config
 from test_config import run_cli
 
-from distrain.cli import BadInput, check_overrides
 from distrain.config import ConfigError
-from distrain.launch import train
+from distrain.driver.cli import BadInput, check_overrides
+from distrain.driver.launch import train
 
 STEPS = ["trainer.max_steps=3", "logger.wandb.mode=disabled"]
 

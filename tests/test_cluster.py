@@ -16,7 +16,7 @@ from conftest import compose
 from distrain.cluster.placement import GroupSpec, WorkerFailure, number_nodes, rank_table
 from distrain.cluster.runtime import CapacityError, check_capacity
 from distrain.cluster.worker_group import WorkerGroup
-from distrain.launch import worker_env
+from distrain.driver.launch import worker_env
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests/
 

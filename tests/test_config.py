@@ -11,8 +11,8 @@ import pytest
 from conftest import REPO, make_config
 
 from distrain.config import ConfigError
+from distrain.driver.validation import validate
 from distrain.layout import Layout
-from distrain.validation import validate
 
 
 @pytest.mark.parametrize(

@@ -13,10 +13,10 @@ import pytest
 from conftest import make_config
 
 from distrain.config import ConfigError, OptimConfig, to_plain
-from distrain.fsutil import LockedError, exclusive_lock
-from distrain.launch import check_resumable, group_spec, resolved, train
+from distrain.driver.launch import check_resumable, group_spec, resolved, train
+from distrain.driver.validation import validate
+from distrain.storage.fsutil import LockedError, exclusive_lock
 from distrain.train.optim import lr_at
-from distrain.validation import validate
 
 
 def test_lr_schedule_warms_up_then_decays_to_the_floor():

@@ -35,7 +35,7 @@ from conftest import (  # noqa: E402
 )
 from test_placement import _alive, _descendants, run_script  # noqa: E402
 
-from distrain.tracking import read_metrics  # noqa: E402
+from distrain.storage.tracking import read_metrics  # noqa: E402
 
 STEPS = 40
 CHECKPOINT_EVERY = 3
@@ -215,7 +215,7 @@ def main(storage: Path) -> None:
     from ray.cluster_utils import Cluster
     from ray.core.generated import autoscaler_pb2
 
-    from distrain.launch import train
+    from distrain.driver.launch import train
 
     started = time.monotonic()
 

@@ -18,9 +18,9 @@ import pytest
 import torch
 from conftest import assert_recovery_in_order, final_weights, logged, make_config
 
-from distrain.checkpoint import COMMIT_MARKER
-from distrain.launch import train
-from distrain.tracking import read_metrics
+from distrain.driver.launch import train
+from distrain.storage.checkpoint import COMMIT_MARKER
+from distrain.storage.tracking import read_metrics
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 COMMON = ["cluster.num_workers=4", "trainer.max_steps=30", "checkpoint.interval=3", "cluster.restart_backoff_s=0"]

@@ -13,8 +13,8 @@ import torch
 from conftest import REPO, make_config
 
 from distrain.data.tokenizer import run_tokenizer
-from distrain.launch import train
-from distrain.trained import load_trained
+from distrain.driver.launch import train
+from distrain.driver.trained import load_trained
 
 transformers = pytest.importorskip("transformers")
 sys.path.insert(0, str(REPO / "jobs"))

@@ -219,7 +219,7 @@ SLOW_WRITE_S = 5.0
 def train_rank(rank: int, port: int, job: RankJob, out: str) -> None:
     """One rank of a 2-rank run whose rank 1 takes SLOW_WRITE_S longer to write its first checkpoint."""
     rank_env(rank, 2, port, CUDA_VISIBLE_DEVICES="")
-    from distrain import checkpoint
+    from distrain.storage import checkpoint
     from distrain.train.loop import run_rank
 
     if rank == 1:
@@ -236,8 +236,8 @@ def train_rank(rank: int, port: int, job: RankJob, out: str) -> None:
 
 @pytest.mark.timeout(180)
 def test_a_slow_checkpoint_write_on_one_rank_does_not_time_out_the_other(tmp_path: Path):
-    from distrain import checkpoint
-    from distrain.validation import validate
+    from distrain.driver.validation import validate
+    from distrain.storage import checkpoint
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(Path(__file__).read_text() * 20)
@@ -260,7 +260,7 @@ def test_a_slow_checkpoint_write_on_one_rank_does_not_time_out_the_other(tmp_pat
 
 
 def test_the_collective_timeout_must_be_positive(tmp_path: Path):
-    from distrain.validation import validate
+    from distrain.driver.validation import validate
 
     with pytest.raises(ConfigError, match=r"^cluster\.collective_timeout_s=0\.0: must be positive$"):
         validate(make_config(tmp_path, "cluster.collective_timeout_s=0"))
@@ -271,8 +271,8 @@ def test_the_collective_timeout_must_be_positive(tmp_path: Path):
 
 @pytest.mark.usefixtures("ray_cluster")
 def test_auto_says_it_chose_cpus_on_a_cluster_without_gpus(tmp_path: Path):
-    from distrain.launch import group_spec
-    from distrain.validation import validate
+    from distrain.driver.launch import group_spec
+    from distrain.driver.validation import validate
 
     cfg = make_config(tmp_path, "cluster.use_gpu=null")
     said: list[str] = []
@@ -286,8 +286,8 @@ def test_use_gpu_true_waits_for_gpus_then_fails_in_one_line(tmp_path: Path):
     from ray.util.placement_group import placement_group_table
 
     from distrain.cluster.runtime import CapacityError
-    from distrain.launch import placeable_spec
-    from distrain.validation import validate
+    from distrain.driver.launch import placeable_spec
+    from distrain.driver.validation import validate
 
     cfg = make_config(tmp_path, "cluster.use_gpu=true", "cluster.placement_timeout_s=1")
     said: list[str] = []

@@ -17,11 +17,11 @@ from conftest import REPO, logged, make_config
 from distrain.config import ConfigError
 from distrain.data.loader import run_batches
 from distrain.data.tokenizer import run_tokenizer
-from distrain.launch import train
+from distrain.driver.launch import train
+from distrain.driver.trained import load_trained
 from distrain.model.contract import fill_parameters
 from distrain.model.hf import hf_weights, resolve_init_from
 from distrain.model.registry import build_model
-from distrain.trained import load_trained
 
 transformers = pytest.importorskip("transformers")
 
@@ -190,9 +190,9 @@ def test_resume_loads_the_checkpoint_not_the_imported_weights(ray_cluster, tmp_p
 def test_bpe_run_exports_its_tokenizer(ray_cluster, tmp_path: Path):
     """A run on BPE shards: the exported tokenizer encodes as the run's, ids above 255 and the
     end-of-text token included, and the model's vocabulary is the run's."""
-    from distrain.cli import compose
     from distrain.data.corpus import stdlib_files
     from distrain.data.prepare import prepare
+    from distrain.driver.cli import compose
 
     sys.path.insert(0, str(REPO / "jobs"))
     from export import export

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO, TINY, attempt_placement, committed_step, logged, logged_step, make_config
 
-from distrain.launch import train
+from distrain.driver.launch import train
 
 sys.path.append(str(REPO / "jobs" / "bench"))
 from hosts import Bed, unavailable  # noqa: E402  (jobs/bench/hosts.py: the benchmarks use it too)

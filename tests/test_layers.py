@@ -1,4 +1,4 @@
-"""Every "never" of DESIGN.md's picture, checked transitively: a module's imports are followed through
+"""Every "never" of docs/architecture.md's picture, checked transitively: a module's imports are followed through
 every distrain module it reaches (function-level imports included), so a rule cannot be broken by
 going round it. And the driver, at run time, has not imported torch."""
 
@@ -57,18 +57,41 @@ def under(names: set[str], forbidden: tuple[str, ...]) -> list[str]:
 
 RULES = {
     # The Ray layer knows nothing of torch, models, parallelism or training.
-    "distrain.cluster": ("torch", "distrain.parallel", "distrain.model", "distrain.train", "distrain.ps"),
+    "distrain.cluster": (
+        "torch",
+        "distrain.parallel",
+        "distrain.model",
+        "distrain.train",
+        "distrain.ps",
+        "distrain.driver",
+    ),
     # The torch.distributed layer knows nothing of Ray, the driver or the parameter server.
-    "distrain.parallel": ("ray", "distrain.cluster", "distrain.launch", "distrain.ps", "distrain.train"),
+    "distrain.parallel": ("ray", "distrain.cluster", "distrain.driver", "distrain.ps", "distrain.train"),
     # One rank's training does not know it runs under Ray.
-    "distrain.train": ("ray", "distrain.cluster", "distrain.launch", "distrain.ps"),
+    "distrain.train": ("ray", "distrain.cluster", "distrain.driver", "distrain.ps"),
     # The model is a model: no parallelism of ours, no Ray, no training loop.
-    "distrain.model": ("ray", "distrain.cluster", "distrain.parallel", "distrain.train", "distrain.ps"),
+    "distrain.model": (
+        "ray",
+        "distrain.cluster",
+        "distrain.parallel",
+        "distrain.train",
+        "distrain.ps",
+        "distrain.driver",
+    ),
+    # The run directory's files are written by the driver and the ranks alike, knowing neither.
+    "distrain.storage": (
+        "ray",
+        "distrain.cluster",
+        "distrain.driver",
+        "distrain.parallel",
+        "distrain.train",
+        "distrain.ps",
+    ),
     # What the driver checks and prints before anything starts needs neither torch nor Ray.
     "distrain.config": ("torch", "ray"),
     "distrain.layout": ("torch", "ray"),
-    "distrain.validation": ("torch", "ray"),
-    "distrain.plan": ("torch", "ray"),
+    "distrain.driver.validation": ("torch", "ray"),
+    "distrain.driver.plan": ("torch", "ray"),
     "distrain.channel": ("torch", "ray"),
 }
 
@@ -86,7 +109,7 @@ def test_a_layer_never_reaches_what_it_must_not_know(layer: str, forbidden: tupl
 # meta device, which needs torch; the registry is the one way there, taken only for such a target (a
 # shipped family's check and size need no torch: test_the_driver_imports_no_torch runs the driver).
 USER_MODEL_DOOR = "distrain.model.registry"
-DRIVER_LAYERS = ("distrain.validation", "distrain.plan")
+DRIVER_LAYERS = ("distrain.driver.validation", "distrain.driver.plan")
 
 
 def test_the_parameter_server_uses_parallel_only_through_the_learner():
@@ -99,14 +122,14 @@ def test_the_parameter_server_uses_parallel_only_through_the_learner():
 def test_the_checker_sees_imports_through_other_modules(tmp_path: Path):
     """The rules are only as good as `reached`: a forbidden import two modules away is found."""
     assert "torch" in reached("distrain.ps.engine")  # engine → metrics → train.optim → torch
-    assert "ray" in reached("distrain.launch") and "distrain.cluster.worker" in reached("distrain.launch")
+    assert "ray" in reached("distrain.driver.launch") and "distrain.cluster.worker" in reached("distrain.driver.launch")
 
 
 @pytest.mark.timeout(60)
 def test_the_driver_imports_no_torch():
     """The driver validates, plans and supervises without torch (a worker loads it, not the driver)."""
     code = (
-        "import sys, distrain.cli, distrain.launch, distrain.plan, distrain.validation\n"
+        "import sys, distrain.driver.cli, distrain.driver.launch, distrain.driver.plan, distrain.driver.validation\n"
         "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50, cwd=REPO)

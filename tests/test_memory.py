@@ -167,8 +167,8 @@ def test_plan_memory_matches_a_measured_step(tmp_path: Path):
     directly: 1F1B's first stage holds two micro-batches in flight where the last holds one, and tp=2
     halves a rank's activations but for those gathered inputs."""
     from distrain.config import to_plain
-    from distrain.plan import rank_memory
-    from distrain.validation import validate
+    from distrain.driver.plan import rank_memory
+    from distrain.driver.validation import validate
 
     cases, plans = {}, {}
     for name, overrides in LAYOUTS.items():

@@ -17,8 +17,8 @@ import torch
 from conftest import REPO, TINY, assert_matches, final_weights, logged, make_config, train_half_then_resume
 
 from distrain.config import ConfigError
-from distrain.launch import train
-from distrain.validation import validate
+from distrain.driver.launch import train
+from distrain.driver.validation import validate
 
 STEPS = 6
 COMMON = (f"trainer.max_steps={STEPS}", "model.n_layers=4")

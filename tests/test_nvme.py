@@ -15,11 +15,11 @@ import pytest
 import torch
 from conftest import logged, make_config
 
-from distrain import checkpoint, directio
 from distrain.config import ConfigError
-from distrain.launch import train
+from distrain.driver.launch import train
+from distrain.driver.validation import validate
+from distrain.storage import checkpoint, directio
 from distrain.train.nvme import NVMeAdamW, Scratch
-from distrain.validation import validate
 
 POOL = int(1.5 * 2**20)  # the smallest pool: chunks of 64 Ki elements, so a small model spans several
 ADAMW = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "foreach": True}

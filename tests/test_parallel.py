@@ -189,8 +189,8 @@ def test_learners_materialise_their_shards_of_the_whole_models_weights(tmp_path:
     never by the whole model; and under every layout the shards, gathered, are exactly the weights
     of the model built whole with the same seed (uneven shards and 2-D DTensors included)."""
     from distrain.config import to_plain
+    from distrain.driver.validation import validate
     from distrain.model.size import num_params
-    from distrain.validation import validate
 
     (tmp_path / "corpus").mkdir()
     (tmp_path / "corpus" / "text.txt").write_text("the quick brown fox jumps over the lazy dog\n" * 500)

@@ -16,7 +16,6 @@ import pytest
 import torch
 from conftest import REPO, final_weights, logged, make_config
 
-from distrain.cli import compose
 from distrain.config import ConfigError
 from distrain.data.checks import check_same_shards
 from distrain.data.corpus import stdlib_files
@@ -24,8 +23,9 @@ from distrain.data.documents import pieces
 from distrain.data.prepare import is_validation, prepare
 from distrain.data.shards import dtype_for, open_split, read_index
 from distrain.data.tokenizer import EOS, byte_tokenizer_json, load_tokenizer
-from distrain.launch import train
-from distrain.validation import validate
+from distrain.driver.cli import compose
+from distrain.driver.launch import train
+from distrain.driver.validation import validate
 
 pytest.importorskip("tokenizers")
 

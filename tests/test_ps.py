@@ -23,18 +23,18 @@ from conftest import committed_step, final_weights, logged, make_config
 from test_fault_tolerance import in_background, when
 from torch import nn
 
-from distrain import checkpoint
 from distrain.cluster.worker import Channel
 from distrain.config import TrainConfig, to_plain
 from distrain.data.corpus import load_tokens, unigram_entropy
-from distrain.launch import train
+from distrain.driver.launch import train
+from distrain.driver.validation import validate
 from distrain.model.llama import Transformer
 from distrain.ps.server import ParameterServer, elastic_exchange, feasible, load_weights
 from distrain.ps.shard import Piece, Slot, as_tensor, plan_shards
 from distrain.ps.worker import PSWorker
-from distrain.tracking import read_metrics
+from distrain.storage import checkpoint
+from distrain.storage.tracking import read_metrics
 from distrain.train.optim import lr_at
-from distrain.validation import validate
 
 THREE_WORKERS = ("cluster.num_workers=3", "trainer.global_batch_size=12")
 JOIN_S = 30.0  # how long a server call on a thread of its own may take before the test calls it stuck

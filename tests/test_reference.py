@@ -27,7 +27,7 @@ from conftest import final_weights, logged, make_config
 
 from distrain.config import TrainConfig
 from distrain.data.loader import run_batches
-from distrain.launch import train
+from distrain.driver.launch import train
 from distrain.model.registry import build_model
 
 STEPS = 12

@@ -9,8 +9,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from distrain import checkpoint
 from distrain.data.loader import Batches, Prefetch
+from distrain.storage import checkpoint
 from distrain.train.metrics import Readback, memory_peaks
 from distrain.train.optim import kernels
 

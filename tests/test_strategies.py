@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from conftest import assert_matches, logged, make_config, train_half_then_resume
 
-from distrain.launch import train
+from distrain.driver.launch import train
 
 STEPS = 6  # 2 of warm-up, 4 on the cosine, each compared: a layout bug shows within a step or two
 COMMON = (f"trainer.max_steps={STEPS}", "model.n_layers=4")  # 4 layers: room for 4 pipeline stages

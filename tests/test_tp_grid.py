@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from conftest import assert_matches, fake_table, logged, make_config, train_half_then_resume
 
-from distrain.launch import train
+from distrain.driver.launch import train
+from distrain.driver.plan import describe
 from distrain.layout import Layout
-from distrain.plan import describe
 
 STEPS = 10
 TOL = 1e-4

@@ -10,8 +10,8 @@ import pytest
 import torch
 from conftest import final_weights, logged, make_config
 
-from distrain.checkpoint import COMMIT_MARKER, TornCheckpointWarning, step_dir
-from distrain.launch import train
+from distrain.driver.launch import train
+from distrain.storage.checkpoint import COMMIT_MARKER, TornCheckpointWarning, step_dir
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 

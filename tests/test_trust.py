@@ -18,13 +18,13 @@ import torch.distributed.checkpoint as dcp
 from conftest import make_config
 from torch import nn
 
-from distrain import checkpoint
 from distrain.cluster.placement import WorkerFailure
 from distrain.config import to_plain
-from distrain.launch import group_spec, train
+from distrain.driver.launch import group_spec, train
+from distrain.driver.validation import validate
 from distrain.model.llama import Transformer
 from distrain.ps.server import SERVER_FILE, ParameterServer, load_weights
-from distrain.validation import validate
+from distrain.storage import checkpoint
 
 
 class Planted:

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from conftest import make_config
 
-from distrain.launch import train
-from distrain.tracking import read_metrics
+from distrain.driver.launch import train
+from distrain.storage.tracking import read_metrics
 
 BLOCK, HEADER = 32768, 7  # the .wandb file: a LevelDB-style log of protobuf Records in 32 KiB blocks
 FULL, LAST = 1, 4

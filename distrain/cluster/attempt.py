@@ -12,7 +12,7 @@ from pathlib import Path
 from ray.exceptions import RayActorError, RayError
 
 from distrain.channel import Phase
-from distrain.fsutil import write_json
+from distrain.storage.fsutil import write_json
 
 
 class Outcome(enum.StrEnum):

@@ -21,17 +21,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from distrain import checkpoint
 from distrain.cluster.attempt import Attempt
 from distrain.cluster.placement import GroupSpec
 from distrain.cluster.states import Work
 from distrain.cluster.worker_group import WorkerGroup
 from distrain.config import TrainConfig, to_plain
-from distrain.fsutil import write_json
 from distrain.layout import Layout
 from distrain.ps.metrics import StepLog
 from distrain.ps.server_group import ServerGroup
-from distrain.tracking import Tracker, run_results
+from distrain.storage import checkpoint
+from distrain.storage.fsutil import write_json
+from distrain.storage.tracking import Tracker, run_results
 
 SUSPECT_CHECK_S = 3.0  # after a worker fails: how long the servers get to show they are alive
 

@@ -27,12 +27,12 @@ import ray
 import torch
 from torch import nn
 
-from distrain.checkpoint import load_tensors, refuse_unplain
 from distrain.config import from_plain
 from distrain.model.contract import fill_parameters
 from distrain.model.hf import hf_weights
 from distrain.model.registry import build_model
 from distrain.ps.shard import Piece, ShardView, Slot, as_tensor, model_shards
+from distrain.storage.checkpoint import load_tensors, refuse_unplain
 from distrain.train.optim import lr_at
 
 SERVER_FILE = "server_{:03d}.pt"

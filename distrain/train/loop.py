@@ -21,13 +21,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from distrain import checkpoint
 from distrain.channel import Channel, Phase
 from distrain.config import ClusterConfig, TrainConfig
 from distrain.data.loader import run_batches
 from distrain.model.size import flops_per_token
 from distrain.parallel import process_group
-from distrain.tracking import Tracker, run_results
+from distrain.storage import checkpoint
+from distrain.storage.tracking import Tracker, run_results
 from distrain.train.faults import Faults
 from distrain.train.job import RankJob
 from distrain.train.learner import Learner

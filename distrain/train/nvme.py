@@ -30,8 +30,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from distrain import directio
-from distrain.fsutil import alive
+from distrain.storage import directio
+from distrain.storage.fsutil import alive
 
 STATES = ("exp_avg", "exp_avg_sq")
 FP32 = 4

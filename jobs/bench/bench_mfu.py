@@ -3,7 +3,7 @@
 Trains `model=llama_1b` in bf16 three ways, on the same job (batch, micro-batch, seq_len, AdamW, data),
 eager (`strategy.compile=false`) and with each block compiled (`strategy.compile=true`):
 
-- **distrain**, through its own driver (`distrain.launch.train`, Ray worker included) with FSDP at world
+- **distrain**, through its own driver (`distrain.driver.launch.train`, Ray worker included) with FSDP at world
   size 1 (`strategy=zero3 cluster.num_workers=1`); its metrics.jsonl gives each step's figures;
 - **plain loop**: distrain's model class built directly (its contract: on the meta device, then
   `init_weights()`) in a plain PyTorch loop, no Ray, no FSDP (jobs/bench/mfu_loop.py), AdamW fused;
@@ -213,7 +213,7 @@ def ratios(trials: list[harness.Trial]) -> dict[str, dict[str, float]]:
 
 
 def body(args: argparse.Namespace, trials: list[harness.Trial], fpt: float) -> str:
-    from distrain.cli import compose
+    from distrain.driver.cli import compose
     from distrain.model.size import num_params
 
     cfg, h100 = compose(overrides(args, args.variants[0], Path("/tmp"), "plan")), 989e12
@@ -222,7 +222,7 @@ def body(args: argparse.Namespace, trials: list[harness.Trial], fpt: float) -> s
         f"`model={args.model}` ({num_params(cfg.model) / 1e9:.3g} B parameters) in bf16 on one GPU, the same job",
         f"three ways, side by side in one run ({', '.join(SIDES[s] for s in ran)} here):",
         "",
-        "- **distrain**: through its own driver (`distrain.launch.train`, Ray worker included), FSDP at world",
+        "- **distrain**: through its own driver (`distrain.driver.launch.train`, Ray worker included), FSDP at world",
         "  size 1 (`strategy=zero3 cluster.num_workers=1`);",
         "- **plain loop**: distrain's model class built directly (on the meta device, then `init_weights()`)",
         "  in a plain PyTorch loop (`jobs/bench/mfu_loop.py`): no Ray, no FSDP, fp32 weights under bf16 autocast,",
@@ -289,7 +289,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     import torch
 
-    from distrain.cli import compose
+    from distrain.driver.cli import compose
     from distrain.model.size import flops_per_token
 
     if not args.gpu and not args.smoke:

@@ -83,7 +83,7 @@ def run_tier(tier: str, repeat: int, args, storage: Path) -> dict:
 
 
 def tier_lines(trials: list[harness.Trial], args) -> list[str]:
-    from distrain.plan import human, rank_memory
+    from distrain.driver.plan import human, rank_memory
 
     runs = harness.by_key(trials)
     cfg, layout = runs["cpu"][0].result["cfg"], runs["cpu"][0].result["layout"]
@@ -136,7 +136,7 @@ def bandwidth(args, directory: Path) -> list[harness.Trial]:
     """One rank's optimizer step, four ways (STEP_KINDS), on the same parameters and gradients."""
     import torch
 
-    from distrain import directio
+    from distrain.storage import directio
     from distrain.train.nvme import NVMeAdamW, Scratch
 
     torch.set_num_threads(1)  # a worker's default (cluster.threads_per_worker)

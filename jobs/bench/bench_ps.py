@@ -1,7 +1,7 @@
 """Parameter server beside all-reduce, with and without a straggler:  python jobs/bench/bench_ps.py
 
 Trains one job (model, corpus, workers, steps) under DDP and under every parameter-server mode (sync, sync with
-a backup worker, async, Hogwild, EASGD) through `distrain.launch.train` on one embedded Ray cluster on loopback,
+a backup worker, async, Hogwild, EASGD) through `distrain.driver.launch.train` on one embedded Ray cluster on loopback,
 then all of them again with the last rank --slowdown times slower (`fault.straggler`), the runs' order reversed
 on every other repeat. Writes docs/ps.md from each run's metrics.jsonl and summary.json, and docs/ps.svg: loss
 against step and against wall clock.
@@ -258,7 +258,7 @@ def svg(runs: list[dict], target: float, smooth: int) -> str:
 
 
 def body(args: argparse.Namespace, runs: list[dict], plot: str) -> str:
-    from distrain.cli import compose
+    from distrain.driver.cli import compose
     from distrain.model.size import num_params
 
     cfg = compose(overrides(args, "easgd", "none", Path("/tmp"), "plan"))
@@ -283,8 +283,8 @@ def body(args: argparse.Namespace, runs: list[dict], plot: str) -> str:
         rows = table([r for r in runs if r["scenario"] == scenario], args.target)
         sections += f"## {title.capitalize()}{extra}\n\n{nl.join(rows)}\n\n"
     return f"""DDP (all-reduce) and each parameter-server mode (`strategy=ps`, `distrain/ps/`) train one job, one run
-after the other through `distrain.launch.train` on one embedded Ray cluster (loopback only), first with every worker at
-full speed, then with one simulated straggler (`fault.straggler`); {args.repeats} run(s) of each, the order
+after the other through `distrain.driver.launch.train` on one embedded Ray cluster (loopback only), first with every
+worker at full speed, then with one simulated straggler (`fault.straggler`); {args.repeats} run(s) of each, the order
 reversed on every other repeat (a cell is the median over them, a curve the first run's).
 
 - Job: `model={cfg.model.name}` ({num_params(cfg.model) / 1e6:.2f} M parameters), the default corpus

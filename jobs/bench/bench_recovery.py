@@ -26,7 +26,7 @@ import harness  # first: it keeps Ray on loopback
 import processes
 from svgplot import Canvas  # jobs/bench/svgplot.py, beside this script
 
-from distrain.tracking import read_metrics
+from distrain.storage.tracking import read_metrics
 
 GOAL_S = 2.0  # distrain's median recovery with a hot spare, on the embedded cluster
 SYSTEMS = {"distrain": "distrain", "spare": "distrain + 1 hot spare", "raytrain": "Ray Train"}
@@ -214,9 +214,9 @@ def under_fire(label: str, run_dir: Path, pids: Callable, args, spares: int, cal
 
 
 def run_distrain(system: str, workers: int, repeat: int, args, storage: Path) -> Run:
-    """distrain.launch.train; its phases from the supervisor's record of the attempt after each kill."""
-    from distrain.cli import compose
-    from distrain.launch import train
+    """distrain.driver.launch.train; its phases from the supervisor's record of the attempt after each kill."""
+    from distrain.driver.cli import compose
+    from distrain.driver.launch import train
 
     cfg = compose(overrides(args, system, workers, storage, f"{system}-{workers}w-{repeat}"))
     run_dir = Path(cfg.run_dir)
@@ -279,7 +279,7 @@ def raytrain_loop(config: dict) -> None:
 
     import torch.distributed as dist
 
-    from distrain import checkpoint
+    from distrain.storage import checkpoint
     from distrain.train.loop import run_rank
 
     job = config["job"]
@@ -294,9 +294,9 @@ def run_raytrain(system: str, workers: int, repeat: int, args, storage: Path) ->
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from distrain.cli import compose
+    from distrain.driver.cli import compose
+    from distrain.driver.validation import validate
     from distrain.train.job import RankJob
-    from distrain.validation import validate
 
     name = f"raytrain-{workers}w-{repeat}"
     cfg = compose(overrides(args, system, workers, storage, name))
@@ -458,7 +458,7 @@ def reading(trials: list[harness.Trial]) -> str:
 
 
 def body(args, trials: list[harness.Trial], plot: str) -> str:
-    from distrain.cli import compose
+    from distrain.driver.cli import compose
     from distrain.model.size import num_params
 
     cfg = compose(overrides(args, "spare", args.workers[0], Path("/tmp"), "plan"))

@@ -2,7 +2,7 @@
 
 1. Memory per rank of ZeRO-0/1/2/3 and CPU offload on gloo processes (no Ray), counted from the tensors
    by `distrain.parallel.memory.state_bytes` and set beside ZeRO's arithmetic.
-2. The step time of each strategy preset through the product path, `distrain.launch.train` on one
+2. The step time of each strategy preset through the product path, `distrain.driver.launch.train` on one
    embedded Ray cluster, on the same model, batch and worker count, the presets' order reversed on every
    other repeat.
 
@@ -18,8 +18,8 @@ import harness  # first: it keeps Ray on loopback
 import processes
 import torch
 
-from distrain.cli import compose
 from distrain.config import ModelConfig, OptimConfig, StrategyConfig
+from distrain.driver.cli import compose
 from distrain.layout import Layout
 from distrain.model.llama import Transformer
 from distrain.model.size import num_params
@@ -237,7 +237,7 @@ def body(args, cfg: ModelConfig, memory: dict, rows: list[dict]) -> str:
             "",
             "## 2. Step time per strategy",
             "",
-            "Each preset through `distrain.launch.train`, the product's own path (one embedded Ray cluster on "
+            "Each preset through `distrain.driver.launch.train`, the product's own path (one embedded Ray cluster on "
             "loopback, started once; workers with `cluster.cpus_per_worker=0.25` and one thread each, kept warm "
             f"between runs of the same shape with `cluster.reuse_workers=true`): model `{cfg.name}`, {world} "
             f"workers, global batch {batch} × {seq} tokens, micro-batch {micro}, fp32, AdamW; {args.repeats} run(s) "

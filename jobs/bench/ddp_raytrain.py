@@ -22,7 +22,7 @@ import torch
 from ray.train import RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer, get_device
 
-from distrain.cli import compose
+from distrain.driver.cli import compose
 
 
 def train_loop(config: dict) -> list[dict]:

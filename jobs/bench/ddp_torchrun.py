@@ -24,10 +24,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distrain.cli import compose
 from distrain.compat import ddp_without_buffer_sync
 from distrain.data.corpus import load_tokens
 from distrain.data.loader import TRAIN, Batches, split
+from distrain.driver.cli import compose
 from distrain.model.llama import Transformer
 
 

@@ -5,7 +5,7 @@ or SKIP, and its figure), then a summary, and exits 1 if any part failed. `--par
 strategies, journey, ps, sticky; the benchmarks mfu and collectives are optional, five minutes of their own):
 
 1. **strategies**: a short NCCL run of every preset in conf/strategy/ that fits on G GPUs, through
-   distrain's own driver (`distrain.launch.train`, what `python jobs/train.py` runs): `model=nano`, 20
+   distrain's own driver (`distrain.driver.launch.train`, what `python jobs/train.py` runs): `model=nano`, 20
    steps, `trainer.precision=bf16`. Each gets the most workers ≤ G its layout accepts; tp, pp, hsdp and
    fsdp_tp need 2, 3d and tp2d 4, tp2p5d and tp3d 8, and a preset that needs more than G is skipped,
    saying so. Their degrees are not lowered to fit: at tp=1, pp=1 or dp_shard=1 a preset runs ddp's or
@@ -189,9 +189,9 @@ def overrides(args: argparse.Namespace, storage: Path, model: str = "nano", step
 
 def workers_for(name: str, common: list[str], most: int, unit: str) -> tuple[int | None, str]:
     """The most workers ≤ `most` preset `name`'s layout accepts; or None and what it needs."""
-    from distrain.cli import compose
     from distrain.config import ConfigError
-    from distrain.validation import validate
+    from distrain.driver.cli import compose
+    from distrain.driver.validation import validate
 
     cfg = compose([*common, f"strategy={name}", "run.name=plan"])
 
@@ -296,9 +296,9 @@ def mesh(trained: harness.Trained) -> str:
 def journey_models(args: argparse.Namespace, storage: Path, workers: int) -> tuple[list[str], list[Part]]:
     """The model presets the journey walks (--models, else every preset in conf/model/ whose training fits the
     GPU by plan's estimate; CPU mode: one of each family at the tests' tiny sizes), and a SKIP for each other."""
-    from distrain.cli import CONF_DIR, compose
-    from distrain.plan import human, rank_memory
-    from distrain.validation import validate
+    from distrain.driver.cli import CONF_DIR, compose
+    from distrain.driver.plan import human, rank_memory
+    from distrain.driver.validation import validate
 
     if args.models or not args.gpus:
         return args.models or list(CPU_MODELS), []
@@ -391,7 +391,7 @@ def export_part(label: str, cfg: TrainConfig, out: Path) -> Part:
     import export  # jobs/export.py (sys.path: below)
     import torch
 
-    from distrain.trained import load_trained
+    from distrain.driver.trained import load_trained
 
     label += ": export → transformers"
     try:

@@ -6,7 +6,7 @@
 - **Machine.** `machine()`, `describe()`, `commit()`, `off_loopback()`.
 - **Runs.** `alternate()`: each configuration once per repeat, the order reversed on every other repeat
   (ABBA), the 1-minute load average taken before each run. `train()`: one distrain run through
-  `distrain.launch.train`, bounded in time, with what it wrote. `ray_cluster()`: one embedded cluster.
+  `distrain.driver.launch.train`, bounded in time, with what it wrote. `ray_cluster()`: one embedded cluster.
 - Starting and ending processes (commands, bounded calls, gloo ranks) is jobs/bench/processes.py's.
 - **Command line.** `parser()` with the options every benchmark has (--out, --repeats, --smoke,
   --storage), `parse()` (which keeps the exact command for the page), `storage()`.
@@ -197,10 +197,10 @@ def train(overrides: list[str], timeout_s: float = 1800.0, bed: Any = None) -> T
     driver on the head host of `bed` (jobs/bench/hosts.py): the config, its layout, summary.json and
     metrics.jsonl; a failure, a timeout or a worker off loopback (off the bed's own addresses) is in
     `error`."""
-    from distrain.cli import compose
-    from distrain.launch import train as launch
-    from distrain.tracking import read_metrics
-    from distrain.validation import validate
+    from distrain.driver.cli import compose
+    from distrain.driver.launch import train as launch
+    from distrain.driver.validation import validate
+    from distrain.storage.tracking import read_metrics
 
     cfg = compose(overrides)
     layout = validate(cfg)

@@ -33,9 +33,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from distrain.cli import compose
 from distrain.config import TrainConfig, resolve_precision
 from distrain.data.loader import run_batches
+from distrain.driver.cli import compose
 from distrain.model.contract import tie
 from distrain.model.hf import hf_config
 from distrain.model.registry import build_model

@@ -6,14 +6,15 @@ from __future__ import annotations
 
 import os
 
-from distrain import directio, tpcost
+from distrain import tpcost
 from distrain.config import ClusterConfig, ConfigError, TrainConfig, attach_address
 from distrain.data.checks import check_data
 from distrain.data.corpus import corpus_files
+from distrain.driver.plan import rank_memory
 from distrain.layout import SCHEDULES, Layout
 from distrain.model.families import shipped
 from distrain.model.registry import check_model, has_plan
-from distrain.plan import rank_memory
+from distrain.storage import directio
 
 OPTIMIZERS = ("adamw", "sgd")
 WANDB_MODES = (None, "online", "offline", "disabled")

@@ -8,10 +8,10 @@ import re
 import time
 from pathlib import Path
 
-from distrain.checkpoint import COMMIT_MARKER, checkpoints
 from distrain.config import TrainConfig
-from distrain.fsutil import atomic_write, write_json
 from distrain.model.size import flops_per_token, num_params
+from distrain.storage.checkpoint import COMMIT_MARKER, checkpoints
+from distrain.storage.fsutil import atomic_write, write_json
 
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"

@@ -10,9 +10,9 @@ from pathlib import Path
 
 from torch import nn
 
-from distrain import checkpoint
 from distrain.config import ConfigError, TrainConfig, from_plain
 from distrain.model.registry import build_model
+from distrain.storage import checkpoint
 
 
 def checkpoint_path(run_dir: str | Path, step: int | None = None) -> Path:

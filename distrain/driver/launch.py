@@ -18,7 +18,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from distrain import checkpoint
 from distrain.cluster.attempt import Attempt
 from distrain.cluster.placement import GroupSpec
 from distrain.cluster.policy import Policy
@@ -28,15 +27,16 @@ from distrain.cluster.supervisor import Supervisor
 from distrain.cluster.worker_group import WorkerGroup
 from distrain.config import ClusterConfig, ConfigError, TrainConfig, attach_address, to_plain
 from distrain.data.checks import check_same_shards
-from distrain.fsutil import exclusive_lock, make_writable_dir
+from distrain.driver.plan import describe
+from distrain.driver.progress import ProgressLine
+from distrain.driver.stop import stop_signals
+from distrain.driver.validation import validate
 from distrain.layout import Layout
 from distrain.model.hf import resolve_init_from
-from distrain.plan import describe
-from distrain.progress import ProgressLine
-from distrain.stop import stop_signals
-from distrain.tracking import SUMMARY_FILE, read_metrics, wandb_mode, write_summary
+from distrain.storage import checkpoint
+from distrain.storage.fsutil import exclusive_lock, make_writable_dir
+from distrain.storage.tracking import SUMMARY_FILE, read_metrics, wandb_mode, write_summary
 from distrain.train.job import RankJob
-from distrain.validation import validate
 
 LOCK_FILE = ".lock"  # held by the driver while the run trains: one writer per run directory
 DEFAULT_STOP_GRACE_S = 30.0

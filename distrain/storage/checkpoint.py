@@ -30,7 +30,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path, PosixPath
 from typing import IO, Any
 
-from distrain.fsutil import atomic_write, write_json
+from distrain.storage.fsutil import atomic_write, write_json
 
 COMMIT_MARKER = "COMMITTED"
 META_FILE = "meta.json"
