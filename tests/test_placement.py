@@ -123,6 +123,7 @@ def test_tp_blocks_never_span_nodes_on_an_uneven_cluster():
 
 
 def _alive(pid: int) -> bool:
+    """Unlike fsutil.alive, a zombie counts as ended: an exited process whose parent has not reaped it yet."""
     try:
         return " Z " not in Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1][:3]
     except FileNotFoundError:

@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 
 from distrain.config import TrainConfig
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 SCHEMA = "train_schema"  # the name conf/train.yaml's defaults list gives TrainConfig
 ALIASES = {"checkpoint.async": "checkpoint.async_save"}  # command-line name → the field it sets
 
