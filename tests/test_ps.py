@@ -24,7 +24,7 @@ from test_fault_tolerance import in_background, when
 from torch import nn
 
 from distrain import checkpoint
-from distrain.cluster.worker import Channel
+from distrain.channel import Channel
 from distrain.config import TrainConfig, to_plain
 from distrain.data.corpus import load_tokens, unigram_entropy
 from distrain.launch import train
