@@ -4,7 +4,7 @@ request down) and the phases a rank reports. Neither Ray nor torch: both layers 
 from __future__ import annotations
 
 import enum
-from typing import Protocol
+import time
 
 
 class Phase(enum.StrEnum):
@@ -19,10 +19,14 @@ class Phase(enum.StrEnum):
     WAIT = "wait"  # on something outside the rank (a server, a held run): never a hang
 
 
-class Channel(Protocol):
-    """The supervisor's line to a rank: progress up (`report` phase, step, timestamps), a stop
-    request down (`stop_deadline`: the wall-clock time by which it wants the rank to have returned)."""
+class Channel:
+    """The supervisor's line to a rank: progress up (`report` phase, step, timestamps), a stop request
+    down (`stop_deadline`: the wall-clock time by which it wants the rank to have returned, or None).
+    The worker actor holds it and answers the supervisor's questions from it while the rank runs."""
 
-    stop_deadline: float | None
+    def __init__(self) -> None:
+        self.progress: dict = {}
+        self.stop_deadline: float | None = None
 
-    def report(self, progress: dict) -> None: ...
+    def report(self, progress: dict) -> None:
+        self.progress = {**self.progress, **progress, "time": time.time()}

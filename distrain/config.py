@@ -161,6 +161,9 @@ class ClusterConfig:
     # driver's next run of the same shape, e.g. a sweep in one process; they hold their resources until
     # then or until room is needed.
     reuse_workers: bool = False
+    # What a failure means (distrain/cluster/policy.py): a shipped policy by name, or a FailurePolicy subclass
+    # of your own, `cluster.policy._target_=pkg.module.Class` (the command line's name for a dotted path here).
+    policy: str = "default"
     max_failures: int = 3  # worker failures (deaths, errors, hangs) survived by restarting; -1: no limit
     min_workers: int | None = None  # the fewest workers a run may shrink to after losing nodes; None: num_workers
     hang_timeout_s: float | None = None  # no step for this long is a hang; None: 10 median steps, at least 60 s

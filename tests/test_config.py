@@ -11,6 +11,7 @@ import pytest
 from conftest import REPO, make_config
 
 from distrain.config import ConfigError
+from distrain.driver.launch import train
 from distrain.driver.validation import validate
 from distrain.layout import Layout
 
@@ -135,6 +136,25 @@ def test_validate_names_the_key(tmp_path: Path, overrides: list[str], key: str):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")) as err:
         validate(make_config(tmp_path, "run.name=bad", *overrides))
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("policy", "needle"),
+    [
+        ("cluster.policy=defualt", "cluster.policy=defualt: no such failure policy; did you mean default?"),
+        (
+            "cluster.policy._target_=user_policy.fail_fast.FailFsat",
+            "user_policy.fail_fast has no attribute FailFsat; did you mean user_policy.fail_fast.FailFast?",
+        ),
+        ("cluster.policy._target_=distrain.cluster.policy.FailurePolicy", "not a subclass of distrain.cluster.policy."),
+    ],
+)
+def test_a_failure_policy_that_is_none_fails_before_anything_starts(tmp_path, monkeypatch, policy, needle):
+    monkeypatch.syspath_prepend(str(REPO / "examples"))
+    with pytest.raises(ConfigError) as err:
+        train(make_config(tmp_path, "run.name=bad", policy))
+    assert needle in str(err.value) and "\n" not in str(err.value)
+    assert not (tmp_path / "bad").exists()  # no run directory, no cluster
 
 
 def test_defaults_are_valid_and_validation_changes_nothing(tmp_path: Path):

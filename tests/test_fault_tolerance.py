@@ -16,11 +16,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_recovery_in_order, final_weights, logged, make_config
+from conftest import REPO, assert_recovery_in_order, final_weights, logged, make_config
 
+from distrain.cluster.placement import WorkerFailure
 from distrain.driver.launch import train
 from distrain.storage.checkpoint import COMMIT_MARKER
-from distrain.storage.tracking import read_metrics
+from distrain.storage.tracking import SUMMARY_FILE, read_metrics
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 COMMON = ["cluster.num_workers=4", "trainer.max_steps=30", "checkpoint.interval=3", "cluster.restart_backoff_s=0"]
@@ -233,3 +234,17 @@ def test_sigterm_checkpoints_and_stops_and_a_rerun_resumes_exactly(tmp_path: Pat
     assert resumed["status"] == "completed" and resumed["resumed_from"].endswith(f"step_{stop_step:08d}")
     assert resumed["history"][-1]["status"] == "stopped"  # the stopped run's record is kept
     assert_same_training(cfg, reference)
+
+
+@pytest.mark.timeout(120)
+def test_a_failure_policy_of_the_users_own_decides(tmp_path: Path, monkeypatch):
+    """cluster.policy._target_ names a class outside distrain (examples/user_policy/), found by PYTHONPATH:
+    it ends the run at a kill the default policy survives. Last here: a run that fails lets its workers go."""
+    monkeypatch.setenv("PYTHONPATH", str(REPO / "examples"))
+    policy = "cluster.policy._target_=user_policy.fail_fast.FailFast"
+    cfg = make_config(tmp_path, "run.name=fail_fast", *COMMON, "fault.kill_at_step=2", policy)
+    with pytest.raises(WorkerFailure, match="cluster.policy=user_policy.fail_fast.FailFast gives up at once"):
+        train(cfg)
+    summary = json.loads((Path(cfg.run_dir) / SUMMARY_FILE).read_text())
+    assert summary["status"] == "failed" and "gives up at once" in summary["error"]
+    assert [a["outcome"] for a in summary["attempts"]] == ["failed"] and summary["restarts"] == 0

@@ -21,6 +21,7 @@ import torch
 import torch.multiprocessing as mp
 from conftest import free_port, make_config, rank_env
 
+from distrain.channel import Channel
 from distrain.config import ConfigError
 from distrain.parallel import process_group
 from distrain.train.job import RankJob
@@ -204,13 +205,6 @@ def test_after_a_failure_blocked_calls_are_aborted_and_only_healthy_processes_ke
 
 
 # -- collectives outside training steps ---------------------------------------------------------------
-
-
-class Channel:
-    stop_deadline = None
-
-    def report(self, progress: dict) -> None:
-        pass
 
 
 SLOW_WRITE_S = 5.0

@@ -23,7 +23,7 @@ from conftest import committed_step, final_weights, logged, make_config
 from test_fault_tolerance import in_background, when
 from torch import nn
 
-from distrain.cluster.worker import Channel
+from distrain.channel import Channel
 from distrain.config import TrainConfig, to_plain
 from distrain.data.corpus import load_tokens, unigram_entropy
 from distrain.driver.launch import train

@@ -19,7 +19,7 @@ import ray.cloudpickle
 
 from distrain.cluster.attempt import Attempt, Failure, FailureKind, Heartbeats, Outcome
 from distrain.cluster.placement import GroupSpec, WorkerFailure
-from distrain.cluster.policy import Decision, Policy, Verdict
+from distrain.cluster.policy import Decision, DefaultPolicy, FailurePolicy, Verdict, policy_class
 from distrain.cluster.states import (
     TRANSITIONS,
     Failed,
@@ -34,10 +34,16 @@ from distrain.cluster.states import (
     check_transition,
 )
 from distrain.cluster.supervisor import Supervisor
+from distrain.cluster.timeouts import Timeouts
+from distrain.config import ClusterConfig
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests/
 
-FAST = Policy(max_failures=3, hang_timeout_s=2.0, setup_timeout_s=30.0, restart_backoff_s=0.0, poll_s=0.1)
+FAST = Timeouts(hang_timeout_s=2.0, setup_timeout_s=30.0, restart_backoff_s=0.0, poll_s=0.1)
+
+
+def default(max_failures: int = 3) -> DefaultPolicy:
+    return DefaultPolicy(ClusterConfig(max_failures=max_failures))
 
 
 class Steps:
@@ -72,10 +78,12 @@ def _nothing() -> None:
     pass
 
 
-def supervisor(tmp_path: Path, fn, n: int = 3, policy: Policy = FAST, **options) -> Supervisor:
+def supervisor(tmp_path: Path, fn, n: int = 3, policy: FailurePolicy | None = None, **options) -> Supervisor:
     spares, replaces, reuse = options.get("spares", 0), options.get("replaces", False), options.get("reuse", False)
     spec = GroupSpec(num_workers=n, cpus_per_worker=0.25, gpus_per_worker=0, threads_per_worker=1, spares=spares)
-    return Supervisor(spec, policy, Steps(fn, tmp_path, replaces), [n], tmp_path, reuse_workers=reuse)
+    engine, timeouts = Steps(fn, tmp_path, replaces), options.get("timeouts", FAST)
+    on_progress = options.get("on_progress", lambda progress: None)
+    return Supervisor(spec, policy or default(), timeouts, engine, [n], tmp_path, on_progress, reuse_workers=reuse)
 
 
 def steps(attempt: int, folder: str, channel, until: int = 6, stall=lambda rank, step: None) -> dict:
@@ -144,39 +152,44 @@ def failure(kind: FailureKind, rank: int | None = 0, signature: tuple | None = N
     ],
 )
 def test_the_policy_decides_by_the_failure_and_the_engine(kind, rank, replaces, decision):
-    assert Policy().decide(failure(kind, rank), [], replaces).decision == decision
+    assert default().decide(failure(kind, rank), [], replaces).decision == decision
 
 
 def test_the_policy_gives_up_on_the_budget_and_on_the_same_error_twice():
-    policy = Policy(max_failures=2)
+    policy = default(max_failures=2)
     died = failure(FailureKind.DIED)
     assert policy.decide(died, [died], False).decision == Decision.RESTART
     verdict = policy.decide(died, [died, died], False)
     assert verdict.decision == Decision.GIVE_UP and "failure 3, over cluster.max_failures=2" in verdict.reason
-    assert Policy(max_failures=-1).decide(died, [died] * 50, False).decision == Decision.RESTART
+    assert default(max_failures=-1).decide(died, [died] * 50, False).decision == Decision.RESTART
     bug = failure(FailureKind.RAISED, signature=("ValueError", "bad batch", 3))
-    assert Policy(max_failures=10).decide(bug, [bug], True).decision == Decision.GIVE_UP
+    assert default(max_failures=10).decide(bug, [bug], True).decision == Decision.GIVE_UP
     other_step = failure(FailureKind.RAISED, signature=("ValueError", "bad batch", 4))
-    assert Policy(max_failures=10).decide(bug, [other_step], True).decision == Decision.REPLACE
+    assert default(max_failures=10).decide(bug, [other_step], True).decision == Decision.REPLACE
     assert policy.size(4, [2]).size == 2 and policy.size(4, []).decision == Decision.GIVE_UP
 
 
 def test_the_policy_gives_up_at_once_on_a_permanent_error_and_on_a_group_that_cannot_form_twice():
     refused = Failure(FailureKind.RAISED, "rank 0 failed: UnsafeCheckpointError: refused", 0, "...", permanent=True)
-    assert Policy(max_failures=10).decide(refused, [], False) == Verdict(Decision.GIVE_UP, refused.cause)
+    assert default(max_failures=10).decide(refused, [], False) == Verdict(Decision.GIVE_UP, refused.cause)
     joining = Failure(FailureKind.RAISED, "rank 1 failed: DistNetworkError (joining: 10.0.0.1 via eth0)", 1, "...")
     joining = replace(joining, signature=("DistNetworkError",), joining=True)
-    assert Policy().decide(joining, [], False).decision == Decision.RESTART  # the first time may be bad luck
-    verdict = Policy(max_failures=10).decide(joining, [joining], False)
+    assert default().decide(joining, [], False).decision == Decision.RESTART  # the first time may be bad luck
+    verdict = default(max_failures=10).decide(joining, [joining], False)
     assert verdict.decision == Decision.GIVE_UP
     assert "could not form their process group" in verdict.reason and "10.0.0.1 via eth0" in verdict.reason
     assert "GLOO_SOCKET_IFNAME" in verdict.reason and "\n" not in verdict.reason
 
 
 def test_backoff_grows_only_while_attempts_make_no_progress():
-    policy = Policy(restart_backoff_s=1.0)
-    assert policy.backoff([10]) == 0.0 and policy.backoff([10, 20]) == 0.0  # each got further: at once
-    assert [policy.backoff([10, 20] + [15] * k) for k in (1, 2, 3)] == [1.0, 2.0, 4.0]  # stuck: doubling
+    timeouts = Timeouts(restart_backoff_s=1.0)
+    assert timeouts.backoff([10]) == 0.0 and timeouts.backoff([10, 20]) == 0.0  # each got further: at once
+    assert [timeouts.backoff([10, 20] + [15] * k) for k in (1, 2, 3)] == [1.0, 2.0, 4.0]  # stuck: doubling
+
+
+def test_a_policy_is_chosen_by_its_name_or_the_dotted_path_of_a_class():
+    assert policy_class("default") is DefaultPolicy
+    assert policy_class(f"{__name__}.RestartForRankOne") is RestartForRankOne  # defined below, outside distrain
 
 
 # -- with Ray ---------------------------------------------------------------------------------------
@@ -305,6 +318,43 @@ def test_an_engine_that_replaces_workers_keeps_the_others_going(tmp_path: Path):
     ]
 
 
+class RestartForRankOne(FailurePolicy):
+    """A new attempt for rank 1's failures, a replacement for any other rank's."""
+
+    def decide(self, failure: Failure, earlier, replaces_workers: bool) -> Verdict:
+        return Verdict(Decision.RESTART if failure.rank == 1 else Decision.REPLACE)
+
+
+def ranks_1_and_2_raise(attempt: int, folder: str, channel) -> dict:
+    """In attempt 1, ranks 1 and 2 raise once the supervisor is held between two looks (`held`)."""
+    rank = int(os.environ["RANK"])
+    if attempt == 1 and rank in (1, 2):
+        while not Path(folder, "held").exists():
+            time.sleep(0.01)
+        Path(folder, f"raising_{rank}").write_text("")
+        raise RuntimeError(f"rank {rank} fails")
+    return steps(attempt, folder, channel)
+
+
+@pytest.mark.timeout(120)
+def test_failures_seen_together_get_the_strongest_verdict(tmp_path: Path):
+    """Ranks 1 and 2 fail in one look; the policy says RESTART for rank 1, REPLACE for rank 2: the group
+    restarts (replacing both would ignore the RESTART)."""
+
+    def hold_once(progress: dict) -> None:
+        if not (held := tmp_path / "held").exists():
+            held.write_text("")
+            while not all((tmp_path / f"raising_{r}").exists() for r in (1, 2)):
+                time.sleep(0.01)
+            time.sleep(1.0)  # both errors reach Ray: the next look sees them together
+
+    policy = RestartForRankOne(ClusterConfig())
+    sup = supervisor(tmp_path, ranks_1_and_2_raise, policy=policy, replaces=True, on_progress=hold_once)
+    assert [r["attempt"] for r in sup.run().results["ranks"]] == [2, 2, 2]
+    assert [f.rank for f in sup.failures] == [1, 2] and sup.replacements == []
+    assert "rank 1" in sup.attempts[0].cause  # the failure whose verdict was carried out
+
+
 def same_bug_every_time(attempt: int, folder: str, channel) -> dict:
     def stall(rank: int, step: int) -> None:
         if rank == 0 and step == 3:
@@ -315,7 +365,7 @@ def same_bug_every_time(attempt: int, folder: str, channel) -> dict:
 
 @pytest.mark.timeout(120)
 def test_the_same_error_at_the_same_step_twice_fails_fast_with_its_traceback(tmp_path: Path):
-    sup = supervisor(tmp_path, same_bug_every_time, policy=replace(FAST, max_failures=10))
+    sup = supervisor(tmp_path, same_bug_every_time, policy=default(max_failures=10))
     with pytest.raises(WorkerFailure, match="same error at the same step twice") as info:
         sup.run()
     assert len(sup.attempts) == 2  # not the ten the budget allows
@@ -334,7 +384,7 @@ def dies_at_a_new_step_each_time(attempt: int, folder: str, channel) -> dict:
 
 @pytest.mark.timeout(120)
 def test_the_failure_budget_ends_the_run(tmp_path: Path):
-    sup = supervisor(tmp_path, dies_at_a_new_step_each_time, policy=replace(FAST, max_failures=2))
+    sup = supervisor(tmp_path, dies_at_a_new_step_each_time, policy=default(max_failures=2))
     with pytest.raises(WorkerFailure, match="failure 3, over cluster.max_failures=2"):
         sup.run()
     assert [a.outcome for a in sup.attempts] == [Outcome.FAILED] * 3
@@ -351,7 +401,7 @@ def until_stopped(attempt: int, folder: str, channel) -> dict:
 
 @pytest.mark.timeout(60)
 def test_a_stop_request_reaches_every_rank_with_a_deadline(tmp_path: Path):
-    sup = supervisor(tmp_path, until_stopped, policy=replace(FAST, stop_grace_s=7.0))
+    sup = supervisor(tmp_path, until_stopped, timeouts=replace(FAST, stop_grace_s=7.0))
     threading.Timer(2.0, sup.request_stop).start()
     finished = sup.run()
     assert [a.outcome for a in sup.attempts] == [Outcome.STOPPED] and finished.stopped

@@ -1,15 +1,20 @@
-"""How a supervised run treats trouble: its timeouts, and one policy object whose methods return
-decisions (restart the group, replace one worker, shrink, give up) for every kind of training."""
+"""What a failure means: the interface the supervisor asks after every failure, the policies distrain
+ships, and the choice between them by config (`cluster.policy=<name>`, or a user's class with
+`cluster.policy._target_=pkg.module.Class`). A policy only decides: the supervisor carries a decision
+out, on its clocks (timeouts.py)."""
 
 from __future__ import annotations
 
+import abc
+import difflib
 import enum
+import inspect
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from distrain.cluster.attempt import Failure, FailureKind
-
-HANG_STEPS = 10  # the automatic hang timeout, in typical step times
-MAX_BACKOFF_S = 60.0
+from distrain.config import ClusterConfig, ConfigError
+from distrain.target import import_target
 
 
 class Decision(enum.StrEnum):
@@ -22,41 +27,42 @@ class Decision(enum.StrEnum):
 @dataclass(frozen=True)
 class Verdict:
     decision: Decision
-    reason: str = ""  # GIVE_UP: why, for the error the run ends with
+    reason: str = ""  # GIVE_UP: why, for the error the run ends with; else a note for the event line
     size: int = 0  # SHRINK: the worker count to go on with
 
 
-@dataclass(frozen=True)
-class Policy:
-    max_failures: int = 3  # failures survived; -1: no limit
-    hang_timeout_s: float | None = None  # None: HANG_STEPS median step times, at least min_hang_timeout_s
-    min_hang_timeout_s: float = 60.0
-    setup_timeout_s: float = 600.0  # the limit outside training steps: start-up, checkpoints, evaluation
-    restart_backoff_s: float = 1.0  # the wait before a retry that follows a failure without progress; doubles
-    stop_grace_s: float = 30.0  # after a stop request, how long the ranks get to checkpoint and return
-    survivor_grace_s: float = 3.0  # after a failure, how long the other ranks get to return (and be reused)
-    # Progress, hang and stop-request checks; a death or an error is seen at once regardless. A stop
-    # request waits for the next check, and under `ray job stop` the driver has 3 s in all.
-    poll_s: float = 0.5
-    # How often a run looks for draining nodes and, shrunk, for room to grow back: each look at room
-    # places a trial placement group (up to 0.5 s).
-    node_check_s: float = 5.0
+class FailurePolicy(abc.ABC):
+    """Decides what each failure of a supervised run means. Built once per run on the run's cluster
+    config (max_failures, and whatever else a policy reads), then asked about every failure in the order
+    the supervisor saw them. Of failures seen together (several parameter-server workers), the strongest
+    verdict is carried out: GIVE_UP, then RESTART; REPLACE only when every one of them says so. A REPLACE
+    the engine cannot carry out (a process group, a failure of no one rank) is a RESTART."""
 
-    def step_limit(self, step_s: float | None) -> float:
-        """How long a training step may go without progress: hang_timeout_s, else HANG_STEPS typical
-        step times (step_s), at least min_hang_timeout_s."""
-        if self.hang_timeout_s is not None:
-            return self.hang_timeout_s
-        return max(self.min_hang_timeout_s, HANG_STEPS * (step_s or 0.0))
+    def __init__(self, config: ClusterConfig) -> None:
+        self.config = config
 
-    def decide(self, failure: Failure, earlier: list[Failure], replaces_workers: bool) -> Verdict:
-        """What to do about `failure`, given the run's earlier failures (oldest first) and whether its
+    @abc.abstractmethod
+    def decide(self, failure: Failure, earlier: Sequence[Failure], replaces_workers: bool) -> Verdict:
+        """RESTART, REPLACE or GIVE_UP, given the run's earlier failures (oldest first) and whether its
         engine can replace one worker while the others go on (a parameter server can, a process group
-        cannot: it restarts together). The same error at the same step twice in a row is a bug, not bad
-        luck: retrying cannot help; so is a process group that fails to form twice with the same kind of
-        error (ranks that cannot reach each other), and an error that says so of itself (`permanent`). A
-        death (a kill, a lost node) is never called that."""
-        count = len(earlier) + 1
+        cannot: it restarts together)."""
+
+    def size(self, full: int, fitting: list[int]) -> Verdict:
+        """After the full group could not be placed in time: the largest allowed size the alive
+        nodes can hold (`fitting`, largest first), or give up."""
+        if fitting:
+            return Verdict(Decision.SHRINK, size=fitting[0])
+        return Verdict(Decision.GIVE_UP, f"could not place {full} workers, and no smaller allowed size fits")
+
+
+class DefaultPolicy(FailurePolicy):
+    """Retry up to cluster.max_failures, unless retrying cannot help. The same error at the same step
+    twice in a row is a bug, not bad luck; so is a process group that fails to form twice with the same
+    kind of error (ranks that cannot reach each other), and an error that says so of itself (`permanent`).
+    A death (a kill, a lost node) is never called that."""
+
+    def decide(self, failure: Failure, earlier: Sequence[Failure], replaces_workers: bool) -> Verdict:
+        count, budget = len(earlier) + 1, self.config.max_failures
         if failure.permanent:
             return Verdict(Decision.GIVE_UP, failure.cause)
         if failure.signature is not None and earlier and earlier[-1].signature == failure.signature:
@@ -70,25 +76,39 @@ class Policy:
             return Verdict(
                 Decision.GIVE_UP, f"the same error at the same step twice, so retrying cannot help: {failure.cause}"
             )
-        if 0 <= self.max_failures < count:
+        if 0 <= budget < count:
             return Verdict(
-                Decision.GIVE_UP,
-                f"{failure.cause}; that is failure {count}, over cluster.max_failures={self.max_failures}",
+                Decision.GIVE_UP, f"{failure.cause}; that is failure {count}, over cluster.max_failures={budget}"
             )
         one_worker = failure.rank is not None and failure.kind != FailureKind.LOST
-        return Verdict(Decision.REPLACE if replaces_workers and one_worker else Decision.RESTART)
+        decision = Decision.REPLACE if replaces_workers and one_worker else Decision.RESTART
+        return Verdict(decision, f"failure {count} of {'unlimited' if budget < 0 else budget}")
 
-    def size(self, full: int, fitting: list[int]) -> Verdict:
-        """After the full group could not be placed in time: the largest allowed size the alive
-        nodes can hold (`fitting`, largest first), or give up."""
-        if fitting:
-            return Verdict(Decision.SHRINK, size=fitting[0])
-        return Verdict(Decision.GIVE_UP, f"could not place {full} workers, and no smaller allowed size fits")
 
-    def backoff(self, steps_reached: list[int]) -> float:
-        """No wait before the first retry after forward progress (a new highest step: `steps_reached`
-        of the attempts so far), then doubling waits while attempts keep failing without any."""
-        best, stalled = 0, 0
-        for reached in steps_reached:
-            best, stalled = (reached, 0) if reached > best else (best, stalled + 1)
-        return 0.0 if stalled == 0 else min(MAX_BACKOFF_S, self.restart_backoff_s * 2 ** (stalled - 1))
+POLICIES: dict[str, type[FailurePolicy]] = {"default": DefaultPolicy}  # cluster.policy=<name>
+
+
+def failure_policy(config: ClusterConfig) -> FailurePolicy:
+    """The policy config.policy names, built on `config`."""
+    return policy_class(config.policy)(config)
+
+
+def policy_class(name: str) -> type[FailurePolicy]:
+    """A shipped policy by name, or the user's FailurePolicy subclass a dotted path names (imported
+    as model._target_ is); else a one-line ConfigError. The driver calls it before anything starts."""
+    if "." not in name:
+        if name in POLICIES:
+            return POLICIES[name]
+        close = difflib.get_close_matches(name, POLICIES, n=1)
+        hint = f"did you mean {close[0]}?" if close else f"shipped: {', '.join(POLICIES)};"
+        raise ConfigError(
+            f"cluster.policy={name}: no such failure policy; {hint} a class of your own: "
+            f"cluster.policy._target_=pkg.module.Class"
+        )
+    cls = import_target(name, "cluster.policy._target_", POLICIES)
+    if not (isinstance(cls, type) and issubclass(cls, FailurePolicy)) or inspect.isabstract(cls):
+        raise ConfigError(
+            f"cluster.policy._target_={name}: not a subclass of distrain.cluster.policy.FailurePolicy that "
+            f"implements decide"
+        )
+    return cls

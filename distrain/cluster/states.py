@@ -38,8 +38,8 @@ class AttemptLost(RuntimeError):
 
 class Engine(Protocol):
     """What a kind of training brings to the supervisor. The supervisor places the workers,
-    watches them, keeps the failure budget and decides what a failure means; the engine says what
-    runs on the ranks and what else an attempt needs, and it never loops on its own."""
+    watches them and carries out what its failure policy decides a failure means; the engine says
+    what runs on the ranks and what else an attempt needs, and it never loops on its own."""
 
     replaces_workers: bool  # a failed worker is replaced while the others go on; else the group restarts
 

@@ -34,7 +34,7 @@ from distrain.cluster.attempt import (
     write_stacks,
 )
 from distrain.cluster.placement import GroupSpec, PlacementError, WorkerFailure, draining_nodes, fitting_sizes, room_for
-from distrain.cluster.policy import Decision, Policy
+from distrain.cluster.policy import Decision, FailurePolicy, Verdict
 from distrain.cluster.states import (
     FINAL,
     AttemptLost,
@@ -51,6 +51,7 @@ from distrain.cluster.states import (
     Work,
     check_transition,
 )
+from distrain.cluster.timeouts import Timeouts
 from distrain.cluster.worker_group import WorkerGroup, first_line
 
 # The signature of every failure to form the process group, raised or timed out: ranks that cannot reach each
@@ -62,7 +63,8 @@ class Supervisor:
     def __init__(
         self,
         spec: GroupSpec,
-        policy: Policy,
+        policy: FailurePolicy,
+        timeouts: Timeouts,
         engine: Engine,
         world_sizes: Sequence[int],
         run_dir: Path,
@@ -72,7 +74,7 @@ class Supervisor:
     ):
         """world_sizes: the sizes the run may use, the one asked for (spec.num_workers) first.
         reuse_workers: keep the group for the next run of this driver when this one ends well."""
-        self.spec, self.policy, self.engine = spec, policy, engine
+        self.spec, self.policy, self.timeouts, self.engine = spec, policy, timeouts, engine
         self.world_sizes, self.run_dir = list(world_sizes), run_dir
         self.on_progress, self.on_event, self.reuse_workers = on_progress, on_event, reuse_workers
         self.state: State = Placing(since=time.time(), shrink=False)  # a run starts on all its workers
@@ -207,7 +209,7 @@ class Supervisor:
         if self._done(s):
             return self._finish(s)
         if time.time() > s.deadline:
-            s.attempt.cause = f"the ranks did not stop within {self.policy.stop_grace_s:g} s and were ended"
+            s.attempt.cause = f"the ranks did not stop within {self.timeouts.stop_grace_s:g} s and were ended"
             s.attempt.end(Outcome.STOPPED)
             return Finished(None, stopped=True)
         return s
@@ -228,7 +230,7 @@ class Supervisor:
 
     def _stopping(self, s: Watching) -> Stopping:
         """A stop was requested: ask every rank (and the engine) to checkpoint and return by the deadline."""
-        deadline = self.stop_requested_at + self.policy.stop_grace_s
+        deadline = self.stop_requested_at + self.timeouts.stop_grace_s
         self.on_event("stop requested: checkpointing, then stopping")
         self._ask_to_stop(deadline - 1.0)  # a second kept for the driver
         return Stopping(s.attempt, s.beats, s.results, deadline=deadline)
@@ -257,7 +259,7 @@ class Supervisor:
         """One look at the ranks (waiting up to poll_s for one to end): their results, the engine's
         work, progress; the failures it found, empty if none."""
         group, attempt = self.group, s.attempt
-        ended = group.poll(self.policy.poll_s)
+        ended = group.poll(self.timeouts.poll_s)
         s.results.update((rank, value) for rank, value, error in ended if error is None)
         errors = [(rank, error) for rank, _, error in ended if error is not None]
         try:
@@ -287,16 +289,16 @@ class Supervisor:
         if phase == Phase.WAIT:
             return float("inf")
         if phase != Phase.TRAIN:
-            return self.policy.setup_timeout_s
+            return self.timeouts.setup_timeout_s
         recent = self.step_times[-50:]
-        return self.policy.step_limit(statistics.median(recent) if recent else None)
+        return self.timeouts.step_limit(statistics.median(recent) if recent else None)
 
     def _failed(self, errors: list[tuple[int, Exception]]) -> list[Failure]:
         """The failure (collective training: the one to blame, after the others' errors came in) or the
         failures (an engine that replaces workers one by one)."""
         seen = time.time()
         if not self.engine.replaces_workers:
-            deadline = time.monotonic() + self.policy.survivor_grace_s
+            deadline = time.monotonic() + self.timeouts.survivor_grace_s
             while self.group.calls and time.monotonic() < deadline:  # the others' errors too: then pick the cause
                 errors += [(r, e) for r, _, e in self.group.poll(deadline - time.monotonic()) if e is not None]
             errors = [min(errors, key=lambda item: blame(item[1]))]
@@ -346,41 +348,46 @@ class Supervisor:
         full, n = self.world_sizes[0], attempt.world_size
         draining = {e["node_id"] for e in self.group.table} & set(deadlines := draining_nodes())
         if draining:
-            deadline = min(deadlines[node] for node in draining) or time.time() + self.policy.setup_timeout_s
+            deadline = min(deadlines[node] for node in draining) or time.time() + self.timeouts.setup_timeout_s
             return f"node {', '.join(d[:8] for d in draining)} is draining: checkpointing, then moving off it", deadline
         if n < full and room_for(self.spec, full - n):
             return (
                 f"room for all {full} workers again: growing back at a checkpoint",
-                time.time() + self.policy.setup_timeout_s,
+                time.time() + self.timeouts.setup_timeout_s,
             )
         return None, 0.0
 
     def _next_node_check(self) -> float:
-        return time.monotonic() + self.policy.node_check_s
+        return time.monotonic() + self.timeouts.node_check_s
 
     # -- Recovering -------------------------------------------------------------------------------
 
     def _recover(self, s: Recovering) -> State:
+        """The policy's verdict on each failure, carried out: the run ends at the first GIVE_UP; the failed
+        workers are replaced when every verdict says REPLACE and the engine can; else a new attempt."""
+        verdicts: list[tuple[Failure, Verdict]] = []
         for failure in s.failures:
-            verdict = self.policy.decide(failure, self.failures, self.engine.replaces_workers)
+            verdict = self.policy.decide(failure, tuple(self.failures), self.engine.replaces_workers)
             self.failures.append(failure)
             if verdict.decision == Decision.GIVE_UP:
                 s.watching.attempt.end(Outcome.HUNG if failure.kind == FailureKind.HUNG else Outcome.FAILED, failure)
                 detail = failure.error and not failure.permanent  # its class's words say it all
                 raise WorkerFailure(f"{verdict.reason}" + (f"\n{failure.error}" if detail else ""))
-        budget = "unlimited" if self.policy.max_failures < 0 else self.policy.max_failures
-        if verdict.decision == Decision.REPLACE:
-            for failure in s.failures:
-                self._replace(s.watching, failure, f"failure {len(self.failures)} of {budget}")
+            verdicts.append((failure, verdict))
+        if self.engine.replaces_workers and all(
+            v.decision == Decision.REPLACE and f.rank is not None for f, v in verdicts
+        ):
+            for failure, verdict in verdicts:
+                self._replace(s.watching, failure, verdict)
             return s.watching
-        failure = s.failures[0]
+        failure, verdict = next(((f, v) for f, v in verdicts if v.decision != Decision.REPLACE), verdicts[0])
         attempt = s.watching.attempt
         attempt.end(Outcome.HUNG if failure.kind == FailureKind.HUNG else Outcome.FAILED, failure)
         self.engine.end()
         if self.stop_requested_at:
             return Finished(None, stopped=True)
-        self.on_event(f"{failure.cause}; recovering (failure {len(self.failures)} of {budget})")
-        self._sleep(self.policy.backoff([a.step_reached for a in self.attempts]))
+        self.on_event(noted(f"{failure.cause}; recovering", verdict))
+        self._sleep(self.timeouts.backoff([a.step_reached for a in self.attempts]))
         if self.stop_requested_at:
             return Finished(None, stopped=True)
         since = attempt.timings[Mark.ENDED]
@@ -391,10 +398,10 @@ class Supervisor:
         self.group.release_unhealthy()
         return Placing(since=since, torn_down_at=time.time(), refill=True)
 
-    def _replace(self, watching: Watching, failure: Failure, budget: str) -> None:
+    def _replace(self, watching: Watching, failure: Failure, verdict: Verdict) -> None:
         """One worker replaced while the others go on (a hot spare if one is warm)."""
         rank = failure.rank
-        self.on_event(f"{failure.cause}; replacing it while the others go on ({budget})")
+        self.on_event(noted(f"{failure.cause}; replacing it while the others go on", verdict))
         step = self.group.last_progress(rank, timeout_s=0.5).get("step")
         self.group.replace(rank)
         watching.beats.restart(rank)
@@ -415,3 +422,8 @@ class Supervisor:
         end = time.monotonic() + seconds
         while time.monotonic() < end and not self.stop_requested_at:
             time.sleep(min(0.1, end - time.monotonic()))
+
+
+def noted(event: str, verdict: Verdict) -> str:
+    """An event line with the policy's note on its verdict (the failure budget), if it gave one."""
+    return f"{event} ({verdict.reason})" if verdict.reason else event

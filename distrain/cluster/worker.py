@@ -17,6 +17,8 @@ from typing import Any
 
 import ray
 
+from distrain.channel import Channel
+
 Fn = Callable[..., Any] | str  # a function, or one named "package.module:function" (`resolve`)
 
 
@@ -28,19 +30,6 @@ def resolve(fn: Fn) -> Callable[..., Any]:
         return fn
     module, _, name = fn.partition(":")
     return getattr(importlib.import_module(module), name)
-
-
-class Channel:
-    """The rank's end of distrain.channel.Channel: progress goes up (`report`), a request to stop
-    comes down (`stop_deadline`: the wall-clock time by which the supervisor wants the rank to have
-    returned, or None)."""
-
-    def __init__(self) -> None:
-        self.progress: dict = {}
-        self.stop_deadline: float | None = None
-
-    def report(self, progress: dict) -> None:
-        self.progress = {**self.progress, **progress, "time": time.time()}
 
 
 class Worker:

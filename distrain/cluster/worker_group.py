@@ -378,9 +378,7 @@ class WorkerGroup:
                 f"cluster.placement_timeout_s={self.spec.placement_timeout_s:g}"
             ) from e
 
-    # -- ending ---------------------------------------------------------------------------------
-
-    # -- as a warm.Kept group -------------------------------------------------------------------
+    # -- ending, and as a warm.Kept group -------------------------------------------------------
 
     @property
     def key(self) -> GroupSpec:

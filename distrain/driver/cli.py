@@ -19,7 +19,8 @@ from distrain.config import TrainConfig
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 SCHEMA = "train_schema"  # the name conf/train.yaml's defaults list gives TrainConfig
-ALIASES = {"checkpoint.async": "checkpoint.async_save"}  # command-line name → the field it sets
+# Command-line name → the field it sets.
+ALIASES = {"checkpoint.async": "checkpoint.async_save", "cluster.policy._target_": "cluster.policy"}
 
 
 def register() -> None:
@@ -137,5 +138,6 @@ def plan_overrides(args: list[str]) -> list[str]:
 
 
 def spell_out(args: list[str] | tuple[str, ...]) -> list[str]:
-    """`checkpoint.async=…` sets the field `checkpoint.async_save`: `async` is a Python keyword."""
+    """`checkpoint.async=…` sets the field `checkpoint.async_save` (`async` is a Python keyword), and
+    `cluster.policy._target_=…` the field `cluster.policy` (a user's class is named as a model is)."""
     return [ALIASES[a.partition("=")[0]] + a[a.index("=") :] if a.partition("=")[0] in ALIASES else a for a in args]

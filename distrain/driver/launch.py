@@ -20,10 +20,11 @@ from typing import Any
 
 from distrain.cluster.attempt import Attempt
 from distrain.cluster.placement import GroupSpec
-from distrain.cluster.policy import Policy
+from distrain.cluster.policy import failure_policy
 from distrain.cluster.runtime import check_capacity, connect, gpu_count, wait_for_gpus
 from distrain.cluster.states import Finished, Work
 from distrain.cluster.supervisor import Supervisor
+from distrain.cluster.timeouts import Timeouts
 from distrain.cluster.worker_group import WorkerGroup
 from distrain.config import ClusterConfig, ConfigError, TrainConfig, attach_address, to_plain
 from distrain.data.checks import check_same_shards
@@ -180,6 +181,7 @@ def resolved(given: TrainConfig) -> tuple[TrainConfig, Layout]:
     is not the user's (absolute paths, the W&B mode)."""
     cfg = resolve_init_from(given)
     layout = validate(cfg)
+    failure_policy(cfg.cluster)  # a user's policy imported, or a one-line error, before anything starts
     if not os.path.isabs(cfg.run.storage) and attach_address(cfg.cluster.address):
         raise ConfigError(
             f"run.storage={cfg.run.storage!r} is relative, and on a Ray cluster the job's working directory is "
@@ -229,15 +231,23 @@ def _prepare(cfg: TrainConfig, layout: Layout, run_dir: Path, startup: dict[str,
         layouts = {layout.world_size: layout, **layout.smaller(cfg)}
         job = RankJob(cfg, layout, str(run_dir), started, wandb_run_id)
         engine, on_rank_progress, sizes = AllReduceEngine(job, layouts), progress.update, list(layouts)
+    c = cfg.cluster
     supervisor = Supervisor(
-        spec, policy(cfg.cluster), engine, sizes, run_dir, on_rank_progress, progress.message, cfg.cluster.reuse_workers
+        spec,
+        failure_policy(c),
+        timeouts(c),
+        engine,
+        sizes,
+        run_dir,
+        on_rank_progress,
+        progress.message,
+        c.reuse_workers,
     )
     return supervisor, summary, progress
 
 
-def policy(c: ClusterConfig) -> Policy:
-    return Policy(
-        max_failures=c.max_failures,
+def timeouts(c: ClusterConfig) -> Timeouts:
+    return Timeouts(
         hang_timeout_s=c.hang_timeout_s,
         setup_timeout_s=c.setup_timeout_s,
         restart_backoff_s=c.restart_backoff_s,

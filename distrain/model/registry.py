@@ -1,62 +1,28 @@
 """From `model._target_` to a model keeping the contract (contract.py), or a one-line ConfigError.
 
 `model=<name>` presets (conf/model/) name a shipped family's target; `model._target_=pkg.module.fn`
-names a user's own class or function, imported as Python imports anything: from `sys.path`, which
-holds the working directory and PYTHONPATH (the cluster passes the driver's to its workers).
+names a user's own class or function, imported as distrain/target.py imports any target.
 """
 
 from __future__ import annotations
 
-import difflib
-import importlib
-import os
-import sys
 from collections.abc import Callable
 from typing import Any
 
 from distrain.config import ConfigError, ModelConfig
 from distrain.model.families import FAMILIES, shipped
+from distrain.target import import_target
 
 
 def resolve(target: str) -> Callable[..., Any]:
     """The class or function `target` names (a dotted path), or a ConfigError saying why not."""
-    _add_pythonpath()
-    module_name, _, attr = target.rpartition(".")
-    key = f"model._target_={target}"
-    if not module_name:
-        raise ConfigError(f"{key}: not a dotted path pkg.module.name; shipped: {', '.join(FAMILIES)}")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        if e.name is None or not module_name.startswith(e.name):
-            raise ConfigError(f"{key}: importing {module_name} failed: {e}") from None
-        close = difflib.get_close_matches(target, FAMILIES, n=1)
-        hint = f"did you mean {close[0]}?" if close else f"shipped: {', '.join(FAMILIES)};"
-        raise ConfigError(
-            f"{key}: no module named {e.name}; {hint} a module of your own must be importable: run from "
-            f"its directory or put that directory on PYTHONPATH"
-        ) from None
-    except Exception as e:  # the user's module itself fails to import
-        raise ConfigError(f"{key}: importing {module_name} failed: {type(e).__name__}: {e}") from None
-    if not hasattr(module, attr):
-        names = [n for n in dir(module) if not n.startswith("_")]
-        close = difflib.get_close_matches(attr, names, n=1)
-        hint = f"did you mean {module_name}.{close[0]}?" if close else f"shipped: {', '.join(FAMILIES)}"
-        raise ConfigError(f"{key}: {module_name} has no attribute {attr}; {hint}")
-    fn = getattr(module, attr)
+    fn = import_target(target, "model._target_", FAMILIES)
     if not callable(fn):
         raise ConfigError(
-            f"{key}: {target} is a {type(fn).__name__}, not a class or function to call (cfg, max_seq_len, seed)"
+            f"model._target_={target}: {target} is a {type(fn).__name__}, not a class or function to call "
+            f"(cfg, max_seq_len, seed)"
         )
     return fn
-
-
-def _add_pythonpath() -> None:
-    """PYTHONPATH's directories on sys.path even when it was set after this process started: a Ray
-    worker receives its environment (cluster.env_vars, what the driver forwards) once running."""
-    for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep):
-        if entry and entry not in sys.path:
-            sys.path.append(entry)
 
 
 def build_model(cfg: ModelConfig, max_seq_len: int, seed: int = 0) -> Any:

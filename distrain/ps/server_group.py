@@ -25,7 +25,8 @@ class ServerGroup:
         The servers an earlier run of this driver kept (cluster.reuse_workers) start over with `job`."""
         self.timeout_s, self.cpus = timeout_s, cpus
         self.job = ray.get_runtime_context().get_job_id()
-        self.key = ("parameter servers", num_servers, cpus, num_workers + SERVER_CALLS)
+        concurrency = num_workers + SERVER_CALLS
+        self.key = ("parameter servers", num_servers, cpus, concurrency)
         self.drains: dict[int, tuple] = {}  # server → (its unanswered drain, when asked)
         kept = warm.reuse(self.key)
         if kept is not None:
@@ -37,7 +38,7 @@ class ServerGroup:
         warm.make_room({"CPU": cpus * num_servers})
         self.actors = [
             ray.remote(ParameterServer)
-            .options(num_cpus=cpus, max_concurrency=num_workers + SERVER_CALLS, scheduling_strategy="SPREAD")
+            .options(num_cpus=cpus, max_concurrency=concurrency, scheduling_strategy="SPREAD")
             .remote(job, k)
             for k in range(num_servers)
         ]
