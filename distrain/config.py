@@ -155,7 +155,7 @@ class ClusterConfig:
     env_vars: dict[str, str] = field(default_factory=dict)
     placement_strategy: str = "PACK"
     placement_timeout_s: float = 120.0  # to place the workers; after a node loss, to place all of them again
-    # Fault tolerance (distrain/cluster/supervisor.py; "Surviving failures" in the README).
+    # Fault tolerance (distrain/cluster/supervisor.py; docs/fault-tolerance.md).
     spares: int = 0  # hot spares: started with the group, imports warm, each ready to take a dead rank
     # Keep a run's workers (placement group and warm processes), and its parameter servers, for this
     # driver's next run of the same shape, e.g. a sweep in one process; they hold their resources until

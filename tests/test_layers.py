@@ -5,6 +5,7 @@ going round it. And the driver, at run time, has not imported torch."""
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from functools import cache
@@ -135,3 +136,11 @@ def test_the_driver_imports_no_torch():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50, cwd=REPO)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+def test_the_design_page_quotes_these_rules():
+    """docs/architecture.md quotes RULES as its picture of the layers: the quote and the rules are one text."""
+    block = re.compile(r"^RULES = \{\n.*?^\}\n", re.M | re.S)
+    here = block.search(Path(__file__).read_text())[0]
+    quoted = block.search((REPO / "docs" / "architecture.md").read_text())
+    assert quoted and quoted[0] == here, "docs/architecture.md's RULES quote differs from tests/test_layers.py's"

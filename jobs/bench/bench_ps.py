@@ -75,7 +75,7 @@ def overrides(args: argparse.Namespace, config: str, scenario: str, storage: Pat
         f"trainer.eval_interval={args.eval_interval} checkpoint.interval=0 run.storage={storage} run.name={name}"
     )
     # async and Hogwild apply every worker's gradient as its own update: the learning rate per update is
-    # scaled down by the workers, as the README advises, for the step size per global batch of the others.
+    # scaled down by the workers, as docs/parameter-server.md advises, for the step size per global batch of the others.
     lr = [f"optim.lr={OptimConfig().lr / args.workers:g}"] if config in ("async", "hogwild") else []
     # Across hosts: the workers spread over both (half on each) and a server on each.
     hosts = ["cluster.placement_strategy=SPREAD", "ps.num_servers=2"] if scenario == "link" else []
