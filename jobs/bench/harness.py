@@ -360,9 +360,9 @@ def index(docs: Path = DOCS) -> str:
     pages = {}
     for page in sorted(docs.glob("*.md")):
         text = page.read_text()
-        script = re.search(r"jobs/bench/(\w+)\.py", text)  # the first: the page's own command
-        if page.name != "benchmarks.md" and script:
-            pages.setdefault(script[1], []).append((page.name, COMMIT_LINE.search(text)))
+        script = re.search(r"jobs/(bench/)?(\w+)\.py", text)  # the first: the page's own command
+        if page.name != "benchmarks.md" and script and script[1]:
+            pages.setdefault(script[2], []).append((page.name, COMMIT_LINE.search(text)))
     rows = []
     for script in sorted((ROOT / "jobs" / "bench").glob("bench_*.py")):
         what, found = summary_line(script), pages.get(script.stem, [])
