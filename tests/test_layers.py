@@ -67,6 +67,7 @@ RULES = {
     # What the driver checks and prints before anything starts needs neither torch nor Ray.
     "distrain.config": ("torch", "ray"),
     "distrain.layout": ("torch", "ray"),
+    "distrain.parallelism": ("torch", "ray"),
     "distrain.validation": ("torch", "ray"),
     "distrain.plan": ("torch", "ray"),
     "distrain.channel": ("torch", "ray"),
