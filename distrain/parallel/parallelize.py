@@ -38,15 +38,17 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 def apply_activation_checkpointing(model: nn.Module, on: ParallelModel) -> nn.Module:
     """Keep only each block's input; recompute the rest during the backward pass."""
-    for block in model.layers.values() if on.cfg.activation_checkpoint else ():
-        checkpoint(block)
+    if on.cfg.activation_checkpoint:
+        for block in model.layers.values():
+            checkpoint(block)
     return model
 
 
 def apply_compile(model: nn.Module, on: ParallelModel) -> nn.Module:
     """Compile block by block: the blocks are identical, so one graph serves them all."""
-    for block in model.layers.values() if on.cfg.compile else ():
-        block.compile(fullgraph=True)
+    if on.cfg.compile:
+        for block in model.layers.values():
+            block.compile(fullgraph=True)
     return model
 
 
