@@ -14,9 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from distrain.layout import tp_grid
-
-MODES = ("1d", "2d", "2.5d", "3d")
+from distrain.parallelism.tensor_parallel import grid, weight_split
 
 
 def _get(model: Any, key: str) -> Any:
@@ -35,22 +33,6 @@ def linears(s: dict[str, int]) -> list[tuple[int, int]]:
     """(in, out) of every linear layer, the LM head last."""
     h, k, f = s["h"], s["k"], s["f"]
     return [(h, h), (h, k), (h, k), (h, h), (h, f), (h, f), (f, h)] * s["L"] + [(h, s["V"])]
-
-
-def grid(mode: str, p: int, depth: int = 1) -> tuple[int, int]:
-    """(q, d): the side of the grid and its depth (layout.tp_grid's); 1-D and p = 1 are (1, 1)."""
-    dims = dict(tp_grid(mode, p, depth)) if p > 1 else {}
-    return dims.get("tp_col", dims.get("tp_k", 1)), dims.get("tp_depth", 1)
-
-
-def weight_split(mode: str, p: int, depth: int = 1) -> tuple[int, int]:
-    """Into how many blocks tensor parallelism splits (every matrix, every norm's gain): 1-D splits the
-    matrices over p and copies the gains; 2-D and 2.5-D split matrices over the q×q grid (2.5-D copying it
-    over depth) and gains over q; 3-D matrices over q³ and gains over q."""
-    if p == 1 or mode == "1d":
-        return p, 1
-    q, _ = grid(mode, p, depth)
-    return (q**3 if mode == "3d" else q * q), q
 
 
 def linear_traffic(mode: str, q: int, d: int, n: int, i: int, o: int) -> float:

@@ -124,13 +124,25 @@ def test_fsdp_reduces_gradients_only_after_the_last_micro_batch(process_group):
 
 
 def test_every_schedule_name_has_a_torch_schedule():
-    from distrain.layout import SCHEDULES
     from distrain.parallel.pipeline import SCHEDULE_CLASSES
+    from distrain.parallelism.pipeline import SCHEDULES
 
     assert SCHEDULE_CLASSES.keys() == SCHEDULES.keys()
     for name, schedule in SCHEDULES.items():
         multi = issubclass(SCHEDULE_CLASSES[name], torch.distributed.pipelining.schedules.PipelineScheduleMulti)
         assert multi == schedule.multi_stage, name
+
+
+def test_every_parallelism_the_driver_knows_is_applied_in_torchtitans_order():
+    """The driver's registry and the torch layer's steps name the same parallelisms (the pipeline is no
+    step: it makes the parts), laid on the mesh and applied in the order they always were."""
+    from distrain.layout import MESH_DIMS
+    from distrain.parallel.parallelize import STEPS
+    from distrain.parallelism import PARALLELISMS
+
+    assert MESH_DIMS == ("pp", "dp_replicate", "dp_shard", "tp")
+    assert {p.name for p in PARALLELISMS} - STEPS.keys() == {"pp"}
+    assert list(STEPS) == ["tp", "activation_checkpoint", "compile", "dp"]
 
 
 WORLD = 4

@@ -6,12 +6,14 @@ places the workers and passes the table in.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from distrain.config import TrainConfig, resolve_precision
-from distrain.layout import MESH_DIMS, SCHEDULES, Layout, stage_layers, tp_grid
+from distrain.layout import MESH_DIMS, Layout
 from distrain.model.size import num_params, parts
-from distrain.tpcost import weight_split
+from distrain.parallelism import PARALLELISMS
+from distrain.parallelism.pipeline import in_flight, stage_layers
 
 FP32 = 4  # bytes: master weights, gradients and optimizer state are fp32 whatever the precision
 
@@ -44,8 +46,8 @@ def human(n: float) -> str:
 def stage_params(cfg: TrainConfig, stage: int, stages: int, layout: Layout) -> int:
     """Parameters one tensor-parallel rank of a pipeline stage holds: its blocks, the input modules on
     stage 0 (the embeddings), the output modules on the last (final norm, head; a head tied to the
-    embedding is a copy of its own there when they are different stages). Tensor parallelism splits
-    the matrices and the vectors (norms' gains, biases) as tpcost.weight_split says."""
+    embedding is a copy of its own there when they are different stages). The parallelisms split the
+    matrices and the vectors (norms' gains, biases) as their `weight_split` says (tensor parallelism's)."""
     m = cfg.model
     sizes = parts(m, cfg.trainer.seq_len)
     n = len(stage_layers(m.n_layers, stages)[stage])
@@ -55,7 +57,8 @@ def stage_params(cfg: TrainConfig, stage: int, stages: int, layout: Layout) -> i
     if stage == stages - 1:
         matrices, vectors = matrices + sizes.output[0], vectors + sizes.output[1]
         matrices += sizes.tied if stages > 1 else 0
-    matrix_blocks, norm_blocks = weight_split(layout.tp_mode, layout.tp, layout.tp_depth)
+    splits = [p.weight_split(layout) for p in PARALLELISMS]
+    matrix_blocks, norm_blocks = math.prod(a for a, _ in splits), math.prod(b for _, b in splits)
     return matrices // matrix_blocks + vectors // norm_blocks
 
 
@@ -65,32 +68,19 @@ def optimizer_states(cfg: TrainConfig) -> int:
     return 2 if o.name == "adamw" else int(o.momentum != 0)
 
 
-def in_flight(layout: Layout, pp_rank: int) -> int:
-    """Micro-batches whose activations a rank holds at once: one without a pipeline (gradient
-    accumulation runs them one after another); all of them for GPipe-like schedules; for the 1F1B
-    family the pp − pp_rank of the warm-up (Narayanan et al. 2021), taken as is for the interleaved ones."""
-    if layout.pp == 1:
-        return 1
-    n = layout.micro_batches
-    return n if SCHEDULES[layout.schedule].all_at_once else min(n, layout.pp - pp_rank)
-
-
 def layer_activations(cfg: TrainConfig, layout: Layout, precision: str) -> tuple[int, int]:
     """(bytes a block keeps for the backward pass, bytes it needs while its forward is recomputed).
 
     Korthikanti et al. 2022, eq. 1-2 and 4: a transformer block stores s·b·h·(34 + 5·a·s/h) bytes in
-    16-bit (s sequence, b micro-batch, h dim, a heads); tensor parallelism (always with sequence
-    parallelism here) divides it all by tp; fp32 doubles it; with activation checkpointing a block
-    keeps only its 2·s·b·h input (÷ tp). An estimate: it
-    assumes a 4h MLP, and counts the a·s² attention scores that a fused SDPA kernel does not store.
+    16-bit (s sequence, b micro-batch, h dim, a heads); the parallelisms divide it all as their
+    `activation_split` says (tensor parallelism, always with sequence parallelism here, by tp); fp32
+    doubles it; with activation checkpointing a block keeps only its 2·s·b·h input (divided alike).
+    An estimate: it assumes a 4h MLP, and counts the a·s² attention scores that a fused SDPA kernel does not store.
     """
     m, t = cfg.model, cfg.trainer
-    sbh, scores, tp = (
-        t.seq_len * t.micro_batch_size * m.dim,
-        5 * m.n_heads * t.seq_len**2 * t.micro_batch_size,
-        layout.tp,
-    )
-    full, kept = (34 * sbh + scores) // tp, 2 * sbh // tp
+    sbh, scores = t.seq_len * t.micro_batch_size * m.dim, 5 * m.n_heads * t.seq_len**2 * t.micro_batch_size
+    split = math.prod(p.activation_split(layout) for p in PARALLELISMS)
+    full, kept = (34 * sbh + scores) // split, 2 * sbh // split
     scale = 2 if precision == "fp32" else 1
     return scale * (kept if cfg.strategy.activation_checkpoint else full), scale * full
 
@@ -123,10 +113,6 @@ def _group(ranks: list[int]) -> str:
     return "[" + ",".join(map(str, ranks)) + "]"
 
 
-def _layers(r: range) -> str:
-    return f"layer {r.start}" if len(r) == 1 else f"layers {r.start}-{r.stop - 1}"
-
-
 def mesh_lines(layout: Layout, table: list[dict]) -> list[str]:
     """One row per rank: the worker (index in the placement group, pid), its node, its GPU, its coordinate."""
     rows = [("rank", "worker", "pid", "node (ip #rank)", "device", *MESH_DIMS)]
@@ -146,48 +132,6 @@ def group_lines(layout: Layout) -> list[str]:
         f"  {d}: " + " ".join(_group(g) for g in layout.groups(d)) for d, n in layout.mesh_sizes().items() if n > 1
     ]
     return lines or ["  none: a single rank"]
-
-
-def _chunk(index: int, chunks: int, n: int) -> str:
-    return f"{index * n // chunks}-{(index + 1) * n // chunks - 1}"
-
-
-def grid_lines(cfg: TrainConfig, layout: Layout) -> list[str]:
-    """Which block of the activations and weights each rank of one tensor-parallel group holds (every
-    group holds the same blocks): the residual stream's sequences of a micro-batch and hidden features,
-    and a dim×dim projection's block (distrain/parallel/tpnd/grid.py)."""
-    b, h = cfg.trainer.micro_batch_size, cfg.model.dim
-    grid = dict(tp_grid(layout.tp_mode, layout.tp, layout.tp_depth))
-    how = {"2d": "SUMMA", "2.5d": "SUMMA on each depth's grid", "3d": "3-D matmul"}[layout.tp_mode]
-    lines = [f"tensor-parallel grid ({layout.tp_mode}: {' × '.join(f'{d}={n}' for d, n in grid.items())}, {how}); "
-             f"a micro-batch of {b} sequences, hidden {h}; projection W[out, in] as nn.Linear holds it:"]  # fmt: skip
-    for rank in range(layout.tp):
-        c = layout.tp_coordinate(rank)
-        where = ", ".join(f"{d} {v}" for d, v in c.items())
-        if layout.tp_mode == "3d":
-            q = grid["tp_k"]
-            rows, hidden = _chunk(c["tp_i"] * q + c["tp_j"], q * q, b), _chunk(c["tp_k"], q, h)
-            reading = f"W[out {_chunk(c['tp_j'] * q + c['tp_i'], q * q, h)}, in {hidden}]"
-            writing = f"W[out {_chunk(c['tp_k'] * q + c['tp_i'], q * q, h)}, in {_chunk(c['tp_j'], q, h)}]"
-            block = f"projections reading the stream {reading}, writing to it {writing}"
-        else:
-            q, depth = grid["tp_col"], grid.get("tp_depth", 1)
-            rows, hidden = _chunk(c.get("tp_depth", 0) * q + c["tp_row"], depth * q, b), _chunk(c["tp_col"], q, h)
-            block = f"W[out {hidden}, in {_chunk(c['tp_row'], q, h)}]" + (" (copied over depth)" if depth > 1 else "")
-        lines.append(f"  rank {rank} ({where}): sequences {rows}, hidden {hidden}; {block}")
-    return lines
-
-
-def pipeline_lines(cfg: TrainConfig, layout: Layout) -> list[str]:
-    stages = layout.num_stages
-    lines = [f"pipeline ({layout.schedule}, {stages} stages, {layout.micro_batches} micro-batches per step):"]
-    for pp_rank in range(layout.pp):
-        for i in layout.stages(pp_rank):
-            parts = ["embedding"] if i == 0 else []
-            parts.append(_layers(stage_layers(cfg.model.n_layers, stages)[i]))
-            parts += ["norm", "output"] if i == stages - 1 else []
-            lines.append(f"  stage {i} on pp rank {pp_rank}: {', '.join(parts)}")
-    return lines
 
 
 def memory_lines(cfg: TrainConfig, layout: Layout, precision: str) -> list[str]:
@@ -254,8 +198,7 @@ def describe(cfg: TrainConfig, layout: Layout, table: list[dict]) -> str:
         "mesh:",
         *mesh_lines(layout, table),
         *(["process groups:", *group_lines(layout)] if cfg.ps.mode is None else server_lines(cfg)),
-        *(grid_lines(cfg, layout) if layout.tp > 1 and layout.tp_mode != "1d" else []),
-        *(pipeline_lines(cfg, layout) if layout.pp > 1 else []),
+        *(line for p in reversed(PARALLELISMS) for line in p.plan(cfg, layout)),
         *memory_lines(cfg, layout, precision),
     ]
     return "\n".join(lines)

@@ -6,14 +6,15 @@ from __future__ import annotations
 
 import os
 
-from distrain import tpcost
 from distrain.config import ClusterConfig, ConfigError, TrainConfig, attach_address
 from distrain.data.checks import check_data
 from distrain.data.corpus import corpus_files
 from distrain.driver.plan import rank_memory
-from distrain.layout import SCHEDULES, Layout
+from distrain.layout import Layout
 from distrain.model.families import shipped
 from distrain.model.registry import check_model, has_plan
+from distrain.parallelism import PARALLELISMS
+from distrain.parallelism.pipeline import SCHEDULES
 from distrain.storage import directio
 
 OPTIMIZERS = ("adamw", "sgd")
@@ -38,7 +39,8 @@ def validate(cfg: TrainConfig) -> Layout:
     Returns the run's layout on cluster.num_workers."""
     layout = Layout.resolve(cfg)
     _validate_model(cfg)
-    _validate_tensor_parallel(cfg)
+    for parallelism in reversed(PARALLELISMS):
+        parallelism.validate(cfg)
     _validate_offload_compile_and_checkpointing(cfg)
     _validate_nvme(cfg, layout)
     _validate_cluster(cfg.cluster)
@@ -82,58 +84,6 @@ def _validate_model(cfg: TrainConfig) -> None:
             rows % s.tp == 0,
             f"strategy.tp={s.tp} does not divide model.n_positions={rows}; choose a tp that divides it",
         )
-
-
-def _validate_tensor_parallel(cfg: TrainConfig) -> None:
-    m, s, t = cfg.model, cfg.strategy, cfg.trainer
-    if s.tp == 1:
-        return
-    if s.tp_mode != "1d":
-        _validate_tensor_parallel_grid(cfg)
-        return
-    sizes = {"n_heads": m.n_heads, "n_kv_heads": m.n_kv_heads or m.n_heads, "ffn_dim": m.ffn_dim}
-    sizes["vocab_size"] = m.vocab_size
-    for key, v in sizes.items():
-        _require(v % s.tp == 0, f"strategy.tp={s.tp} does not divide model.{key}={v}; choose a tp that divides it")
-    _require(
-        t.seq_len % s.tp == 0,
-        f"strategy.tp={s.tp} does not divide trainer.seq_len={t.seq_len} (sequence parallelism shards it); "
-        f"change one of them",
-    )
-
-
-def _validate_tensor_parallel_grid(cfg: TrainConfig) -> None:
-    """2-D, 2.5-D and 3-D: the grid must divide every split dimension (distrain/parallel/tpnd/grid.py)."""
-    m, s, t = cfg.model, cfg.strategy, cfg.trainer
-    q, _ = tpcost.grid(s.tp_mode, s.tp, s.tp_depth)
-    mode = f"strategy.tp_mode={s.tp_mode} (tp={s.tp}"
-    mode += f", tp_depth={s.tp_depth})" if s.tp_mode == "2.5d" else ")"
-    _require(
-        s.zero == 0,
-        f"{mode} does not combine with strategy.zero={s.zero} (FSDP2 takes at most two tensor-parallel "
-        f"placements); use data parallelism (strategy.dp_replicate) beside it, or strategy.tp_mode=1d",
-    )
-    _require(
-        s.pp == 1 or not SCHEDULES[s.schedule].split_backward,
-        f"{mode} does not combine with strategy.schedule={s.schedule} (its backward is computed whole); "
-        f"choose another schedule",
-    )
-    _require(s.offload == "none", f"{mode} does not support strategy.offload={s.offload}; set it to none")
-    _require(not s.compile, f"{mode} does not support strategy.compile=true; set it to false")
-    head_dim, kv = m.dim // m.n_heads, m.n_kv_heads or m.n_heads
-    split = q * q if s.tp_mode == "3d" else q  # 3-D splits a weight's output features over two axes
-    features = {"dim": m.dim, "ffn_dim": m.ffn_dim, "vocab_size": m.vocab_size}
-    features |= {"n_heads × head_dim": m.n_heads * head_dim, "n_kv_heads × head_dim": kv * head_dim}
-    for key, value in features.items():
-        _require(value % split == 0, f"{mode} splits model.{key}={value} {split} ways; choose sizes it divides")
-    for key, value in (("n_heads", m.n_heads), ("n_kv_heads", kv)):
-        _require(value % q == 0, f"{mode} splits the heads {q} ways, but model.{key}={value}; choose sizes it divides")
-    rows = q * q if s.tp_mode == "3d" else q * s.tp_depth  # the grid splits each micro-batch's sequences
-    _require(
-        t.micro_batch_size % rows == 0,
-        f"{mode} splits each micro-batch {rows} ways, but trainer.micro_batch_size={t.micro_batch_size}; "
-        f"use a multiple of {rows}",
-    )
 
 
 def _validate_offload_compile_and_checkpointing(cfg: TrainConfig) -> None:

@@ -6,12 +6,16 @@ zero 1: DDP; the optimizer shards its state (ZeroRedundancyOptimizer, train/opti
 zero 2: FSDP2 `fully_shard`, parameters kept gathered from forward to backward
 zero 3: FSDP2 `fully_shard`, parameters resharded after each block's forward
 HSDP is zero 2/3 on a 2-D (dp_replicate, dp_shard) mesh; offload adds FSDP2's CPUOffloadPolicy.
+The grid layouts of tensor parallelism (2-D, 2.5-D, 3-D) sum their gradients themselves (tpnd/grad_sync.py).
+
+It is the last step of parallelize.STEPS: a model built on the meta device is materialised here.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -21,7 +25,50 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.nn.parallel import DistributedDataParallel
 
 from distrain.compat import ddp_without_buffer_sync
-from distrain.model.contract import owner
+from distrain.model.contract import owner, tie
+
+if TYPE_CHECKING:
+    from distrain.parallel.parallelize import ParallelModel
+
+
+def parallelize(model: nn.Module, on: ParallelModel) -> nn.Module:
+    """DDP where nothing else shards the model; FSDP2 for ZeRO-2/3; and for a replicated model
+    that holds DTensors (TP) or is a pipeline stage, FSDP2's `replicate`, which composes with both;
+    for the grid layouts nothing. A meta-built model is materialised after sharding, so that a rank
+    allocates and initialises only its shards, and before replicating, as DDP and `replicate` need
+    real parameters when they wrap a model."""
+    c, mesh = on.cfg, on.dp_mesh
+    if on.grid is not None:  # gradients summed by GradSync (ParallelModel)
+        materialize(model, on.device)
+        return model
+    if mesh is not None and c.zero >= 2:
+        offload = c.offload != "none"  # nvme too: it moves only the optimizer state on from host memory
+        apply_fsdp(model, mesh, reshard_after_forward=c.zero == 3, bf16=on.bf16, offload=offload)
+        materialize(model, on.device, offload=offload)
+        return model
+    materialize(model, on.device)
+    if mesh is None:  # every worker is taken by tensor or pipeline parallelism
+        return model
+    if on.layout.tp == 1 and on.layout.pp == 1:
+        return apply_ddp(model, mesh, c.bucket_cap_mb)
+    return apply_replicate(model, mesh, on.bf16)
+
+
+def materialize(model: nn.Module, device: torch.device, offload: bool = False) -> None:
+    """Allocate a meta-built model's parameters and buffers (only this rank's shards of sharded ones)
+    on `device` and fill them with the model's initial weights (`init_weights`). With `offload` the
+    parameters go to CPU memory, where FSDP2's CPUOffloadPolicy keeps them, and only the buffers
+    (the rotary tables) to `device`, where the model computes. A model that already holds real
+    tensors is left as it is."""
+    if not any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+        return
+    model.to_empty(device=torch.device("cpu") if offload else device)
+    tie(model)  # to_empty gave each module its own tensor
+    model.init_weights()
+    if offload:
+        for module in model.modules():
+            for name, buffer in list(module.named_buffers(recurse=False)):
+                setattr(module, name, buffer.to(device))
 
 
 def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, bucket_cap_mb: float) -> nn.Module:

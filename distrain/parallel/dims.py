@@ -6,8 +6,6 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from distrain.layout import Layout
 
-DATA_PARALLEL = ("dp_replicate", "dp_shard")
-
 
 def build_mesh(layout: Layout, device_type: str) -> DeviceMesh:
     """Dims of size 1 are left out (no groups to build); `submesh` treats them as absent."""

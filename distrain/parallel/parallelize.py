@@ -2,10 +2,10 @@
 
     pipeline split → tensor parallel → activation checkpointing → compile → data parallel
 
-A model built on the meta device is materialised inside the last step (`materialize`): after
-FSDP2's `fully_shard`, so that a rank allocates and initialises only its shards; before DDP and
-`replicate`, which need real parameters when they wrap a model. No rank ever holds the whole model
-unless its layout says it must.
+The pipeline cuts the model into this rank's stages; every other parallelism is a step (`STEPS`)
+applied to each of them in turn, as torchtitan's parallelize_llama applies them. A model built on the
+meta device is materialised inside the last step (data_parallel.materialize), so no rank ever holds the
+whole model unless its layout says it must.
 
 The trainer sees only `ParallelModel`: one step's forward and backward, evaluation, gradient
 clipping across stages, and the module whose parameters the optimizer and checkpoints hold.
@@ -14,7 +14,6 @@ clipping across stages, and the module whose parameters the optimizer and checkp
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Callable
 
 import torch
@@ -27,26 +26,43 @@ from torch.nn.parallel import DistributedDataParallel
 from distrain.compat import settle_gradients
 from distrain.config import StrategyConfig
 from distrain.layout import Layout
-from distrain.model.contract import tie
-from distrain.parallel.data_parallel import apply_ddp, apply_fsdp, apply_replicate, no_gradient_sync
-from distrain.parallel.dims import DATA_PARALLEL, build_mesh, submesh
-from distrain.parallel.tensor_parallel import apply_tp, apply_tp_grid, loss_context
+from distrain.parallel import data_parallel, tensor_parallel
+from distrain.parallel.data_parallel import no_gradient_sync
+from distrain.parallel.dims import build_mesh, submesh
+from distrain.parallel.tensor_parallel import loss_context
 from distrain.parallel.tpnd.grad_sync import GradSync
-from distrain.parallel.tpnd.layers import grid_cross_entropy
+from distrain.parallelism.data_parallel import DIMS as DATA_PARALLEL
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def apply_activation_checkpointing(model: nn.Module) -> None:
+def apply_activation_checkpointing(model: nn.Module, on: ParallelModel) -> nn.Module:
     """Keep only each block's input; recompute the rest during the backward pass."""
-    for block in model.layers.values():
-        checkpoint(block)
+    if on.cfg.activation_checkpoint:
+        for block in model.layers.values():
+            checkpoint(block)
+    return model
 
 
-def apply_compile(model: nn.Module) -> None:
+def apply_compile(model: nn.Module, on: ParallelModel) -> nn.Module:
     """Compile block by block: the blocks are identical, so one graph serves them all."""
-    for block in model.layers.values():
-        block.compile(fullgraph=True)
+    if on.cfg.compile:
+        for block in model.layers.values():
+            block.compile(fullgraph=True)
+    return model
+
+
+Step = Callable[[nn.Module, "ParallelModel"], nn.Module]
+
+# What is applied to each part of the model (the whole of it, or each pipeline stage), in this order; a
+# parallelism's step is keyed by its name in distrain.parallelism (the pipeline is no step: it makes the
+# parts). A step that does not apply to the layout returns the part as it is.
+STEPS: dict[str, Step] = {
+    "tp": tensor_parallel.parallelize,
+    "activation_checkpoint": apply_activation_checkpointing,
+    "compile": apply_compile,
+    "dp": data_parallel.parallelize,
+}
 
 
 def as_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -118,23 +134,6 @@ def rename_tied(state: dict, names: dict[str, str]) -> dict:
     return renamed
 
 
-def materialize(model: nn.Module, device: torch.device, offload: bool = False) -> None:
-    """Allocate a meta-built model's parameters and buffers (only this rank's shards of sharded ones)
-    on `device` and fill them with the model's initial weights (`init_weights`). With `offload` the
-    parameters go to CPU memory, where FSDP2's CPUOffloadPolicy keeps them, and only the buffers
-    (the rotary tables) to `device`, where the model computes. A model that already holds real
-    tensors is left as it is."""
-    if not any(t.is_meta for t in (*model.parameters(), *model.buffers())):
-        return
-    model.to_empty(device=torch.device("cpu") if offload else device)
-    tie(model)  # to_empty gave each module its own tensor
-    model.init_weights()
-    if offload:
-        for module in model.modules():
-            for name, buffer in list(module.named_buffers(recurse=False)):
-                setattr(module, name, buffer.to(device))
-
-
 class ParallelModel:
     """One rank's share of the model under a strategy: its stages, wrapped, and how to step them.
 
@@ -151,7 +150,7 @@ class ParallelModel:
         loss_fn: LossFn,
         collective: bool = True,
     ):
-        self.cfg, self.layout, self.device, self.loss_fn = cfg, layout, device, loss_fn
+        self.cfg, self.layout, self.device, self.bf16, self.loss_fn = cfg, layout, device, bf16, loss_fn
         self.mesh = build_mesh(layout, device.type) if collective else None
         self.dp_mesh = submesh(self.mesh, DATA_PARALLEL) if collective else None
         self.vocab_sharded_loss = layout.tp > 1 and layout.tp_mode == "1d" and cfg.loss_parallel
@@ -162,17 +161,8 @@ class ParallelModel:
             from distrain.parallel.pipeline import split_stages  # torch's pipelining imports dynamo: only when used
 
             parts = split_stages(model, self.mesh["pp"], layout)
-        for part in parts.values():
-            if layout.tp > 1 and layout.tp_mode == "1d":
-                apply_tp(part, self.mesh["tp"], self.vocab_sharded_loss)
-            elif layout.tp > 1:
-                self.grid = apply_tp_grid(part, self.mesh, layout.tp_mode)
-                self.loss_fn = functools.partial(grid_cross_entropy, self.grid)
-            if cfg.activation_checkpoint:
-                apply_activation_checkpointing(part)
-            if cfg.compile:
-                apply_compile(part)
-        parts = {index: self.apply_data_parallel(part, bf16) for index, part in parts.items()}
+        for step in STEPS.values():  # each step on every part before the next step
+            parts = {index: step(part, self) for index, part in parts.items()}
 
         self.pipeline = None
         if layout.pp > 1:
@@ -190,27 +180,6 @@ class ParallelModel:
     def checkpoint_names(self, optim_state: dict, saving: bool) -> dict:
         """Flattened optimizer state keyed as checkpoints key it (`saving`) or as this rank's optimizer does."""
         return rename_tied(optim_state, self.copies if saving else {b: a for a, b in self.copies.items()})
-
-    def apply_data_parallel(self, model: nn.Module, bf16: bool) -> nn.Module:
-        """DDP where nothing else shards the model; FSDP2 for ZeRO-2/3; and for a replicated model
-        that holds DTensors (TP) or is a pipeline stage, FSDP2's `replicate`, which composes with both;
-        for the grid layouts (2-D, 2.5-D, 3-D) distrain's own gradient sync.
-        A meta-built model is materialised after sharding and before replicating (module docstring)."""
-        c, mesh = self.cfg, self.dp_mesh
-        if self.grid is not None:  # gradients summed by GradSync (__init__)
-            materialize(model, self.device)
-            return model
-        if mesh is not None and c.zero >= 2:
-            offload = c.offload != "none"  # nvme too: it moves only the optimizer state on from host memory
-            apply_fsdp(model, mesh, reshard_after_forward=c.zero == 3, bf16=bf16, offload=offload)
-            materialize(model, self.device, offload=offload)
-            return model
-        materialize(model, self.device)
-        if mesh is None:  # every worker is taken by tensor or pipeline parallelism
-            return model
-        if self.layout.tp == 1 and self.layout.pp == 1:
-            return apply_ddp(model, mesh, c.bucket_cap_mb)
-        return apply_replicate(model, mesh, bf16)
 
     @property
     def zero1_group(self) -> dist.ProcessGroup | None:

@@ -5,6 +5,8 @@ model's methods: distrain/model/contract.py)."""
 from __future__ import annotations
 
 import contextlib
+import functools
+from typing import TYPE_CHECKING
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -12,7 +14,24 @@ from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
 from distrain.model.contract import tie
 from distrain.parallel.tpnd.grid import Grid
-from distrain.parallel.tpnd.layers import apply_grid_tp
+from distrain.parallel.tpnd.layers import apply_grid_tp, grid_cross_entropy
+
+if TYPE_CHECKING:
+    from distrain.parallel.parallelize import ParallelModel
+
+
+def parallelize(model: nn.Module, on: ParallelModel) -> nn.Module:
+    """1-D on the mesh's `tp` dim; a grid on its grid dims, which then computes the loss and (ParallelModel's
+    GradSync) sums the gradients."""
+    layout = on.layout
+    if layout.tp == 1:
+        return model
+    if layout.tp_mode == "1d":
+        apply_tp(model, on.mesh["tp"], on.vocab_sharded_loss)
+    else:
+        on.grid = apply_tp_grid(model, on.mesh, layout.tp_mode)
+        on.loss_fn = functools.partial(grid_cross_entropy, on.grid)
+    return model
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, vocab_sharded_loss: bool) -> None:

@@ -1,0 +1,15 @@
+"""Every parallelism distrain composes, registered here, in mesh order (outermost first): what the driver
+knows of each (its mesh dims, its part of the layout, its rules, its section of `--plan`, how it splits
+memory), torch-free; how each is applied to the model is its step in distrain/parallel/, under the same
+name. The layout resolves each one's fields in this order; rules are checked, and plan sections printed,
+innermost first. A new parallelism is a module here with its record, added to this tuple
+(docs/extending.md)."""
+
+from __future__ import annotations
+
+from distrain.parallelism.data_parallel import DATA_PARALLEL
+from distrain.parallelism.pipeline import PIPELINE
+from distrain.parallelism.record import Parallelism
+from distrain.parallelism.tensor_parallel import TENSOR_PARALLEL
+
+PARALLELISMS: tuple[Parallelism, ...] = (PIPELINE, DATA_PARALLEL, TENSOR_PARALLEL)
