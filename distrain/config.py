@@ -72,7 +72,7 @@ class StrategyConfig:
     offload: str = "none"
     nvme_path: str | None = None  # a directory on a local disk of every node; None: the system's temporary one
     nvme_buffer_mb: float = 256.0  # host memory that streams the optimizer state (3 buffers of a chunk each)
-    schedule: str = "1f1b"  # pipeline schedule; see distrain/parallelism/pipeline.py
+    schedule: str = "1f1b"  # pipeline schedule; see distrain/strategy/pipeline.py
     stages_per_rank: int | None = None  # None: 2 for the multi-stage schedules, else 1
     loss_parallel: bool = True  # with tp: the loss on vocabulary-sharded logits, never gathered
     activation_checkpoint: bool = False  # recompute each block's activations in the backward pass

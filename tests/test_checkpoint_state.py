@@ -32,9 +32,9 @@ def save_every_layout(rank: int, port: int, cases: dict, out: str) -> None:
     one Saver as a run saves it; what each state held that is neither a tensor nor plain data."""
     rank_env(rank, WORLD, port, CUDA_VISIBLE_DEVICES="")
     from distrain.config import from_plain
-    from distrain.layout import Layout
     from distrain.parallel import process_group
     from distrain.storage import checkpoint
+    from distrain.strategy.layout import Layout
     from distrain.train.faults import Faults
     from distrain.train.learner import Learner
     from distrain.train.loop import checkpoint_state, nvme_scratch

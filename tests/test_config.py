@@ -13,7 +13,7 @@ from conftest import REPO, make_config
 from distrain.config import ConfigError
 from distrain.driver.launch import train
 from distrain.driver.validation import validate
-from distrain.layout import Layout
+from distrain.strategy.layout import Layout
 
 
 @pytest.mark.parametrize(

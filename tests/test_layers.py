@@ -90,8 +90,7 @@ RULES = {
     ),
     # What the driver checks and prints before anything starts needs neither torch nor Ray.
     "distrain.config": ("torch", "ray"),
-    "distrain.layout": ("torch", "ray"),
-    "distrain.parallelism": ("torch", "ray"),
+    "distrain.strategy": ("torch", "ray", "distrain.driver"),
     "distrain.driver.validation": ("torch", "ray"),
     "distrain.driver.plan": ("torch", "ray"),
     "distrain.channel": ("torch", "ray"),

@@ -104,11 +104,11 @@ def measure(rank: int, port: int, cases: dict, out: str) -> None:
     import torch
 
     from distrain.config import from_plain
-    from distrain.layout import Layout
     from distrain.model.llama import Block, Transformer
     from distrain.parallel import process_group
     from distrain.parallel.memory import state_bytes
     from distrain.parallel.parallelize import ParallelModel
+    from distrain.strategy.layout import Layout
     from distrain.train.learner import cross_entropy
     from distrain.train.optim import build_optimizer, local_optimizer
 

@@ -13,9 +13,9 @@ from conftest import free_port, make_config, rank_env
 from torch import nn
 
 from distrain.config import ModelConfig, StrategyConfig
-from distrain.layout import Layout, stage_layers
 from distrain.model.llama import Transformer
 from distrain.parallel.parallelize import ParallelModel
+from distrain.strategy.layout import Layout, stage_layers
 from distrain.train.learner import cross_entropy
 
 
@@ -125,7 +125,7 @@ def test_fsdp_reduces_gradients_only_after_the_last_micro_batch(process_group):
 
 def test_every_schedule_name_has_a_torch_schedule():
     from distrain.parallel.pipeline import SCHEDULE_CLASSES
-    from distrain.parallelism.pipeline import SCHEDULES
+    from distrain.strategy.pipeline import SCHEDULES
 
     assert SCHEDULE_CLASSES.keys() == SCHEDULES.keys()
     for name, schedule in SCHEDULES.items():
@@ -136,9 +136,9 @@ def test_every_schedule_name_has_a_torch_schedule():
 def test_every_parallelism_the_driver_knows_is_applied_in_torchtitans_order():
     """The driver's registry and the torch layer's steps name the same parallelisms (the pipeline is no
     step: it makes the parts), laid on the mesh and applied in the order they always were."""
-    from distrain.layout import MESH_DIMS
     from distrain.parallel.parallelize import STEPS
-    from distrain.parallelism import PARALLELISMS
+    from distrain.strategy import PARALLELISMS
+    from distrain.strategy.layout import MESH_DIMS
 
     assert MESH_DIMS == ("pp", "dp_replicate", "dp_shard", "tp")
     assert {p.name for p in PARALLELISMS} - STEPS.keys() == {"pp"}
@@ -170,9 +170,9 @@ def build_learners(rank: int, port: int, large: tuple, cases: dict, out: str) ->
     of the large model adds while it is built, saved to a file."""
     rank_env(rank, WORLD, port, CUDA_VISIBLE_DEVICES="")
     from distrain.config import from_plain
-    from distrain.layout import Layout
     from distrain.parallel import process_group
     from distrain.parallel.parallelize import as_tensor
+    from distrain.strategy.layout import Layout
     from distrain.train.faults import Faults
     from distrain.train.learner import Learner
 

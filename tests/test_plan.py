@@ -15,9 +15,9 @@ from distrain.config import TrainConfig
 from distrain.driver.cli import plan_overrides
 from distrain.driver.plan import describe, rank_memory, stage_params
 from distrain.driver.validation import validate
-from distrain.layout import MESH_DIMS, Layout
 from distrain.model.registry import build_model
 from distrain.model.size import num_params
+from distrain.strategy.layout import MESH_DIMS, Layout
 
 
 def planned(tmp_path: Path, *overrides: str) -> tuple[TrainConfig, Layout]:

@@ -12,7 +12,7 @@ from conftest import assert_matches, fake_table, logged, make_config, train_half
 
 from distrain.driver.launch import train
 from distrain.driver.plan import describe
-from distrain.layout import Layout
+from distrain.strategy.layout import Layout
 
 STEPS = 10
 TOL = 1e-4

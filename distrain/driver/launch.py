@@ -32,11 +32,11 @@ from distrain.driver.plan import describe
 from distrain.driver.progress import ProgressLine
 from distrain.driver.stop import stop_signals
 from distrain.driver.validation import validate
-from distrain.layout import Layout
 from distrain.model.hf import resolve_init_from
 from distrain.storage import checkpoint
 from distrain.storage.fsutil import exclusive_lock, make_writable_dir
 from distrain.storage.tracking import SUMMARY_FILE, read_metrics, wandb_mode, write_summary
+from distrain.strategy.layout import Layout
 from distrain.train.job import RankJob
 
 LOCK_FILE = ".lock"  # held by the driver while the run trains: one writer per run directory

@@ -10,10 +10,10 @@ import math
 from dataclasses import dataclass, replace
 
 from distrain.config import TrainConfig, resolve_precision
-from distrain.layout import MESH_DIMS, Layout
 from distrain.model.size import num_params, parts
-from distrain.parallelism import PARALLELISMS
-from distrain.parallelism.pipeline import in_flight, stage_layers
+from distrain.strategy import PARALLELISMS
+from distrain.strategy.layout import MESH_DIMS, Layout
+from distrain.strategy.pipeline import in_flight, stage_layers
 
 FP32 = 4  # bytes: master weights, gradients and optimizer state are fp32 whatever the precision
 

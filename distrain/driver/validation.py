@@ -6,16 +6,17 @@ from __future__ import annotations
 
 import os
 
-from distrain.config import ClusterConfig, ConfigError, TrainConfig, attach_address
+from distrain.config import ClusterConfig, TrainConfig, attach_address
 from distrain.data.checks import check_data
 from distrain.data.corpus import corpus_files
 from distrain.driver.plan import rank_memory
-from distrain.layout import Layout
 from distrain.model.families import shipped
 from distrain.model.registry import check_model, has_plan
-from distrain.parallelism import PARALLELISMS
-from distrain.parallelism.pipeline import SCHEDULES
 from distrain.storage import directio
+from distrain.strategy import PARALLELISMS
+from distrain.strategy.layout import Layout
+from distrain.strategy.pipeline import SCHEDULES
+from distrain.strategy.record import require
 
 OPTIMIZERS = ("adamw", "sgd")
 WANDB_MODES = (None, "online", "offline", "disabled")
@@ -27,11 +28,6 @@ PER_RANK_VARIABLES = (
     "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK",
     "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES",
 )  # fmt: skip
-
-
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
 
 
 def validate(cfg: TrainConfig) -> Layout:
@@ -57,22 +53,22 @@ def _validate_model(cfg: TrainConfig) -> None:
     m, t = cfg.model, cfg.trainer
     check_model(m, t.seq_len)
     family = shipped(m._target_)
-    _require(m.dim % m.n_heads == 0, f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}")
+    require(m.dim % m.n_heads == 0, f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}")
     if family is not None and family.rotary:
-        _require(
+        require(
             (m.dim // m.n_heads) % 2 == 0, f"model.dim / model.n_heads = {m.dim // m.n_heads} must be even (rotary)"
         )
     kv = m.n_kv_heads or m.n_heads
-    _require(m.n_heads % kv == 0, f"model.n_kv_heads={kv} must divide model.n_heads={m.n_heads}")
-    _require(m.vocab_size >= 256, f"model.vocab_size={m.vocab_size}: byte tokens need at least 256")
-    _require(
+    require(m.n_heads % kv == 0, f"model.n_kv_heads={kv} must divide model.n_heads={m.n_heads}")
+    require(m.vocab_size >= 256, f"model.vocab_size={m.vocab_size}: byte tokens need at least 256")
+    require(
         m.n_positions is None or t.seq_len <= m.n_positions,
         f"trainer.seq_len={t.seq_len} exceeds model.n_positions={m.n_positions} (the learned positions' table); "
         f"lower trainer.seq_len or raise model.n_positions",
     )
     s = cfg.strategy
     if s.tp > 1:
-        _require(
+        require(
             has_plan(m, t.seq_len, s.tp_mode),
             f"strategy.tp={s.tp} strategy.tp_mode={s.tp_mode}: model {m.name} ({m._target_}, tie_embeddings="
             f"{m.tie_embeddings}) has no plan for it; "
@@ -80,7 +76,7 @@ def _validate_model(cfg: TrainConfig) -> None:
         )
     if s.tp > 1 and s.tp_mode == "1d" and family is not None and family.learned_positions:  # split over its rows
         rows = m.n_positions or t.seq_len
-        _require(
+        require(
             rows % s.tp == 0,
             f"strategy.tp={s.tp} does not divide model.n_positions={rows}; choose a tp that divides it",
         )
@@ -90,25 +86,25 @@ def _validate_offload_compile_and_checkpointing(cfg: TrainConfig) -> None:
     """Offload's prerequisites, and combinations that crash inside torch 2.13 (each reproduced),
     refused before any worker starts."""
     s = cfg.strategy
-    _require(s.offload in OFFLOADS, f"strategy.offload={s.offload!r}: choose none, cpu (what true meant) or nvme")
-    _require(
+    require(s.offload in OFFLOADS, f"strategy.offload={s.offload!r}: choose none, cpu (what true meant) or nvme")
+    require(
         s.offload == "none" or (s.zero == 3 and s.tp == 1 and s.pp == 1),
         f"strategy.offload={s.offload} is not supported with zero={s.zero}, tp={s.tp}, pp={s.pp}: it needs "
         f"strategy.zero=3, tp=1, pp=1 (strategy=offload or strategy=nvme)",
     )
     split = s.pp > 1 and SCHEDULES[s.schedule].split_backward
     for key, on in (("compile", s.compile), ("activation_checkpoint", s.activation_checkpoint)):
-        _require(
+        require(
             not (on and split),
             f"strategy.{key}=true is not supported with strategy.schedule={s.schedule} (its split backward pass "
             f"fails on it); choose another schedule or set strategy.{key}=false",
         )
-    _require(
+    require(
         not (s.compile and s.tp > 1),
         f"strategy.compile=true is not supported with strategy.tp={s.tp} (DTensor's backward fails under "
         f"compile); set strategy.compile=false",
     )
-    _require(
+    require(
         not (s.compile and s.activation_checkpoint),
         "strategy.compile=true is not supported with strategy.activation_checkpoint=true (the checkpoint's "
         "context cannot be traced); set one of them to false",
@@ -122,13 +118,13 @@ def _validate_nvme(cfg: TrainConfig, layout: Layout) -> None:
     s = cfg.strategy
     if s.offload != "nvme":
         return
-    _require(
+    require(
         cfg.optim.name == "adamw",
         f"strategy.offload=nvme streams AdamW's moments, but optim.name={cfg.optim.name}: use optim=adamw, or "
         f"strategy.offload=cpu",
     )
     pool = int(s.nvme_buffer_mb * 2**20)
-    _require(
+    require(
         directio.chunk_bytes(pool, 2) > 0,
         f"strategy.nvme_buffer_mb={s.nvme_buffer_mb:g} is too small for one chunk: the stream needs "
         f"{directio.BUFFERS} buffers, each a chunk of AdamW's two moments of at least "
@@ -138,29 +134,29 @@ def _validate_nvme(cfg: TrainConfig, layout: Layout) -> None:
     need = ranks_here * rank_memory(cfg, layout, 0, "fp32").optimizer
     root = os.path.dirname(s.nvme_directory(cfg.run.name))
     trouble = directio.problem(root, need)
-    _require(trouble is None, f"strategy.nvme_path: {trouble}")
+    require(trouble is None, f"strategy.nvme_path: {trouble}")
 
 
 def _validate_cluster(c: ClusterConfig) -> None:
-    _require(c.cpus_per_worker > 0, f"cluster.cpus_per_worker={c.cpus_per_worker}: must be positive")
-    _require(c.threads_per_worker >= 1, f"cluster.threads_per_worker={c.threads_per_worker}: must be ≥ 1")
+    require(c.cpus_per_worker > 0, f"cluster.cpus_per_worker={c.cpus_per_worker}: must be positive")
+    require(c.threads_per_worker >= 1, f"cluster.threads_per_worker={c.threads_per_worker}: must be ≥ 1")
     for key in ("local_cpus", "local_gpus"):
         value = getattr(c, key)
-        _require(value is None or value >= 0, f"cluster.{key}={value}: must be ≥ 0 (or null for the machine's)")
-    _require(c.spares >= 0, f"cluster.spares={c.spares}: must be ≥ 0")
-    _require(c.max_failures >= -1, f"cluster.max_failures={c.max_failures}: must be ≥ 0, or -1 for no limit")
-    _require(
+        require(value is None or value >= 0, f"cluster.{key}={value}: must be ≥ 0 (or null for the machine's)")
+    require(c.spares >= 0, f"cluster.spares={c.spares}: must be ≥ 0")
+    require(c.max_failures >= -1, f"cluster.max_failures={c.max_failures}: must be ≥ 0, or -1 for no limit")
+    require(
         c.min_workers is None or 1 <= c.min_workers <= c.num_workers,
         f"cluster.min_workers={c.min_workers}: must be between 1 and cluster.num_workers={c.num_workers} (or null)",
     )
     for key in ("hang_timeout_s", "stop_grace_s"):
         value = getattr(c, key)
-        _require(value is None or value > 0, f"cluster.{key}={value}: must be positive (or null for the default)")
+        require(value is None or value > 0, f"cluster.{key}={value}: must be positive (or null for the default)")
     for key in ("setup_timeout_s", "collective_timeout_s", "node_check_s"):
-        _require(getattr(c, key) > 0, f"cluster.{key}={getattr(c, key)}: must be positive")
-    _require(c.restart_backoff_s >= 0, f"cluster.restart_backoff_s={c.restart_backoff_s}: must be ≥ 0")
+        require(getattr(c, key) > 0, f"cluster.{key}={getattr(c, key)}: must be positive")
+    require(c.restart_backoff_s >= 0, f"cluster.restart_backoff_s={c.restart_backoff_s}: must be ≥ 0")
     for key in c.env_vars:
-        _require(
+        require(
             key not in PER_RANK_VARIABLES,
             f"cluster.env_vars.{key}: distrain sets {key} for each worker itself"
             + ("; use cluster.threads_per_worker" if key == "OMP_NUM_THREADS" else ""),
@@ -169,7 +165,7 @@ def _validate_cluster(c: ClusterConfig) -> None:
 
 def _validate_elastic(cfg: TrainConfig, layout: Layout) -> None:
     c = cfg.cluster
-    _require(
+    require(
         (c.min_workers or c.num_workers) == c.num_workers or bool(layout.smaller(cfg)),
         f"cluster.min_workers={c.min_workers} allows no layout smaller than {c.num_workers} workers: a run shrinks "
         f"by data-parallel replicas only (strategy.dp_replicate or dp_shard=-1), keeping strategy.tp × pp and a "
@@ -182,32 +178,32 @@ def _validate_parameter_server(cfg: TrainConfig) -> None:
     p, s, n = cfg.ps, cfg.strategy, cfg.cluster.num_workers
     if p.mode is None:
         return
-    _require(
+    require(
         p.mode in PS_MODES, f"ps.mode={p.mode!r} is not a parameter-server mode; choose one of {', '.join(PS_MODES)}"
     )
-    _require(p.num_servers >= 1, f"ps.num_servers={p.num_servers}: need at least 1 parameter server")
-    _require(
+    require(p.num_servers >= 1, f"ps.num_servers={p.num_servers}: need at least 1 parameter server")
+    require(
         s.tp == 1 and s.pp == 1 and s.zero == 0 and s.dp_shard == 1,
         f"ps.mode={p.mode} (parameter server) is data-parallel only, but strategy.tp={s.tp}, pp={s.pp}, "
         f"zero={s.zero}, dp_shard={s.dp_shard}; use strategy=ps, or an all-reduce strategy with ps=none",
     )
-    _require(
+    require(
         0 <= p.backup_workers < n,
         f"ps.backup_workers={p.backup_workers}: must be ≥ 0 and below cluster.num_workers={n} "
         f"(each step needs at least one gradient)",
     )
-    _require(
+    require(
         p.backup_workers == 0 or p.mode == "sync",
         f"ps.backup_workers={p.backup_workers} applies to ps.mode=sync only (mode is {p.mode})",
     )
-    _require(
+    require(
         p.max_staleness is None or (p.max_staleness >= 0 and p.mode == "async"),
         f"ps.max_staleness={p.max_staleness}: must be ≥ 0, with ps.mode=async only (mode is {p.mode})",
     )
-    _require(p.tau >= 1, f"ps.tau={p.tau}: EASGD takes at least 1 local step between exchanges")
+    require(p.tau >= 1, f"ps.tau={p.tau}: EASGD takes at least 1 local step between exchanges")
     alpha = p.elastic_alpha(n)
-    _require(0 < alpha < 1, f"ps.alpha={alpha}: EASGD's elastic coefficient must be in (0, 1)")
-    _require(
+    require(0 < alpha < 1, f"ps.alpha={alpha}: EASGD's elastic coefficient must be in (0, 1)")
+    require(
         cfg.cluster.min_workers is None,
         "cluster.min_workers does not apply to a parameter-server run: its workers are replaced one by one "
         "while the others go on; set cluster.min_workers=null",
@@ -216,37 +212,37 @@ def _validate_parameter_server(cfg: TrainConfig) -> None:
 
 def _validate_training(cfg: TrainConfig) -> None:
     t, o, f, n = cfg.trainer, cfg.optim, cfg.fault, cfg.cluster.num_workers
-    _require(t.max_steps >= 1, f"trainer.max_steps={t.max_steps}: must be ≥ 1")
-    _require(t.seq_len >= 2, f"trainer.seq_len={t.seq_len}: must be ≥ 2")
-    _require(t.log_interval >= 1, f"trainer.log_interval={t.log_interval}: must be ≥ 1")
-    _require(t.eval_batches >= 1, f"trainer.eval_batches={t.eval_batches}: must be ≥ 1")
-    _require(t.precision in PRECISIONS, f"trainer.precision={t.precision!r}: choose one of {', '.join(PRECISIONS)}")
-    _require(
+    require(t.max_steps >= 1, f"trainer.max_steps={t.max_steps}: must be ≥ 1")
+    require(t.seq_len >= 2, f"trainer.seq_len={t.seq_len}: must be ≥ 2")
+    require(t.log_interval >= 1, f"trainer.log_interval={t.log_interval}: must be ≥ 1")
+    require(t.eval_batches >= 1, f"trainer.eval_batches={t.eval_batches}: must be ≥ 1")
+    require(t.precision in PRECISIONS, f"trainer.precision={t.precision!r}: choose one of {', '.join(PRECISIONS)}")
+    require(
         f.straggler is None or 0 <= f.straggler < n,
         f"fault.straggler={f.straggler}: must be a rank below cluster.num_workers={n} (or null)",
     )
-    _require(f.straggler_slowdown >= 1, f"fault.straggler_slowdown={f.straggler_slowdown}: must be ≥ 1")
-    _require(0 <= f.kill_rank < n, f"fault.kill_rank={f.kill_rank}: must be a rank below cluster.num_workers={n}")
-    _require(
+    require(f.straggler_slowdown >= 1, f"fault.straggler_slowdown={f.straggler_slowdown}: must be ≥ 1")
+    require(0 <= f.kill_rank < n, f"fault.kill_rank={f.kill_rank}: must be a rank below cluster.num_workers={n}")
+    require(
         f.kill_at_step is None or (1 <= f.kill_at_step <= t.max_steps and cfg.ps.mode is None),
         f"fault.kill_at_step={f.kill_at_step}: must be a step of trainer.max_steps={t.max_steps} in collective "
         "training (or null)",
     )
-    _require(o.name in OPTIMIZERS, f"optim.name={o.name!r}: choose one of {', '.join(OPTIMIZERS)}")
-    _require(o.lr > 0, f"optim.lr={o.lr}: must be positive")
-    _require(o.warmup_steps >= 0, f"optim.warmup_steps={o.warmup_steps}: must be ≥ 0")
-    _require(
+    require(o.name in OPTIMIZERS, f"optim.name={o.name!r}: choose one of {', '.join(OPTIMIZERS)}")
+    require(o.lr > 0, f"optim.lr={o.lr}: must be positive")
+    require(o.warmup_steps >= 0, f"optim.warmup_steps={o.warmup_steps}: must be ≥ 0")
+    require(
         o.decay_steps is None or o.decay_steps > o.warmup_steps,
         f"optim.decay_steps={o.decay_steps} must exceed optim.warmup_steps={o.warmup_steps} (or be null)",
     )
-    _require(o.grad_clip >= 0, f"optim.grad_clip={o.grad_clip}: must be ≥ 0 (0 disables clipping)")
-    _require(cfg.checkpoint.interval >= 0, f"checkpoint.interval={cfg.checkpoint.interval}: must be ≥ 0")
-    _require(cfg.checkpoint.keep >= 1, f"checkpoint.keep={cfg.checkpoint.keep}: keep at least 1 checkpoint")
-    _require(
+    require(o.grad_clip >= 0, f"optim.grad_clip={o.grad_clip}: must be ≥ 0 (0 disables clipping)")
+    require(cfg.checkpoint.interval >= 0, f"checkpoint.interval={cfg.checkpoint.interval}: must be ≥ 0")
+    require(cfg.checkpoint.keep >= 1, f"checkpoint.keep={cfg.checkpoint.keep}: keep at least 1 checkpoint")
+    require(
         cfg.logger.wandb.mode in WANDB_MODES,
         f"logger.wandb.mode={cfg.logger.wandb.mode!r}: choose online, offline or disabled",
     )
-    _require(bool(cfg.run.name) and "/" not in cfg.run.name, f"run.name={cfg.run.name!r}: must be a plain name")
+    require(bool(cfg.run.name) and "/" not in cfg.run.name, f"run.name={cfg.run.name!r}: must be a plain name")
 
 
 def _validate_data(cfg: TrainConfig) -> None:
@@ -254,11 +250,11 @@ def _validate_data(cfg: TrainConfig) -> None:
     check_data(cfg)
     if d.shards:
         return
-    _require(0 < d.val_fraction < 1, f"data.val_fraction={d.val_fraction}: must be in (0, 1)")
+    require(0 < d.val_fraction < 1, f"data.val_fraction={d.val_fraction}: must be in (0, 1)")
     files = corpus_files(d.path)
-    _require(bool(files), f"data.path={d.path!r} matches no files; give an existing directory or glob of text files")
+    require(bool(files), f"data.path={d.path!r} matches no files; give an existing directory or glob of text files")
     val_tokens = int(sum(os.path.getsize(f) for f in files) * d.val_fraction)
-    _require(
+    require(
         val_tokens > t.seq_len + 1,
         f"data.path={d.path!r} leaves {val_tokens} bytes for validation (data.val_fraction="
         f"{d.val_fraction:g}), too few for trainer.seq_len={t.seq_len}; add text or lower trainer.seq_len",

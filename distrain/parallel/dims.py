@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from distrain.layout import Layout
+from distrain.strategy.layout import Layout
 
 
 def build_mesh(layout: Layout, device_type: str) -> DeviceMesh:

@@ -25,13 +25,13 @@ from torch.nn.parallel import DistributedDataParallel
 
 from distrain.compat import settle_gradients
 from distrain.config import StrategyConfig
-from distrain.layout import Layout
 from distrain.parallel import data_parallel, tensor_parallel
 from distrain.parallel.data_parallel import no_gradient_sync
 from distrain.parallel.dims import build_mesh, submesh
 from distrain.parallel.tensor_parallel import loss_context
 from distrain.parallel.tpnd.grad_sync import GradSync
-from distrain.parallelism.data_parallel import DIMS as DATA_PARALLEL
+from distrain.strategy.data_parallel import DIMS as DATA_PARALLEL
+from distrain.strategy.layout import Layout
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -55,7 +55,7 @@ def apply_compile(model: nn.Module, on: ParallelModel) -> nn.Module:
 Step = Callable[[nn.Module, "ParallelModel"], nn.Module]
 
 # What is applied to each part of the model (the whole of it, or each pipeline stage), in this order; a
-# parallelism's step is keyed by its name in distrain.parallelism (the pipeline is no step: it makes the
+# parallelism's step is keyed by its name in distrain.strategy (the pipeline is no step: it makes the
 # parts). A step that does not apply to the layout returns the part as it is.
 STEPS: dict[str, Step] = {
     "tp": tensor_parallel.parallelize,

@@ -23,12 +23,12 @@ from torch.distributed.pipelining import (
     ScheduleLoopedBFS,
 )
 
-from distrain.layout import Layout
-from distrain.parallelism.pipeline import SCHEDULES
+from distrain.strategy.layout import Layout
+from distrain.strategy.pipeline import SCHEDULES
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
-# The classes behind the names of distrain/parallelism/pipeline.py's SCHEDULES (a test checks that the two match).
+# The classes behind the names of distrain/strategy/pipeline.py's SCHEDULES (a test checks that the two match).
 SCHEDULE_CLASSES = {
     "gpipe": ScheduleGPipe,
     "1f1b": Schedule1F1B,

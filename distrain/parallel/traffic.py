@@ -1,5 +1,5 @@
 """What one rank sends and receives, counted from the collectives it calls, and what autograd keeps for
-the backward: the measured side of docs/tensor-parallel.md, set beside distrain/tpcost.py's theory.
+the backward: the measured side of docs/tensor-parallel.md, set beside distrain/strategy/tpcost.py's theory.
 
 `Traffic` sees every c10d collective (`dist.broadcast`, `dist.all_gather_into_tensor`, …) and every
 functional one (what DTensor's redistributions call), forward and backward alike: CPU autograd runs

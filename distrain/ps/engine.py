@@ -26,12 +26,12 @@ from distrain.cluster.placement import GroupSpec
 from distrain.cluster.states import Work
 from distrain.cluster.worker_group import WorkerGroup
 from distrain.config import TrainConfig, to_plain
-from distrain.layout import Layout
 from distrain.ps.metrics import StepLog
 from distrain.ps.server_group import ServerGroup
 from distrain.storage import checkpoint
 from distrain.storage.fsutil import write_json
 from distrain.storage.tracking import Tracker, run_results
+from distrain.strategy.layout import Layout
 
 SUSPECT_CHECK_S = 3.0  # after a worker fails: how long the servers get to show they are alive
 

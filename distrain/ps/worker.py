@@ -21,8 +21,8 @@ from torch import nn
 from distrain.channel import Channel, Phase
 from distrain.config import from_plain
 from distrain.data.loader import run_batches
-from distrain.layout import Layout
 from distrain.ps.shard import ShardView, as_tensor, model_shards
+from distrain.strategy.layout import Layout
 from distrain.train.faults import Faults
 from distrain.train.learner import Learner, local_device
 from distrain.train.metrics import memory_peaks

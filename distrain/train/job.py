@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from distrain.config import TrainConfig
-from distrain.layout import Layout
+from distrain.strategy.layout import Layout
 
 
 @dataclass(frozen=True)

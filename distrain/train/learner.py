@@ -20,12 +20,12 @@ from torch import nn
 
 from distrain.config import TrainConfig, resolve_precision
 from distrain.data.loader import Batches, Prefetch, run_batches
-from distrain.layout import Layout
 from distrain.model.contract import fill_parameters
 from distrain.model.hf import hf_weights
 from distrain.model.registry import build_model
 from distrain.parallel import process_group
 from distrain.parallel.parallelize import ParallelModel
+from distrain.strategy.layout import Layout
 from distrain.train.faults import Faults
 
 

@@ -1,6 +1,6 @@
 """Pipeline bubble of every schedule, measured against theory:  python jobs/bench/bench_bubble.py
 
-Runs every schedule distrain offers (`distrain.parallelism.pipeline.SCHEDULES`) through `ParallelModel` in `pp` gloo
+Runs every schedule distrain offers (`distrain.strategy.pipeline.SCHEDULES`) through `ParallelModel` in `pp` gloo
 processes on 127.0.0.1 (no Ray: a parallel-layer measurement) and times, on each rank, the calls that
 compute: its stages' forward, backward (input and weight parts) and the loss. A rank's idle fraction is
 1 − compute / step, the step being the slowest rank's wall time of the schedule's `step` (all ranks start
@@ -26,10 +26,10 @@ import torch.distributed as dist
 from svgplot import Axes, Canvas  # jobs/bench/svgplot.py, beside this script
 
 from distrain.config import ModelConfig, StrategyConfig
-from distrain.layout import Layout, stage_layers
 from distrain.model.llama import Transformer
 from distrain.parallel.parallelize import ParallelModel
-from distrain.parallelism.pipeline import SCHEDULES
+from distrain.strategy.layout import Layout, stage_layers
+from distrain.strategy.pipeline import SCHEDULES
 from distrain.train.learner import cross_entropy
 
 # The stage calls a schedule makes that compute; the rest of its time is spent waiting on peers.

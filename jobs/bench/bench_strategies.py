@@ -20,11 +20,11 @@ import torch
 
 from distrain.config import ModelConfig, OptimConfig, StrategyConfig
 from distrain.driver.cli import compose
-from distrain.layout import Layout
 from distrain.model.llama import Transformer
 from distrain.model.size import num_params
 from distrain.parallel.memory import state_bytes
 from distrain.parallel.parallelize import ParallelModel
+from distrain.strategy.layout import Layout
 from distrain.train.learner import cross_entropy
 from distrain.train.optim import build_optimizer, local_optimizer
 

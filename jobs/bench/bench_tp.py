@@ -4,7 +4,7 @@ For each layout, p gloo processes on 127.0.0.1 (no Ray) build the model as a wor
 laid out by `ParallelModel`) and take one training step of one micro-batch: an unmeasured one first, then
 one under `distrain.parallel.traffic.Traffic`, which counts every collective each rank calls (bytes sent and
 received, nccl-tests' convention), with the bytes autograd saves in the blocks for the backward
-(`saved_activations`) and the parameters each rank holds. Beside each: distrain/tpcost.py's theory.
+(`saved_activations`) and the parameters each rank holds. Beside each: distrain/strategy/tpcost.py's theory.
 Writes docs/tensor-parallel.md and its plot.
 """
 
@@ -15,13 +15,13 @@ import processes
 import svgplot
 import torch
 
-from distrain import tpcost
 from distrain.config import ModelConfig, OptimConfig, StrategyConfig
-from distrain.layout import Layout
 from distrain.model.llama import Block, Transformer
 from distrain.parallel.memory import local_bytes
 from distrain.parallel.parallelize import ParallelModel
 from distrain.parallel.traffic import Traffic, saved_activations
+from distrain.strategy import tpcost
+from distrain.strategy.layout import Layout
 from distrain.train.learner import cross_entropy
 from distrain.train.optim import build_optimizer
 
@@ -133,7 +133,7 @@ def body(results: dict, model: dict, b: int, t: int, plot_name: str) -> tuple[st
         "(docs/collectives.md): for a group of g ranks and n bytes, all-reduce 2(g−1)/g·n, all-gather (n: output), "
         "reduce-scatter (n: input), broadcast and reduce (g−1)/g·n. Received equals sent for each of them. The "
         "step is `forward_backward` (with the grid layouts' gradient sync) then `clip_grad_norm` and the "
-        "optimizer's step; theory (distrain/tpcost.py) is the forward, backward and gradient sync, op by op. "
+        "optimizer's step; theory (distrain/strategy/tpcost.py) is the forward, backward and gradient sync, op by op. "
         "Every rank of a layout sent the same bytes; the table gives the largest.",
         "",
         *harness.table(head, traffic_rows, "lrrrrrl"),

@@ -186,7 +186,7 @@ class Trained:
     """One distrain run and what it wrote."""
 
     cfg: Any  # TrainConfig
-    layout: Any  # distrain.layout.Layout
+    layout: Any  # distrain.strategy.layout.Layout
     summary: dict
     metrics: list[dict]
     error: str | None = None

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from distrain.parallelism.tensor_parallel import grid, weight_split
+from distrain.strategy.tensor_parallel import grid, weight_split
 
 
 def _get(model: Any, key: str) -> Any:

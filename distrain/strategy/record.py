@@ -1,4 +1,4 @@
-"""The record a parallelism registers (distrain/parallelism/__init__.py): everything the driver knows of
+"""The record a parallelism registers (distrain/strategy/__init__.py): everything the driver knows of
 it, in plain Python. How it is applied to the model is its step in distrain/parallel/parallelize.py."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from distrain.config import ConfigError, TrainConfig
 
 if TYPE_CHECKING:
-    from distrain.layout import Layout
+    from distrain.strategy.layout import Layout
 
 
 def require(ok: bool, message: str) -> None:

@@ -7,9 +7,9 @@ innermost first. A new parallelism is a module here with its record, added to th
 
 from __future__ import annotations
 
-from distrain.parallelism.data_parallel import DATA_PARALLEL
-from distrain.parallelism.pipeline import PIPELINE
-from distrain.parallelism.record import Parallelism
-from distrain.parallelism.tensor_parallel import TENSOR_PARALLEL
+from distrain.strategy.data_parallel import DATA_PARALLEL
+from distrain.strategy.pipeline import PIPELINE
+from distrain.strategy.record import Parallelism
+from distrain.strategy.tensor_parallel import TENSOR_PARALLEL
 
 PARALLELISMS: tuple[Parallelism, ...] = (PIPELINE, DATA_PARALLEL, TENSOR_PARALLEL)

@@ -7,11 +7,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from distrain.config import TrainConfig
-from distrain.parallelism.pipeline import SCHEDULES
-from distrain.parallelism.record import Parallelism, require
+from distrain.strategy.pipeline import SCHEDULES
+from distrain.strategy.record import Parallelism, require
 
 if TYPE_CHECKING:
-    from distrain.layout import Layout
+    from distrain.strategy.layout import Layout
 
 TP_MODES = ("1d", "2d", "2.5d", "3d")
 

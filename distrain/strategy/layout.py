@@ -12,10 +12,10 @@ import math
 from dataclasses import asdict, dataclass
 
 from distrain.config import ConfigError, TrainConfig
-from distrain.parallelism import PARALLELISMS, data_parallel
-from distrain.parallelism.pipeline import stage_layers
-from distrain.parallelism.record import require
-from distrain.parallelism.tensor_parallel import TENSOR_PARALLEL
+from distrain.strategy import PARALLELISMS, data_parallel
+from distrain.strategy.pipeline import stage_layers
+from distrain.strategy.record import require
+from distrain.strategy.tensor_parallel import TENSOR_PARALLEL
 
 MESH_DIMS = tuple(d for p in PARALLELISMS for d in p.dims)  # outermost to innermost: pp, dp_replicate, dp_shard, tp
 

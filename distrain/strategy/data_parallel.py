@@ -8,10 +8,10 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from distrain.config import TrainConfig
-from distrain.parallelism.record import Parallelism, require
+from distrain.strategy.record import Parallelism, require
 
 if TYPE_CHECKING:
-    from distrain.layout import Layout
+    from distrain.strategy.layout import Layout
 
 DIMS = ("dp_replicate", "dp_shard")
 
