@@ -88,12 +88,22 @@ RULES = {
         "distrain.train",
         "distrain.ps",
     ),
+    # Data is read by the ranks and prepared by its own job: neither knows the driver, Ray or training.
+    "distrain.data": (
+        "ray",
+        "distrain.cluster",
+        "distrain.driver",
+        "distrain.parallel",
+        "distrain.train",
+        "distrain.ps",
+    ),
     # What the driver checks and prints before anything starts needs neither torch nor Ray.
     "distrain.config": ("torch", "ray"),
     "distrain.strategy": ("torch", "ray", "distrain.driver"),
     "distrain.driver.validation": ("torch", "ray"),
     "distrain.driver.plan": ("torch", "ray"),
     "distrain.channel": ("torch", "ray"),
+    "distrain.progress": ("torch", "ray"),
 }
 
 

@@ -18,7 +18,7 @@ from distrain.data.corpus import corpus_files
 from distrain.data.documents import PIECE_BYTES, Piece, pieces
 from distrain.data.shards import FORMAT, INDEX, ShardWriter, dtype_for
 from distrain.data.tokenizer import Tokenizer, config_tokenizer, train_bpe
-from distrain.driver.progress import WorkLine
+from distrain.progress import WorkLine
 
 if TYPE_CHECKING:
     from distrain.config import TrainConfig

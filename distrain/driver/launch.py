@@ -29,10 +29,10 @@ from distrain.cluster.worker_group import WorkerGroup
 from distrain.config import ClusterConfig, ConfigError, TrainConfig, attach_address, to_plain
 from distrain.data.checks import check_same_shards
 from distrain.driver.plan import describe
-from distrain.driver.progress import ProgressLine
 from distrain.driver.stop import stop_signals
 from distrain.driver.validation import validate
 from distrain.model.hf import resolve_init_from
+from distrain.progress import ProgressLine
 from distrain.storage import checkpoint
 from distrain.storage.fsutil import exclusive_lock, make_writable_dir
 from distrain.storage.tracking import SUMMARY_FILE, read_metrics, wandb_mode, write_summary
