@@ -2,9 +2,10 @@
 
 Hydra composes `conf/` on top of these schemas (so a misspelt key fails at composition); the
 files in `conf/` hold presets, i.e. only what differs from these defaults. `validation.validate`
-checks what types cannot, and `to_plain` turns the result into the plain dict that crosses into
-Ray actors, where `from_plain` rebuilds the dataclasses. Nothing here touches Hydra's global
-state: `distrain.driver.cli` registers the schema and composes.
+checks what types cannot. The dataclasses themselves cross into the ranks of collective training
+(`train.job.RankJob`); `to_plain` makes the plain dict a checkpoint records, a resume compares and
+the parameter server's actors receive (`from_plain` rebuilds the dataclasses). Nothing here touches
+Hydra's global state: `distrain.driver.cli` registers the schema and composes.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ written here, against distrain on 1 worker and on 4 (DDP).
 Every other parity test compares distrain with distrain, so a mistake shared by all of its layouts
 (the loss averaging over micro-batches, gradient clipping, the optimizer's parameter groups, the
 learning-rate schedule) would pass them all. Only the model class and the batches are shared; the
-loop, the averaging, the clipping, the two AdamW groups and the schedule below follow what the README
+loop, the averaging, the clipping, the two AdamW groups and the schedule below follow what docs/configuration.md
 and `OptimConfig` document, not distrain's code:
 
 - the loss of a step is the mean over the global batch; with equal micro-batches, the mean of their means;
@@ -33,7 +33,7 @@ from distrain.model.registry import build_model
 STEPS = 12
 # grad_clip 1.5 sits inside the tiny model's range of gradient norms over these steps (1.16 to 2.36):
 # clipping scales 8 of the 12 steps and leaves 4 alone, so both branches are exercised.
-# Weight decay 0.1 and the README's schedule; warmup 2 steps (conftest's TINY).
+# Weight decay 0.1 and the schedule of docs/configuration.md; warmup 2 steps (conftest's TINY).
 OVERRIDES = ("strategy=ddp", f"trainer.max_steps={STEPS}", "optim.grad_clip=1.5")
 
 

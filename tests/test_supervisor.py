@@ -363,6 +363,21 @@ def same_bug_every_time(attempt: int, folder: str, channel) -> dict:
     return steps(attempt, folder, channel, stall=stall)
 
 
+class ShrinksOnFailure(FailurePolicy):
+    """A mistaken policy: SHRINK is the answer to a group that cannot be placed (`size`), not to a failure."""
+
+    def decide(self, failure: Failure, earlier, replaces_workers: bool) -> Verdict:
+        return Verdict(Decision.SHRINK, size=1)
+
+
+@pytest.mark.timeout(120)
+def test_a_verdict_decide_cannot_give_is_refused_not_taken_for_a_restart(tmp_path: Path):
+    sup = supervisor(tmp_path, same_bug_every_time, policy=ShrinksOnFailure(ClusterConfig()))
+    with pytest.raises(TypeError, match="ShrinksOnFailure.decide returned .*SHRINK.*: RESTART, REPLACE or GIVE_UP"):
+        sup.run()
+    assert len(sup.attempts) == 1
+
+
 @pytest.mark.timeout(120)
 def test_the_same_error_at_the_same_step_twice_fails_fast_with_its_traceback(tmp_path: Path):
     sup = supervisor(tmp_path, same_bug_every_time, policy=default(max_failures=10))

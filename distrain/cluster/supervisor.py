@@ -368,6 +368,8 @@ class Supervisor:
         verdicts: list[tuple[Failure, Verdict]] = []
         for failure in s.failures:
             verdict = self.policy.decide(failure, tuple(self.failures), self.engine.replaces_workers)
+            if verdict.decision not in (Decision.RESTART, Decision.REPLACE, Decision.GIVE_UP):
+                raise TypeError(f"{type(self.policy).__name__}.decide returned {verdict}: RESTART, REPLACE or GIVE_UP")
             self.failures.append(failure)
             if verdict.decision == Decision.GIVE_UP:
                 s.watching.attempt.end(Outcome.HUNG if failure.kind == FailureKind.HUNG else Outcome.FAILED, failure)

@@ -20,7 +20,7 @@ from typing import Any
 
 from distrain.cluster.attempt import Attempt
 from distrain.cluster.placement import GroupSpec
-from distrain.cluster.policy import failure_policy
+from distrain.cluster.policy import failure_policy, policy_class
 from distrain.cluster.runtime import check_capacity, connect, gpu_count, wait_for_gpus
 from distrain.cluster.states import Finished, Work
 from distrain.cluster.supervisor import Supervisor
@@ -181,7 +181,7 @@ def resolved(given: TrainConfig) -> tuple[TrainConfig, Layout]:
     is not the user's (absolute paths, the W&B mode)."""
     cfg = resolve_init_from(given)
     layout = validate(cfg)
-    failure_policy(cfg.cluster)  # a user's policy imported, or a one-line error, before anything starts
+    policy_class(cfg.cluster.policy)  # a user's policy imported, or a one-line error, before anything starts
     if not os.path.isabs(cfg.run.storage) and attach_address(cfg.cluster.address):
         raise ConfigError(
             f"run.storage={cfg.run.storage!r} is relative, and on a Ray cluster the job's working directory is "
@@ -239,9 +239,9 @@ def _prepare(cfg: TrainConfig, layout: Layout, run_dir: Path, startup: dict[str,
         engine,
         sizes,
         run_dir,
-        on_rank_progress,
-        progress.message,
-        c.reuse_workers,
+        on_progress=on_rank_progress,
+        on_event=progress.message,
+        reuse_workers=c.reuse_workers,
     )
     return supervisor, summary, progress
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -26,19 +25,17 @@ from torch.nn.parallel import DistributedDataParallel
 
 from distrain.compat import ddp_without_buffer_sync
 from distrain.model.contract import owner, tie
-
-if TYPE_CHECKING:
-    from distrain.parallel.parallelize import ParallelModel
+from distrain.parallel.step import StepContext
 
 
-def parallelize(model: nn.Module, on: ParallelModel) -> nn.Module:
+def parallelize(model: nn.Module, on: StepContext) -> nn.Module:
     """DDP where nothing else shards the model; FSDP2 for ZeRO-2/3; and for a replicated model
     that holds DTensors (TP) or is a pipeline stage, FSDP2's `replicate`, which composes with both;
     for the grid layouts nothing. A meta-built model is materialised after sharding, so that a rank
     allocates and initialises only its shards, and before replicating, as DDP and `replicate` need
     real parameters when they wrap a model."""
     c, mesh = on.cfg, on.dp_mesh
-    if on.grid is not None:  # gradients summed by GradSync (ParallelModel)
+    if on.grid is not None:  # gradients summed over the grid by GradSync (ParallelModel)
         materialize(model, on.device)
         return model
     if mesh is not None and c.zero >= 2:

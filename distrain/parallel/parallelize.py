@@ -14,6 +14,7 @@ clipping across stages, and the module whose parameters the optimizer and checkp
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 
 import torch
@@ -28,15 +29,17 @@ from distrain.config import StrategyConfig
 from distrain.parallel import data_parallel, tensor_parallel
 from distrain.parallel.data_parallel import no_gradient_sync
 from distrain.parallel.dims import build_mesh, submesh
+from distrain.parallel.step import Step, StepContext
 from distrain.parallel.tensor_parallel import loss_context
 from distrain.parallel.tpnd.grad_sync import GradSync
-from distrain.strategy.data_parallel import DIMS as DATA_PARALLEL
+from distrain.parallel.tpnd.layers import grid_cross_entropy
+from distrain.strategy.data_parallel import DIMS as DP_DIMS
 from distrain.strategy.layout import Layout
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def apply_activation_checkpointing(model: nn.Module, on: ParallelModel) -> nn.Module:
+def apply_activation_checkpointing(model: nn.Module, on: StepContext) -> nn.Module:
     """Keep only each block's input; recompute the rest during the backward pass."""
     if on.cfg.activation_checkpoint:
         for block in model.layers.values():
@@ -44,15 +47,13 @@ def apply_activation_checkpointing(model: nn.Module, on: ParallelModel) -> nn.Mo
     return model
 
 
-def apply_compile(model: nn.Module, on: ParallelModel) -> nn.Module:
+def apply_compile(model: nn.Module, on: StepContext) -> nn.Module:
     """Compile block by block: the blocks are identical, so one graph serves them all."""
     if on.cfg.compile:
         for block in model.layers.values():
             block.compile(fullgraph=True)
     return model
 
-
-Step = Callable[[nn.Module, "ParallelModel"], nn.Module]
 
 # What is applied to each part of the model (the whole of it, or each pipeline stage), in this order; a
 # parallelism's step is keyed by its name in distrain.strategy (the pipeline is no step: it makes the
@@ -150,19 +151,21 @@ class ParallelModel:
         loss_fn: LossFn,
         collective: bool = True,
     ):
-        self.cfg, self.layout, self.device, self.bf16, self.loss_fn = cfg, layout, device, bf16, loss_fn
+        self.cfg, self.layout, self.device, self.bf16 = cfg, layout, device, bf16
         self.mesh = build_mesh(layout, device.type) if collective else None
-        self.dp_mesh = submesh(self.mesh, DATA_PARALLEL) if collective else None
+        self.dp_mesh = submesh(self.mesh, DP_DIMS) if collective else None
         self.vocab_sharded_loss = layout.tp > 1 and layout.tp_mode == "1d" and cfg.loss_parallel
-        self.grid, self.grad_sync = None, None  # 2-D, 2.5-D, 3-D tensor parallelism
 
         parts, tied = {0: model}, getattr(model, "tied_parameters", ())  # plain DDP needs no contract
         if layout.pp > 1:
             from distrain.parallel.pipeline import split_stages  # torch's pipelining imports dynamo: only when used
 
             parts = split_stages(model, self.mesh["pp"], layout)
+        on = StepContext(cfg, layout, self.mesh, self.dp_mesh, device, bf16, self.vocab_sharded_loss)
         for step in STEPS.values():  # each step on every part before the next step
-            parts = {index: step(part, self) for index, part in parts.items()}
+            parts = {index: step(part, on) for index, part in parts.items()}
+        self.grid, self.grad_sync = on.grid, None  # 2-D, 2.5-D, 3-D tensor parallelism
+        self.loss_fn = loss_fn if self.grid is None else functools.partial(grid_cross_entropy, self.grid)
 
         self.pipeline = None
         if layout.pp > 1:

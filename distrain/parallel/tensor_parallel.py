@@ -5,24 +5,20 @@ model's methods: distrain/model/contract.py)."""
 from __future__ import annotations
 
 import contextlib
-import functools
-from typing import TYPE_CHECKING
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
 from distrain.model.contract import tie
+from distrain.parallel.step import StepContext
 from distrain.parallel.tpnd.grid import Grid
-from distrain.parallel.tpnd.layers import apply_grid_tp, grid_cross_entropy
-
-if TYPE_CHECKING:
-    from distrain.parallel.parallelize import ParallelModel
+from distrain.parallel.tpnd.layers import apply_grid_tp
 
 
-def parallelize(model: nn.Module, on: ParallelModel) -> nn.Module:
-    """1-D on the mesh's `tp` dim; a grid on its grid dims, which then computes the loss and (ParallelModel's
-    GradSync) sums the gradients."""
+def parallelize(model: nn.Module, on: StepContext) -> nn.Module:
+    """1-D on the mesh's `tp` dim; a grid on its grid dims, left in `on.grid`: the loss is computed on it
+    and (ParallelModel's GradSync) the gradients summed over it."""
     layout = on.layout
     if layout.tp == 1:
         return model
@@ -30,7 +26,6 @@ def parallelize(model: nn.Module, on: ParallelModel) -> nn.Module:
         apply_tp(model, on.mesh["tp"], on.vocab_sharded_loss)
     else:
         on.grid = apply_tp_grid(model, on.mesh, layout.tp_mode)
-        on.loss_fn = functools.partial(grid_cross_entropy, on.grid)
     return model
 
 

@@ -3,7 +3,8 @@ process groups, pipeline stages, micro-batches, and the smaller layouts an elast
 
 `Layout.resolve(cfg)` fills what the strategy leaves open from the worker count, without touching
 the config, and refuses a layout that cannot work with a one-line ConfigError. The driver resolves
-it once; the plan prints it; workers receive it as a plain dict. It imports neither torch nor Ray.
+it once; the plan prints it; ranks receive it as it is (in a RankJob), the parameter server's as a plain
+dict. It imports neither torch nor Ray.
 """
 
 from __future__ import annotations

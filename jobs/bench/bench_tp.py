@@ -22,6 +22,7 @@ from distrain.parallel.parallelize import ParallelModel
 from distrain.parallel.traffic import Traffic, saved_activations
 from distrain.strategy import tpcost
 from distrain.strategy.layout import Layout
+from distrain.strategy.tensor_parallel import grid
 from distrain.train.learner import cross_entropy
 from distrain.train.optim import build_optimizer
 
@@ -49,7 +50,7 @@ MIB = 2**20
 def label(mode: str, p: int, depth: int) -> str:
     if p == 1:
         return "one process"
-    q, d = tpcost.grid(mode, p, depth)
+    q, d = grid(mode, p, depth)
     return {"1d": f"1-D, tp {p}", "2d": f"2-D, {q}×{q}", "2.5d": f"2.5-D, {d}×{q}×{q}", "3d": f"3-D, {q}×{q}×{q}"}[mode]
 
 
