@@ -211,6 +211,7 @@ class WandbConfig:
 @dataclass
 class LoggerConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    tensorboard: bool = False  # also the metrics as TensorBoard scalars in <run>/tensorboard/ (the tensorboard extra)
     progress_interval_s: float = 5.0  # console progress line period when stdout is not a terminal
 
 

@@ -104,6 +104,28 @@ def assert_recovery_in_order(timings: dict, after: float, logged_at: float | Non
     assert logged_at is None or timings[Mark.FIRST_STEP] <= logged_at, (timings, logged_at, context)
 
 
+@pytest.fixture(scope="session")
+def tracked_run(ray_cluster, tmp_path_factory) -> tuple[Path, dict, dict]:
+    """A run that every record of its progress is checked on (tests/test_wandb.py, tests/test_plot.py): W&B
+    offline with checkpoint artifacts, TensorBoard, validation every 2 steps; 4 steps, then a rerun to 6
+    (a second invocation: a restart from step 4). Its directory and both invocations' summaries."""
+    from distrain.driver.launch import train
+
+    storage = tmp_path_factory.mktemp("tracked")
+    common = [
+        "run.name=w",
+        "logger.wandb.mode=offline",
+        "logger.wandb.log_checkpoints=true",
+        "logger.tensorboard=true",
+        "checkpoint.interval=2",
+        "trainer.eval_interval=2",
+        "optim.lr=0.002",
+    ]
+    first = train(make_config(storage, *common, "trainer.max_steps=4"))
+    second = train(make_config(storage, *common, "trainer.max_steps=6"))
+    return storage / "w", first, second
+
+
 def logged(cfg: TrainConfig, key: str = "loss") -> dict[int, float]:
     """step → the value of `key` in the run's metrics.jsonl."""
     from distrain.storage.tracking import read_metrics

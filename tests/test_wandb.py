@@ -10,9 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import make_config
 
-from distrain.driver.launch import train
 from distrain.storage.tracking import read_metrics
 
 BLOCK, HEADER = 32768, 7  # the .wandb file: a LevelDB-style log of protobuf Records in 32 KiB blocks
@@ -48,17 +46,8 @@ def of_type(records: list, kind: str) -> list:
 
 
 @pytest.mark.timeout(300)
-def test_offline_run_is_complete_and_one_run_across_a_resume(tmp_path: Path, ray_cluster):
-    common = [
-        "run.name=w",
-        "logger.wandb.mode=offline",
-        "logger.wandb.log_checkpoints=true",
-        "checkpoint.interval=2",
-        "optim.lr=0.002",
-    ]
-    first = train(make_config(tmp_path, *common, "trainer.max_steps=4"))
-    second = train(make_config(tmp_path, *common, "trainer.max_steps=6"))
-    run_dir = tmp_path / "w"
+def test_offline_run_is_complete_and_one_run_across_a_resume(tracked_run):
+    run_dir, first, second = tracked_run
     assert first["wandb_run_id"] == second["wandb_run_id"]
 
     folders = sorted((run_dir / "wandb").glob("offline-run-*"))  # one per invocation; `wandb sync` takes both

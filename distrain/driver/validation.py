@@ -4,6 +4,7 @@ what the strategy leaves open is resolved into the `Layout` it returns."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 from distrain.config import ClusterConfig, TrainConfig, attach_address
@@ -13,6 +14,7 @@ from distrain.driver.plan import rank_memory
 from distrain.model.families import shipped
 from distrain.model.registry import check_model, has_plan
 from distrain.storage import directio
+from distrain.storage.tracking import TENSORBOARD_HINT
 from distrain.strategy import PARALLELISMS
 from distrain.strategy.layout import Layout
 from distrain.strategy.pipeline import SCHEDULES
@@ -241,6 +243,10 @@ def _validate_training(cfg: TrainConfig) -> None:
     require(
         cfg.logger.wandb.mode in WANDB_MODES,
         f"logger.wandb.mode={cfg.logger.wandb.mode!r}: choose online, offline or disabled",
+    )
+    require(
+        not cfg.logger.tensorboard or importlib.util.find_spec("tensorboard") is not None,
+        f"logger.tensorboard=true needs the tensorboard package, which is not installed: {TENSORBOARD_HINT}",
     )
     require(bool(cfg.run.name) and "/" not in cfg.run.name, f"run.name={cfg.run.name!r}: must be a plain name")
 

@@ -1,4 +1,4 @@
-"""Rank 0's record of a run: metrics.jsonl, summary.json and Weights & Biases."""
+"""Rank 0's record of a run: metrics.jsonl, summary.json, Weights & Biases and TensorBoard."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ from distrain.storage.fsutil import atomic_write, write_json
 
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
+TENSORBOARD_DIR = "tensorboard"
+TENSORBOARD_HINT = 'pip install -e ".[tensorboard]"'
 
 
 def wandb_mode(mode: str | None) -> str:
@@ -29,6 +31,14 @@ class Tracker:
         self.metrics_path = self.run_dir / METRICS_FILE
         _set_aside_lines_after(self.metrics_path, resume_step)
         self._metrics = open(self.metrics_path, "a")
+        self.tensorboard = None
+        if config["logger"]["tensorboard"]:  # checked installed by the driver (validation)
+            from torch.utils.tensorboard import SummaryWriter
+
+            # purge_step: TensorBoard drops what an earlier attempt logged past the checkpoint, as metrics.jsonl does
+            self.tensorboard = SummaryWriter(
+                str(self.run_dir / TENSORBOARD_DIR), purge_step=resume_step + 1 if resume_step else None, flush_secs=10
+            )
         self.wandb_run = None
         self.artifacts = False  # logger.wandb.log_checkpoints
         self.checkpoints_logged: set[str] = set()
@@ -59,6 +69,10 @@ class Tracker:
         record = {"step": step, "time": time.time(), **metrics}  # time: for loss against wall-clock
         self._metrics.write(json.dumps(record) + "\n")
         self._metrics.flush()
+        if self.tensorboard is not None:
+            for key, value in metrics.items():
+                if isinstance(value, int | float) and not isinstance(value, bool):
+                    self.tensorboard.add_scalar(key, value, step, walltime=record["time"])
         if self.wandb_run is not None:
             self.log_checkpoints()
             self.wandb_run.log(metrics, step=step)
@@ -83,6 +97,8 @@ class Tracker:
 
     def close(self, summary: dict) -> None:
         self._metrics.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
         if self.wandb_run is not None:
             self.log_checkpoints()
             self.wandb_run.summary.update(summary)
@@ -142,5 +158,12 @@ def write_summary(run_dir: str, summary: dict) -> None:
 
 
 def read_metrics(run_dir: str) -> list[dict]:
+    """The run's metrics lines, without a last one torn by a crash mid-write (the resume sets it aside)."""
     path = Path(run_dir) / METRICS_FILE
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    records = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            continue
+    return records

@@ -1,0 +1,147 @@
+"""A picture of one run or several, from their metrics.jsonl, with no account and no network:
+
+    python jobs/plot.py run.name=NAME[,NAME...] [run.storage=runs] [out=FILE.png|.svg|.pdf]
+
+Three panels against the step: the train loss (validation loss dashed, with dots), the learning rate and the
+tokens per second; each run a colour of its own, overlaid. A restart (every attempt after a run's first, from
+summary.json: a failure's recovery or a rerun that resumed) is a dotted vertical line at the step it resumed from.
+The image goes to `out` (default: the run directory's plot.png; for several runs, plot-A-vs-B.png in
+run.storage), its format named by its suffix. Bad input: one line and exit status 2."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from distrain.config import ConfigError
+from distrain.storage.tracking import METRICS_FILE, SUMMARY_FILE, read_metrics
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+USAGE = "python jobs/plot.py run.name=NAME[,NAME...] [run.storage=runs] [out=FILE.png|.svg|.pdf]"
+PLOT_HINT = 'pip install -e ".[plot]"'
+# (metrics.jsonl key, panel title, y label); a run's line of each is labelled "<run> <key>"
+PANELS = [
+    ("loss", "loss (validation dashed)", "cross-entropy"),
+    ("lr", "learning rate", "lr"),
+    ("tokens_per_s", "throughput", "tokens/s"),
+]
+
+
+@dataclass
+class Run:
+    """What the picture takes from a run directory: its metrics lines and the steps it restarted from."""
+
+    name: str
+    records: list[dict]
+    restarts: list[int] = field(default_factory=list)
+
+    def series(self, key: str) -> tuple[list[int], list[float]]:
+        """(steps, values) of the lines that hold `key`."""
+        pairs = [(r["step"], r[key]) for r in self.records if r.get(key) is not None]
+        return [s for s, _ in pairs], [v for _, v in pairs]
+
+
+def restarts(summary: dict) -> list[int]:
+    """The step each attempt after the run's first resumed from, over its invocations (summary.json's
+    history, then the latest), in order."""
+    attempts = [a for s in [*summary.get("history", []), summary] for a in s.get("attempts", [])]
+    return [a.get("info", {}).get("resumed_from_step", 0) for a in attempts[1:]]
+
+
+def load_run(storage: Path, name: str) -> Run:
+    """A run's metrics and restarts; a one-line ConfigError for no such run or no metrics yet."""
+    run_dir = storage / name
+    if not run_dir.is_dir():
+        known = sorted(p.name for p in storage.iterdir() if (p / METRICS_FILE).exists()) if storage.is_dir() else []
+        there = f"runs in {storage}: {', '.join(known)}" if known else f"{storage} holds no runs"
+        raise ConfigError(f"run.name={name}: no run at {run_dir} ({there}); give run.name (and run.storage)")
+    records = [r for r in read_metrics(str(run_dir)) if "step" in r]
+    if not records:
+        raise ConfigError(
+            f"run {name} has no metrics yet ({run_dir / METRICS_FILE} is missing or empty): a run logs a line "
+            "every trainer.log_interval steps once training has begun"
+        )
+    summary_path = run_dir / SUMMARY_FILE
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    return Run(name, records, restarts(summary))
+
+
+def figure(runs: list[Run]) -> Figure:
+    """The runs' panels, one above the other, sharing the step axis (Agg: no screen needed)."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(9, 8), layout="constrained")
+    axes = fig.subplots(len(PANELS), 1, sharex=True)
+    colours = [f"C{i % 10}" for i in range(len(runs))]
+    for ax, (key, title, unit) in zip(axes, PANELS, strict=True):
+        ax.set_title(title, loc="left")
+        ax.set_ylabel(unit)
+        ax.grid(alpha=0.3)
+        for run, colour in zip(runs, colours, strict=True):
+            ax.plot(*run.series(key), color=colour, linewidth=1.5, label=f"{run.name} {key}")
+            if key == "loss" and (val := run.series("val_loss"))[0]:
+                ax.plot(*val, color=colour, linestyle="--", marker="o", markersize=3, label=f"{run.name} val_loss")
+            for step in run.restarts:
+                ax.axvline(step, color=colour, linestyle=":", linewidth=1.2, label=f"{run.name} restart")
+    axes[-1].set_xlabel("step")
+    axes[0].legend(handles=legend(axes[0], runs, colours), fontsize="small", loc="upper right")
+    return fig
+
+
+def legend(ax, runs: list[Run], colours: list[str]) -> list:  # noqa: ANN001  (a matplotlib Axes)
+    """One entry per run, then what the line styles mean."""
+    from matplotlib.lines import Line2D
+
+    handles = [Line2D([], [], color=c, label=r.name) for r, c in zip(runs, colours, strict=True)]
+    handles += [Line2D([], [], color="grey", linestyle="--", marker="o", markersize=3, label="validation loss")]
+    if any(r.restarts for r in runs):
+        handles.append(Line2D([], [], color="grey", linestyle=":", label="restart (resumed from this step)"))
+    return handles
+
+
+def default_out(storage: Path, names: list[str]) -> Path:
+    return storage / names[0] / "plot.png" if len(names) == 1 else storage / f"plot-{'-vs-'.join(names)}.png"
+
+
+def plot(storage: Path, names: list[str], out: Path | None = None) -> Path:
+    """Draw the named runs into `out` (default: default_out); the path written."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise ConfigError(f"jobs/plot.py draws with matplotlib, which is not installed: {PLOT_HINT}") from None
+    matplotlib.use("Agg")
+    runs = [load_run(storage, name) for name in names]
+    out = out or default_out(storage, names)
+    fig = figure(runs)
+    formats = fig.canvas.get_supported_filetypes()
+    if out.suffix.lstrip(".").lower() not in formats:
+        raise ConfigError(f"out={out}: give a file name ending in one of .{', .'.join(sorted(formats))}")
+    fig.suptitle(", ".join(names))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    return out
+
+
+def main(argv: list[str]) -> None:
+    from distrain.driver.trained import REQUIRED, job_args
+
+    spec = {"run.name": (str, REQUIRED), "run.storage": (str, "runs"), "out": (str, None)}
+    try:
+        args = job_args(argv, spec, USAGE)
+        names = [n for n in args["run.name"].split(",") if n]
+        if not names:
+            raise ConfigError(f"run.name= names no run; usage: {USAGE}")
+        out = plot(Path(args["run.storage"]), names, Path(args["out"]) if args["out"] else None)
+    except ConfigError as e:
+        print(f"distrain: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    print(f"distrain: plotted {', '.join(names)} to {out}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

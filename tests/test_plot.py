@@ -1,0 +1,124 @@
+"""Pictures of a run without an account: jobs/plot.py draws what metrics.jsonl holds (checked on the
+figure's lines, not on the image's pixels), and logger.tensorboard=true writes the same scalars as
+TensorBoard events. Both on the run tests/test_wandb.py checks (conftest's tracked_run)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO, make_config
+
+from distrain.config import ConfigError
+from distrain.driver.validation import validate
+from distrain.storage.tracking import read_metrics
+
+sys.path.append(str(REPO / "jobs"))
+import plot  # noqa: E402  (jobs/plot.py)
+
+
+def lines_of(fig) -> dict[str, tuple[list, list]]:  # noqa: ANN001
+    """label → (x, y) of every line the figure's panels draw."""
+    return {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for ax in fig.axes for line in ax.lines}
+
+
+def test_the_figure_holds_each_runs_metrics_and_restarts(tracked_run, tmp_path: Path):
+    run_dir, _, _ = tracked_run
+    storage = tmp_path / "runs"
+    shutil.copytree(run_dir, storage / "w")
+    shutil.copytree(run_dir, storage / "v")  # a second run beside it (the same lines, overlaid)
+    (storage / "v" / "metrics.jsonl").write_text(
+        "".join(line + "\n" for line in (storage / "v" / "metrics.jsonl").read_text().splitlines()[:3])
+    )
+    metrics = read_metrics(str(run_dir))
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5, 6]
+
+    fig = plot.figure([plot.load_run(storage, "w"), plot.load_run(storage, "v")])
+    lines = lines_of(fig)
+    for name, lines_kept in (("w", metrics), ("v", metrics[:3])):
+        steps = [m["step"] for m in lines_kept]
+        for key in ("loss", "lr", "tokens_per_s"):
+            assert lines[f"{name} {key}"] == (steps, [m[key] for m in lines_kept]), key
+        val = [m for m in lines_kept if "val_loss" in m]
+        assert lines[f"{name} val_loss"] == ([m["step"] for m in val], [m["val_loss"] for m in val])
+        # the rerun to step 6 resumed from step 4: a restart there, in every panel
+        assert lines[f"{name} restart"][0] == [4, 4]
+    assert sum(label.endswith("restart") for ax in fig.axes for label in (x.get_label() for x in ax.lines)) == 6
+    assert [m["step"] for m in metrics if "val_loss" in m] == [2, 4, 6]
+
+
+def test_plot_command_writes_the_image_and_refuses_bad_input(tracked_run, tmp_path: Path, capsys):
+    run_dir, _, _ = tracked_run
+    storage = tmp_path / "runs"
+    shutil.copytree(run_dir, storage / "w")
+    (storage / "empty").mkdir()
+    (storage / "empty" / "metrics.jsonl").write_text("")
+
+    cmd = [sys.executable, "jobs/plot.py", f"run.storage={storage}", "run.name=w"]  # the command as a user runs it
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    out = storage / "w" / "plot.png"
+    assert done.returncode == 0 and f"to {out}" in done.stdout, done.stderr
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    def job(*args: str) -> tuple[int, str, str]:
+        """jobs/plot.py's main in this process: its exit status, stdout and stderr."""
+        capsys.readouterr()
+        try:
+            plot.main([f"run.storage={storage}", *args])
+            rc = 0
+        except SystemExit as e:
+            rc = e.code
+        return rc, *capsys.readouterr()
+
+    svg = tmp_path / "both.svg"
+    rc, stdout, stderr = job("run.name=w,w", f"out={svg}")
+    assert rc == 0 and f"to {svg}" in stdout and svg.read_text().lstrip().startswith("<?xml"), stderr
+
+    for args, says in [
+        (["run.name=nope"], "run.name=nope: no run at"),
+        (["run.name=empty"], "run empty has no metrics yet"),
+        (["run.name=w", f"out={tmp_path / 'x.txt'}"], "x.txt: give a file name ending in one of"),
+        (["run.name="], "run.name= names no run"),
+    ]:
+        rc, _, stderr = job(*args)
+        (line,) = stderr.splitlines()
+        assert rc == 2 and line.startswith("distrain: error: ") and says in line, stderr
+    assert sorted(p.name for p in storage.iterdir()) == ["empty", "w"]  # nothing written by a refused command
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["both.svg", "runs"]
+
+
+def test_tensorboard_holds_the_metrics(tracked_run):
+    """The event files, read back with TensorBoard's own reader, hold every step's metrics once: the rerun's
+    purge step dropped nothing (it resumed where the first invocation stopped) and repeated nothing."""
+    from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
+
+    run_dir, _, _ = tracked_run
+    metrics = read_metrics(str(run_dir))
+    events = EventMultiplexer().AddRunsFromDirectory(str(run_dir / "tensorboard"))
+    events.Reload()
+    for key in ("loss", "lr", "grad_norm", "tokens_per_s", "val_loss"):
+        got = sorted((e.step, e.value) for run in events.Runs() for e in events.Scalars(run, key))
+        want = [(m["step"], pytest.approx(m[key], rel=1e-6)) for m in metrics if key in m]
+        assert got == want, key
+
+
+def test_a_missing_package_is_one_line_naming_its_extra(tracked_run, tmp_path: Path, monkeypatch):
+    """Without tensorboard, logger.tensorboard=true is refused by validation (before any worker starts);
+    without matplotlib, the plot job says which extra to install. (A None in sys.modules: not installed.)"""
+    run_dir, _, _ = tracked_run
+    cfg = make_config(tmp_path, "run.name=tb", "logger.tensorboard=true")
+    validate(cfg)
+    monkeypatch.setitem(sys.modules, "tensorboard", None)
+    with pytest.raises(
+        ConfigError, match=r'logger.tensorboard=true needs the tensorboard package.*"\.\[tensorboard\]"'
+    ):
+        validate(cfg)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(
+        ConfigError, match=r'draws with matplotlib, which is not installed: pip install -e "\.\[plot\]"'
+    ):
+        plot.plot(run_dir.parent, [run_dir.name], tmp_path / "p.png")
+    assert not (tmp_path / "p.png").exists()
