@@ -7,6 +7,8 @@ models, a few steps and 2 workers on the embedded Ray cluster, which harness kee
 
 from __future__ import annotations
 
+import importlib
+import json
 import sys
 from pathlib import Path
 
@@ -37,9 +39,10 @@ def assert_page(page: Path, plot: bool = False) -> str:
     assert measured and measured[1] == commit, text[:600]
     assert "--smoke" in text and "Smoke run" in text
     assert "- Machine: " in text and "- 1-minute load average: " in text
-    if plot:
+    if plot:  # matplotlib's SVG, linked from the page, and the numbers it was drawn from beside it
         svg = page.with_suffix(".svg")
-        assert svg.read_text().startswith("<svg") and f"]({svg.name})" in text
+        assert "<svg" in svg.read_text() and f"]({svg.name})" in text
+        assert json.loads(page.with_suffix(".json").read_text())
     harness.main(["index", "--out", str(page.parent / "benchmarks.md")])
     index = (page.parent / "benchmarks.md").read_text()
     assert f"[{page.name}]({page.name}) | `{commit}`" in index, index
@@ -85,6 +88,38 @@ def test_smoke(tmp_path: Path, script: str, timeout_s: float, plot: bool, holds:
     text = assert_page(page, plot)
     for expected in holds:
         assert expected in text, text
+
+
+PLOTS = {"bench_bubble": "bubble", "bench_ps": "ps", "bench_recovery": "recovery", "bench_tp": "tensor-parallel"}
+
+
+@pytest.mark.parametrize("script, page", PLOTS.items(), ids=list(PLOTS))
+def test_replot_draws_a_docs_plot_from_its_numbers(tmp_path: Path, script: str, page: str, capsys) -> None:
+    """`--replot docs/<page>.json` redraws the page's plot from the numbers recorded beside it, measuring
+    nothing: the figure's lines hold those numbers, and only the plot is written."""
+    bench = importlib.import_module(script)
+    data = json.loads((REPO / "docs" / f"{page}.json").read_text())
+    bench.main(["--replot", str(REPO / "docs" / f"{page}.json"), "--out", str(tmp_path / f"{page}.md")])
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{page}.svg"]
+    assert "<svg" in (tmp_path / f"{page}.svg").read_text() and "drew" in capsys.readouterr().out
+    fig = bench.draw(data)
+    drawn = [list(zip(line.get_xdata(), line.get_ydata(), strict=True)) for ax in fig.axes for line in ax.lines]
+    bars = [(p.get_x(), p.get_width()) for ax in fig.axes for p in ax.patches]
+    for expected in NUMBERS[page](data):
+        assert expected in drawn or expected in bars, expected
+
+
+NUMBERS = {  # page → what its figure must draw, from its numbers: a line's points, or a bar segment's (x, width)
+    "bubble": lambda d: [
+        [(int(m), v) for m, v in sorted(by_m.items(), key=lambda kv: int(kv[0]))] for by_m in d["idle"].values()
+    ],
+    "ps": lambda d: (
+        [[(p[0], p[2]) for p in r["curve"]] for r in d["runs"]]
+        + [[(p[1], p[2]) for p in r["curve"]] for r in d["runs"]]
+    ),
+    "recovery": lambda d: [(0.0, b["detect_teardown"]) for b in d["bars"]],
+    "tensor-parallel": lambda d: [[(x["p"], x["sent_mib"]) for x in d["measured"] if x["mode"] == "3d" or x["p"] == 1]],
+}
 
 
 @pytest.mark.timeout(330)

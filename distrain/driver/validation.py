@@ -14,7 +14,6 @@ from distrain.driver.plan import rank_memory
 from distrain.model.families import shipped
 from distrain.model.registry import check_model, has_plan
 from distrain.storage import directio
-from distrain.storage.tracking import TENSORBOARD_HINT
 from distrain.strategy import PARALLELISMS
 from distrain.strategy.layout import Layout
 from distrain.strategy.pipeline import SCHEDULES
@@ -22,6 +21,7 @@ from distrain.strategy.record import require
 
 OPTIMIZERS = ("adamw", "sgd")
 WANDB_MODES = (None, "online", "offline", "disabled")
+TENSORBOARD_HINT = 'pip install -e ".[tensorboard]"'  # logger.tensorboard's package
 PRECISIONS = ("auto", "fp32", "bf16")
 OFFLOADS = ("none", "cpu", "nvme")
 PS_MODES = ("sync", "async", "hogwild", "easgd")

@@ -16,7 +16,6 @@ from distrain.storage.fsutil import atomic_write, write_json
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
 TENSORBOARD_DIR = "tensorboard"
-TENSORBOARD_HINT = 'pip install -e ".[tensorboard]"'
 
 
 def wandb_mode(mode: str | None) -> str:

@@ -5,13 +5,12 @@ processes on 127.0.0.1 (no Ray: a parallel-layer measurement) and times, on each
 compute: its stages' forward, backward (input and weight parts) and the loss. A rank's idle fraction is
 1 − compute / step, the step being the slowest rank's wall time of the schedule's `step` (all ranks start
 it together after a barrier), beside the textbook bubble (p − 1) / (v·m + p − 1). Writes docs/bubble.md
-and its plot, docs/bubble.svg.
+and its plot, docs/bubble.svg (its numbers in docs/bubble.json: `--replot docs/bubble.json` redraws it).
 """
 
 from __future__ import annotations
 
 import functools
-import math
 import os
 import statistics
 import time
@@ -23,7 +22,7 @@ import harness  # first: it keeps Ray on loopback
 import processes
 import torch
 import torch.distributed as dist
-from svgplot import Axes, Canvas  # jobs/bench/svgplot.py, beside this script
+from plots import figure, log2_x  # jobs/bench/plots.py, beside this script
 
 from distrain.config import ModelConfig, StrategyConfig
 from distrain.model.llama import Transformer
@@ -191,34 +190,34 @@ def table(results: dict[str, dict[int, dict[str, Any]]], setup: BubbleSetup) -> 
     return harness.table(head, rows)
 
 
-def svg(results: dict[str, dict[int, dict[str, Any]]], setup: BubbleSetup) -> str:
+def plot_data(results: dict[str, dict[int, dict[str, Any]]], setup: BubbleSetup) -> dict:
+    """What the plot shows: pp, the micro-batch counts, and each schedule's idle fraction per m."""
+    idle = {s: {str(m): p["idle"] for m, p in sorted(by_m.items())} for s, by_m in results.items()}
+    return {"pp": setup.pp, "micro_batches": setup.micro_batches, "idle": idle}
+
+
+def draw(data: dict):  # noqa: ANN201  (a matplotlib Figure)
     """Idle fraction against m on a log₂ axis, one coloured line per schedule, the theory for
     v = 1 and v = 2 in black, dashed and dotted."""
-    lo, hi = setup.micro_batches[0], max(setup.micro_batches[-1], 2 * setup.micro_batches[0])
-    highest = max([p["idle"] for by_m in results.values() for p in by_m.values()] + [theory("gpipe", setup.pp, lo)])
-    y_top = math.ceil(highest * 10 + 0.2) / 10
-    canvas = Canvas(760, 440, font_size=13)
-    ax = Axes(canvas, (70, 40, 450, 340), (lo, hi), (0, y_top), log_x=True)
-    ax.labels(
-        f"Pipeline bubble: pp = {setup.pp}, measured vs theory",
-        "micro-batches per step, m (log scale)",
-        "idle fraction of a rank",
-    )
-    ax.y_ticks([i / 10 for i in range(round(y_top * 10) + 1)], "{:.1f}")
-    ax.x_ticks(setup.micro_batches)
-    ax.curve([(lo, y_top), (lo, 0), (hi, 0)], "black", width=1)
+    pp, ms = data["pp"], data["micro_batches"]
+    lo, hi = ms[0], max(ms[-1], 2 * ms[0])
+    fig, ax = figure(7.6, 4.4)
     curve = [lo * (hi / lo) ** (k / 40) for k in range(41)]
-    legend = []
-    for v, dash in ((1, "7,4"), (2, "2,3")):
-        ax.curve([(m, (setup.pp - 1) / (v * m + setup.pp - 1)) for m in curve], "black", dash=dash)
-        legend.append((f"theory (p−1)/({'' if v == 1 else v}m+p−1)", "black", dash))
-    for schedule, by_m in results.items():
-        colour, points = COLOURS[schedule], sorted((m, p["idle"]) for m, p in by_m.items())
-        ax.curve(points, colour)
-        ax.dots(points, colour)
-        legend.append((f"{schedule} (v = {stages_per_rank(schedule)})", colour, None))
-    canvas.legend(legend, ax.left + ax.width + 15, ax.top + 14, across=False)
-    return canvas.render()
+    for v, style in ((1, "--"), (2, ":")):
+        ax.plot(curve, [(pp - 1) / (v * m + pp - 1) for m in curve], "k", linestyle=style,
+                label=f"theory (p−1)/({'' if v == 1 else v}m+p−1)")  # fmt: skip
+    for schedule, by_m in data["idle"].items():
+        points = sorted((int(m), idle) for m, idle in by_m.items())
+        ax.plot(*zip(*points, strict=True), color=COLOURS[schedule], marker="o",
+                label=f"{schedule} (v = {stages_per_rank(schedule)})")  # fmt: skip
+    log2_x(ax, ms)
+    ax.set_xlim(lo, hi)
+    ax.set_ylim(bottom=0)
+    ax.set_title(f"Pipeline bubble: pp = {pp}, measured vs theory", loc="left")
+    ax.set_xlabel("micro-batches per step, m (log scale)")
+    ax.set_ylabel("idle fraction of a rank")
+    ax.legend(loc="center left", bbox_to_anchor=(1.02, 0.5), frameon=False)
+    return fig
 
 
 def reading(results: dict[str, dict[int, dict[str, Any]]], setup: BubbleSetup) -> str:
@@ -295,12 +294,14 @@ def body(results: dict[str, dict[int, dict[str, Any]]], setup: BubbleSetup, plot
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = harness.parser(__doc__, "docs/bubble.md", repeats=2)
+    p = harness.parser(__doc__, "docs/bubble.md", repeats=2, plot=True)
     d = BubbleSetup()
     p.add_argument("--pp", type=int, default=d.pp, help="pipeline ranks (processes)")
     p.add_argument("--micro-batches", type=int, nargs="+", default=d.micro_batches, help="micro-batch counts m")
     p.add_argument("--steps", type=int, default=d.steps, help="timed steps per schedule, m and pass")
     args = harness.parse(p, argv)
+    if harness.replot(args, draw):
+        return
     setup = BubbleSetup(args.pp, sorted(args.micro_batches), steps=args.steps, repeats=args.repeats)
     if args.smoke:
         setup = BubbleSetup(args.pp, [2], dim=64, n_layers=4, seq_len=32, steps=1, repeats=1)
@@ -308,7 +309,7 @@ def main(argv: list[str] | None = None) -> None:
     results = measure_bubble(setup)
     print(asdict(setup))
     print("\n".join(table(results, setup)))
-    page.write(body(results, setup, page.plot), plot=svg(results, setup))
+    page.write(body(results, setup, page.plot), plot=(draw, plot_data(results, setup)))
 
 
 if __name__ == "__main__":

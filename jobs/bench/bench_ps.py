@@ -4,14 +4,13 @@ Trains one job (model, corpus, workers, steps) under DDP and under every paramet
 a backup worker, async, Hogwild, EASGD) through `distrain.driver.launch.train` on one embedded Ray cluster on loopback,
 then all of them again with the last rank --slowdown times slower (`fault.straggler`), the runs' order reversed
 on every other repeat. Writes docs/ps.md from each run's metrics.jsonl and summary.json, and docs/ps.svg: loss
-against step and against wall clock.
+against step and against wall clock (its numbers in docs/ps.json: `--replot docs/ps.json` redraws it).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import math
 import statistics
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -19,7 +18,7 @@ from typing import Any
 
 import harness  # first: it keeps Ray on loopback
 import hosts  # jobs/bench/hosts.py
-from svgplot import Axes, Canvas, ticks  # jobs/bench/svgplot.py, beside this script
+from plots import figure  # jobs/bench/plots.py, beside this script
 
 from distrain.config import OptimConfig
 
@@ -35,7 +34,7 @@ SCENARIOS = {"none": "no straggler", "straggler": "one straggler", "link": "two 
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = harness.parser(__doc__, "docs/ps.md", repeats=1)
+    p = harness.parser(__doc__, "docs/ps.md", repeats=1, plot=True)
     p.add_argument("--steps", type=int, default=120, help="training steps per run (default 120)")
     p.add_argument("--workers", type=int, default=4, help="workers of every run (default 4)")
     p.add_argument("--eval-interval", type=int, default=20, help="validation every this many steps (default 20)")
@@ -231,30 +230,30 @@ def reading(runs: list[dict], target: float, steps: int, workers: int) -> str:
     return "".join(line + "\n" for line in out)
 
 
-def svg(runs: list[dict], target: float, smooth: int) -> str:
+def plot_data(runs: list[dict], target: float, smooth: int) -> dict:
+    """What the plot shows: each run's (step, seconds since its first line, smoothed loss), and the target."""
+    curves = [{"scenario": r["scenario"], "config": r["config"], "curve": r["curve"]} for r in runs if "curve" in r]
+    return {"target": target, "smooth": smooth, "runs": curves}
+
+
+def draw(data: dict):  # noqa: ANN201  (a matplotlib Figure)
     """Smoothed loss against step and against wall clock, a row per scenario."""
-    curves = [r for r in runs if "curve" in r]
-    losses = [p[2] for r in curves for p in r["curve"]] or [0.0, 1.0]
-    lo, hi = math.floor(min(losses) * 2) / 2, math.ceil(max(losses) * 2) / 2
+    runs, target = data["runs"], data["target"]
     scenarios = {s: title for s, title in SCENARIOS.items() if any(r["scenario"] == s for r in runs)}
-    canvas = Canvas(960, 70 + 320 * len(scenarios), font_size=11)
-    canvas.text(60, 20, f"Train loss ({smooth}-step moving mean) per configuration", font_size=15)
-    for row, (scenario, title) in enumerate(scenarios.items()):
-        for col, (axis, unit) in enumerate(((0, "step"), (1, "wall-clock s since the first step"))):
-            mine = [r for r in curves if r["scenario"] == scenario]
-            xmax = max([p[axis] for r in mine for p in r["curve"]] or [1]) or 1
-            ax = Axes(canvas, (60 + col * 480, 60 + row * 320, 390, 250), (0, xmax), (lo, hi))
-            ax.labels(f"{title}: loss against {unit.split()[0]}", unit)
-            ax.x_ticks(ticks(0, xmax))
-            ax.y_ticks(ticks(lo, hi))
-            ax.frame()
-            if lo < target < hi:
-                ax.level(target)
-            for r in mine:
-                ax.curve([(p[axis], p[2]) for p in r["curve"]], CONFIGS[r["config"]][2], width=1.5)
-    legend = [(label, colour, None) for label, _, colour in CONFIGS.values()]
-    canvas.legend([*legend, (f"target {target:g}", "#888", "4 3")], 60, 54 + 320 * len(scenarios), across=True)
-    return canvas.render()
+    fig, axes = figure(9.6, 0.8 + 3.2 * len(scenarios), len(scenarios), 2, sharey=True)
+    fig.suptitle(f"Train loss ({data['smooth']}-step moving mean) per configuration", x=0.02, ha="left")
+    for row, (scenario, title) in zip(axes, scenarios.items(), strict=True):
+        for ax, (axis, unit) in zip(row, ((0, "step"), (1, "wall-clock s since the first step")), strict=True):
+            for r in (r for r in runs if r["scenario"] == scenario):
+                label, _, colour = CONFIGS[r["config"]]
+                ax.plot([p[axis] for p in r["curve"]], [p[2] for p in r["curve"]], color=colour, lw=1.2, label=label)
+            ax.axhline(target, color="#888", linestyle="--", linewidth=1, label=f"target {target:g}")
+            ax.set_title(f"{title}: loss against {unit.split()[0]}", loc="left")
+            ax.set_xlabel(unit)
+            ax.set_xlim(left=0)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncols=4, frameon=False)
+    return fig
 
 
 def body(args: argparse.Namespace, runs: list[dict], plot: str) -> str:
@@ -336,6 +335,8 @@ def two_hosts(args: argparse.Namespace) -> Iterator[Any]:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if harness.replot(args, draw):
+        return
     page = harness.Page("Parameter server beside all-reduce", args)
     keys = [(scenario, config) for scenario in args.scenarios for config in args.configs]
     with harness.storage(args) as storage, harness.ray_cluster(), two_hosts(args) as bed:
@@ -350,7 +351,7 @@ def main(argv: list[str] | None = None) -> None:
     runs.sort(key=lambda r: order[r["scenario"], r["config"]])
     for scenario in args.scenarios:
         print("\n" + "\n".join(table([r for r in runs if r["scenario"] == scenario], args.target)))
-    page.write(body(args, runs, page.plot), trials, plot=svg(runs, args.target, args.smooth))
+    page.write(body(args, runs, page.plot), trials, plot=(draw, plot_data(runs, args.target, args.smooth)))
     if failed := [r for r in runs if r["error"]]:
         raise SystemExit(f"bench_ps: {len(failed)} configuration(s) had problems: {failed[0]['error']}")
 

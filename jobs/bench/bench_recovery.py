@@ -6,7 +6,7 @@ once), timed by the supervisor's own record of each attempt (summary.json → at
 Train's `TorchTrainer` with `FailureConfig` around distrain's trainer, timed by rank 0's marks written to a
 file and by when the old workers' processes exit. Every configuration runs --repeats times on 2 and 4
 workers, the order reversed on every other repeat. What is measured and how is on the page this writes
-(docs/recovery.md, its plot beside it).
+(docs/recovery.md, its plot beside it, and the plot's numbers: `--replot docs/recovery.json` redraws it).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import harness  # first: it keeps Ray on loopback
 import processes
-from svgplot import Canvas  # jobs/bench/svgplot.py, beside this script
+from plots import figure  # jobs/bench/plots.py, beside this script
 
 from distrain.storage.tracking import read_metrics
 
@@ -72,7 +72,7 @@ class Run:
 
 
 def parse_args(argv: list[str] | None = None):
-    p = harness.parser(__doc__, "docs/recovery.md", repeats=3)
+    p = harness.parser(__doc__, "docs/recovery.md", repeats=3, plot=True)
     p.add_argument("--workers", help="comma-separated worker counts, each a run per system (default 2,4; smoke 2)")
     p.add_argument("--kills", type=int, default=1, help="SIGKILLs per run (default 1)")
     p.add_argument("--systems", help=f"a subset of {','.join(SYSTEMS)} (default all; smoke spare)")
@@ -398,30 +398,37 @@ def kill_rows(trials: list[harness.Trial]) -> list[str]:
     return harness.table(head, rows, "lrrrrrl" + "r" * (len(STACK) + 1))
 
 
-def svg(trials: list[harness.Trial]) -> str:
+def plot_data(trials: list[harness.Trial]) -> dict:
+    """What the plot shows: a bar per configuration, the median of each phase and of the total."""
+    bars = [
+        {"label": f"{SYSTEMS[s]}, {n} workers", **{key: median(mine, key) for key in [*STACK, "total"]}}
+        for n, by in configs(trials).items()
+        for s, mine in by.items()
+    ]
+    return {"goal_s": GOAL_S, "bars": bars}
+
+
+def draw(data: dict):  # noqa: ANN201  (a matplotlib Figure)
     """A bar per configuration, stacked from the median of each phase, the goal marked."""
-    bars = [(f"{SYSTEMS[s]}, {n} workers", mine) for n, by in configs(trials).items() for s, mine in by.items()]
-    left, top = 230, 44
-    longest = max([GOAL_S, *(sum(median(mine, key) for key in STACK) for _, mine in bars)])
-    scale, axis = 540 / longest, top + len(bars) * 38
-    canvas = Canvas(800, axis + 60)
-    canvas.text(left, 20, "Recovery after a SIGKILL: median s per phase", font_size=14)
-    for i, (label, mine) in enumerate(bars):
-        y, x = top + i * 38, float(left)
-        canvas.text(left - 8, y + 17, label, "end")
-        for key, (name, colour) in STACK.items():
-            m = median(mine, key)
-            canvas.add("rect", f"<title>{name}: {m:.2f} s</title>", x=x, y=y, width=m * scale, height=26, fill=colour)
-            x += m * scale
-        canvas.text(x + 6, y + 17, f"{median(mine, 'total'):.1f} s")
-    step = next(s for s in (0.5, 1, 2, 5, 10, 20, 50) if longest / s <= 12)
-    for i in range(int(longest / step) + 1):
-        canvas.text(left + i * step * scale, axis + 12, f"{i * step:g}", "middle")
-    g = left + GOAL_S * scale
-    canvas.line(g, top - 6, g, axis, "#555", dash="4 3")
-    canvas.text(g + 4, top - 8, f"goal {GOAL_S:g} s with a spare", fill="#555")
-    canvas.legend([(name, colour, None) for name, colour in STACK.values()], 20, axis + 40, across=True, box=True)
-    return canvas.render()
+    bars, goal = data["bars"], data["goal_s"]
+    fig, ax = figure(8.0, 1.4 + 0.4 * len(bars))
+    labels = [b["label"] for b in bars]
+    left = [0.0] * len(bars)
+    for key, (name, colour) in STACK.items():
+        widths = [b[key] for b in bars]
+        ax.barh(labels, widths, left=left, color=colour, label=name)
+        left = [a + w for a, w in zip(left, widths, strict=True)]
+    for y, b in enumerate(bars):
+        ax.annotate(f"{b['total']:.1f} s", (left[y], y), xytext=(4, 0), textcoords="offset points", va="center")
+    ax.axvline(goal, color="#555", linestyle="--", linewidth=1)
+    ax.annotate(f"goal {goal:g} s with a spare", (goal, 1), xycoords=("data", "axes fraction"),
+                xytext=(4, 2), textcoords="offset points", color="#555")  # fmt: skip
+    ax.invert_yaxis()
+    ax.grid(axis="y", visible=False)
+    ax.set_xlabel("seconds")
+    ax.set_title("Recovery after a SIGKILL: median s per phase", loc="left", pad=14)
+    fig.legend(loc="outside lower center", ncols=len(STACK), frameon=False)
+    return fig
 
 
 def reading(trials: list[harness.Trial]) -> str:
@@ -524,6 +531,8 @@ defaults otherwise (a health check every 2 s).
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if harness.replot(args, draw):
+        return
     if "raytrain" in args.systems:
         import ray.train.torch  # noqa: F401  (now, not after distrain's runs)
     page = harness.Page("Recovery after a worker is killed: distrain, with a hot spare, and Ray Train", args)
@@ -537,7 +546,7 @@ def main(argv: list[str] | None = None) -> None:
             lambda key: f"{SYSTEMS[key[0]]}, {key[1]} workers, {args.kills} kill(s)",
         )
     print("\n" + "\n".join(tables(trials)))
-    page.write(body(args, trials, page.plot), trials, plot=svg(trials))
+    page.write(body(args, trials, page.plot), trials, plot=(draw, plot_data(trials)))
     if args.json:
         record = {"command": args.command, "trials": [asdict(t) for t in trials]}
         Path(args.json).write_text(json.dumps(record, indent=1))

@@ -5,15 +5,15 @@ laid out by `ParallelModel`) and take one training step of one micro-batch: an u
 one under `distrain.parallel.traffic.Traffic`, which counts every collective each rank calls (bytes sent and
 received, nccl-tests' convention), with the bytes autograd saves in the blocks for the backward
 (`saved_activations`) and the parameters each rank holds. Beside each: distrain/strategy/tpcost.py's theory.
-Writes docs/tensor-parallel.md and its plot.
+Writes docs/tensor-parallel.md and its plot (its numbers in docs/tensor-parallel.json: `--replot` redraws it).
 """
 
 from __future__ import annotations
 
 import harness  # first: it keeps Ray on loopback (nothing here starts Ray)
 import processes
-import svgplot
 import torch
+from plots import figure, log2_x  # jobs/bench/plots.py, beside this script
 
 from distrain.config import ModelConfig, OptimConfig, StrategyConfig
 from distrain.model.llama import Block, Transformer
@@ -93,8 +93,7 @@ def ratio(got: float, want: float) -> str:
     return "—" if not want and not got else f"{got / want:.4f}" if want else "∞"
 
 
-def body(results: dict, model: dict, b: int, t: int, plot_name: str) -> tuple[str, str]:
-    """The page's body and its plot."""
+def body(results: dict, model: dict, b: int, t: int, plot_name: str) -> str:
     n = b * t
     traffic_rows, memory_rows, worst = [], [], 0.0
     for (mode, p, depth), ranks in results.items():
@@ -158,7 +157,7 @@ def body(results: dict, model: dict, b: int, t: int, plot_name: str) -> tuple[st
         "",
         f"![bytes per rank against p]({plot_name})",
     ]
-    return "\n".join(lines), plot(results, model, b, t)
+    return "\n".join(lines)
 
 
 def formulas(n: int, h: int) -> list[str]:
@@ -222,44 +221,63 @@ def reading(results: dict, model: dict, b: int, t: int) -> str:
     return " ".join(parts)
 
 
-def plot(results: dict, model: dict, b: int, t: int) -> str:
-    """Bytes sent per rank (left) and held per rank (right) against p: theory as lines, measured as dots."""
-    canvas = svgplot.Canvas(980, 400)
-    modes = [m for m in THEORY_P if any(c[0] == m for c in results)]
-    panels = [
-        ("sent per rank in one step (MiB)", lambda m, p, d: tpcost.tp_traffic(model, m, p, d, b, t)["total"]),
-        ("weights + block activations (MiB)", lambda m, p, d: sum(tpcost.tp_memory(model, m, p, d, b, t).values())),
-    ]
+def plot_data(results: dict, model: dict, b: int, t: int) -> dict:
+    """What the plot shows: the job (for the theory's lines) and each layout's measured bytes per rank (MiB)."""
     measured = [
-        lambda r: max(sent(x["passes"]) + sent(x["rest"]) for x in r),
-        lambda r: max(x["params"] + x["held"]["inside"] for x in r),
+        {
+            "mode": mode,
+            "p": p,
+            "sent_mib": max(sent(r["passes"]) + sent(r["rest"]) for r in ranks) / MIB,
+            "held_mib": max(r["params"] + r["held"]["inside"] for r in ranks) / MIB,
+        }
+        for (mode, p, _), ranks in results.items()
     ]
-    for index, ((title, theory), got) in enumerate(zip(panels, measured, strict=True)):
-        curves = {m: [(p, theory(m, p, 2 if m == "2.5d" else 1) / MIB) for p in THEORY_P[m]] for m in modes}
-        top = max(v for pts in curves.values() for _, v in pts) * 1.1 or 1
-        axes = svgplot.Axes(canvas, (70 + 490 * index, 40, 400, 280), (1, 64), (0, top), log_x=True)
-        axes.y_ticks(svgplot.ticks(0, top))
-        axes.x_ticks([1, 2, 4, 8, 16, 32, 64])
-        axes.frame()
-        axes.labels(title, "tensor-parallel ranks p (log scale)")
-        for m, pts in curves.items():
-            axes.curve(pts, COLOURS[m])
-            axes.dots([(c[1], got(r) / MIB) for c, r in results.items() if c[0] == m or c[1] == 1], COLOURS[m])
-    legend = [(f"{m} theory; dots measured", COLOURS[m], None) for m in modes]
-    canvas.legend(legend, 70, 380, across=True)
-    return canvas.render()
+    return {"model": model, "batch": b, "seq": t, "measured": measured}
+
+
+def draw(data: dict):  # noqa: ANN201  (a matplotlib Figure)
+    """Bytes sent per rank (left) and held per rank (right) against p: theory as lines, measured as dots
+    (one process's in every mode's colour)."""
+    model, b, t, measured = data["model"], data["batch"], data["seq"], data["measured"]
+    modes = [m for m in THEORY_P if any(x["mode"] == m for x in measured)]
+
+    def sent_theory(m: str, p: int, d: int) -> float:
+        return tpcost.tp_traffic(model, m, p, d, b, t)["total"]
+
+    def held_theory(m: str, p: int, d: int) -> float:
+        return sum(tpcost.tp_memory(model, m, p, d, b, t).values())
+
+    panels = [
+        ("sent per rank in one step (MiB)", "sent_mib", sent_theory),
+        ("weights + block activations (MiB)", "held_mib", held_theory),
+    ]
+    fig, axes = figure(9.8, 4.0, 1, 2)
+    for ax, (title, key, theory) in zip(axes[0], panels, strict=True):
+        for m in modes:
+            mib = [theory(m, p, 2 if m == "2.5d" else 1) / MIB for p in THEORY_P[m]]
+            ax.plot(THEORY_P[m], mib, color=COLOURS[m], label=f"{m} theory; dots measured")
+            dots = [(x["p"], x[key]) for x in measured if x["mode"] == m or x["p"] == 1]
+            ax.plot(*zip(*dots, strict=True), "o", color=COLOURS[m])
+        log2_x(ax, [1, 2, 4, 8, 16, 32, 64])
+        ax.set_ylim(bottom=0)
+        ax.set_title(title, loc="left")
+        ax.set_xlabel("tensor-parallel ranks p (log scale)")
+    fig.legend(*axes[0][0].get_legend_handles_labels(), loc="outside lower center", ncols=len(modes), frameon=False)
+    return fig
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = harness.parser(__doc__, "docs/tensor-parallel.md", repeats=1)
+    p = harness.parser(__doc__, "docs/tensor-parallel.md", repeats=1, plot=True)
     args = harness.parse(p, argv)
+    if harness.replot(args, draw):
+        return
     model, b, t = (SMOKE_MODEL, SMOKE_BATCH, SMOKE_SEQ) if args.smoke else (MODEL, BATCH, SEQ)
     cases = SMOKE_CASES if args.smoke else CASES
     page = harness.Page("Tensor parallelism: bytes per rank, measured against theory", args)
     results = measure(cases, model, b, t)
-    text, svg = body(results, model, b, t, page.plot)
+    text = body(results, model, b, t, page.plot)
     print(text)
-    page.write(text, plot=svg)
+    page.write(text, plot=(draw, plot_data(results, model, b, t)))
 
 
 if __name__ == "__main__":

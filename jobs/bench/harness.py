@@ -243,10 +243,16 @@ def ray_cluster(address: str | None = None, dashboard: bool = False) -> Iterator
 # -- the command line -----------------------------------------------------------------------------
 
 
-def parser(doc: str, out: str, repeats: int) -> argparse.ArgumentParser:
-    """The options every benchmark has; a benchmark adds its own."""
+def parser(doc: str, out: str, repeats: int, plot: bool = False) -> argparse.ArgumentParser:
+    """The options every benchmark has (and --replot, for one that draws a plot); a benchmark adds its own."""
     p = argparse.ArgumentParser(description=doc.strip().splitlines()[0])
     p.add_argument("--out", default=out, help=f"the page, '' for none; plots go beside it (default {out})")
+    if plot:
+        p.add_argument(
+            "--replot",
+            metavar="JSON",
+            help="measure nothing: redraw the plot beside --out from the numbers a run wrote beside it (its .json)",
+        )
     p.add_argument(
         "--repeats",
         type=int,
@@ -326,17 +332,44 @@ class Page:
         """The file name of the page's plot, beside it: the page's own name, with .svg."""
         return Path(self.args.out or "plot.md").with_suffix(".svg").name
 
-    def write(self, body: str, trials: Sequence[Trial] = (), plot: str | None = None) -> None:
-        """The page at --out (nothing when it is ''), and its plot (SVG) beside it."""
+    def write(self, body: str, trials: Sequence[Trial] = (), plot: Plot | None = None) -> None:
+        """The page at --out (nothing when it is ''), its plot (SVG) beside it, and the plot's numbers (JSON)."""
         if not self.args.out:
             return
-        out = Path(self.args.out)
-        out = out if out.is_absolute() else ROOT / out
+        out = resolve(self.args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         if plot is not None:
-            (out.parent / self.plot).write_text(plot)
+            draw, data = plot
+            out.with_suffix(".json").write_text(json.dumps(data, indent=1) + "\n")
+            save_plot(out, draw, data)
         out.write_text("\n".join(self.header(trials)) + "\n" + body.strip() + "\n")
-        print(f"{PROG}: wrote {out}" + (f" and {out.parent / self.plot}" if plot is not None else ""))
+        print(f"{PROG}: wrote {out}" + (f" and {out.with_suffix('.svg')} (numbers: .json)" if plot is not None else ""))
+
+
+Plot = tuple[Callable[[dict], Any], dict]  # a benchmark's draw function (→ a matplotlib Figure) and its numbers
+
+
+def resolve(page: str) -> Path:
+    out = Path(page)
+    return out if out.is_absolute() else ROOT / out
+
+
+def save_plot(page: Path, draw: Callable[[dict], Any], data: dict) -> None:
+    import plots  # jobs/bench/plots.py: matplotlib, only where a plot is drawn
+
+    page.with_suffix(".svg").write_text(plots.svg(draw, data))
+
+
+def replot(args: argparse.Namespace, draw: Callable[[dict], Any]) -> bool:
+    """With --replot FILE: the plot beside --out drawn again from FILE's numbers, and True (nothing to measure)."""
+    if not args.replot:
+        return False
+    if not args.out:
+        raise SystemExit(f"{PROG}: --replot draws the plot beside --out: give --out")
+    out = resolve(args.out)
+    save_plot(out, draw, json.loads(Path(args.replot).read_text()))
+    print(f"{PROG}: drew {out.with_suffix('.svg')} from {args.replot}")
+    return True
 
 
 def table(head: Sequence[str], rows: Sequence[Sequence[object]], align: str = "") -> list[str]:
