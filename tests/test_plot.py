@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from conftest import REPO, make_config
 
-from distrain.config import ConfigError
+from distrain.config import ConfigError, to_plain
 from distrain.driver.validation import validate
-from distrain.storage.tracking import read_metrics
+from distrain.storage.tracking import Tracker, read_metrics
 
 sys.path.append(str(REPO / "jobs"))
 import plot  # noqa: E402  (jobs/plot.py)
@@ -90,19 +90,41 @@ def test_plot_command_writes_the_image_and_refuses_bad_input(tracked_run, tmp_pa
     assert sorted(p.name for p in tmp_path.iterdir()) == ["both.svg", "runs"]
 
 
-def test_tensorboard_holds_the_metrics(tracked_run):
-    """The event files, read back with TensorBoard's own reader, hold every step's metrics once: the rerun's
-    purge step dropped nothing (it resumed where the first invocation stopped) and repeated nothing."""
+def tensorboard_scalars(run_dir: Path, key: str) -> list[tuple[int, float]]:
+    """(step, value) of every `key` scalar in the run's event files, read with TensorBoard's own reader (which
+    applies the purge steps), in step order."""
     from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
 
-    run_dir, _, _ = tracked_run
-    metrics = read_metrics(str(run_dir))
     events = EventMultiplexer().AddRunsFromDirectory(str(run_dir / "tensorboard"))
     events.Reload()
+    return sorted((e.step, e.value) for run in events.Runs() for e in events.Scalars(run, key))
+
+
+def test_tensorboard_holds_the_metrics(tracked_run):
+    """The run's event files hold every step's metrics once, as metrics.jsonl has them, across its rerun."""
+    run_dir, _, _ = tracked_run
+    metrics = read_metrics(str(run_dir))
     for key in ("loss", "lr", "grad_norm", "tokens_per_s", "val_loss"):
-        got = sorted((e.step, e.value) for run in events.Runs() for e in events.Scalars(run, key))
+        got = tensorboard_scalars(run_dir, key)
         want = [(m["step"], pytest.approx(m[key], rel=1e-6)) for m in metrics if key in m]
         assert got == want, key
+
+
+def test_a_restarted_attempt_replaces_what_tensorboard_had_past_the_checkpoint(tmp_path: Path):
+    """An attempt resumed from step 2 after one that logged steps 1-4: TensorBoard, as metrics.jsonl, holds
+    steps 3 and 4 once, the new attempt's (the tracker in this process, as rank 0 runs it)."""
+    config = to_plain(make_config(tmp_path, "run.name=tb", "logger.tensorboard=true"))
+    first = Tracker(str(tmp_path), config, resume_step=0, wandb_run_id=None)
+    for step in range(1, 5):
+        first.log(step, {"loss": float(step)})
+    first.close({})
+    second = Tracker(str(tmp_path), config, resume_step=2, wandb_run_id=None)
+    for step in range(3, 6):
+        second.log(step, {"loss": 10.0 * step})
+    second.close({})
+    expected = [(1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0), (5, 50.0)]
+    assert [(m["step"], m["loss"]) for m in read_metrics(str(tmp_path))] == expected
+    assert tensorboard_scalars(tmp_path, "loss") == expected
 
 
 def test_a_missing_package_is_one_line_naming_its_extra(tracked_run, tmp_path: Path, monkeypatch):
