@@ -5,10 +5,18 @@ plot, so `--replot` redraws a page's plot from what was measured without measuri
 from __future__ import annotations
 
 import io
+import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
-import matplotlib
-from matplotlib.figure import Figure
+try:
+    import matplotlib
+    from matplotlib.figure import Figure
+except ImportError:
+    raise SystemExit(
+        f"{Path(sys.argv[0]).stem}: the plots are drawn with matplotlib, which is not installed: "
+        'pip install -e ".[plot]"'
+    ) from None
 
 matplotlib.use("Agg")  # files only, no screen
 
