@@ -27,7 +27,7 @@ import re
 import shutil
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path, PosixPath
 from typing import IO, Any
@@ -279,16 +279,16 @@ def checkpoints(root: str | Path) -> list[Path]:
     return sorted(found, key=lambda p: p.name, reverse=True)
 
 
-def latest(root: str | Path, say: Callable[[str], None] | None = None) -> Path | None:
+def latest(root: str | Path) -> Path | None:
     """The newest checkpoint that verifies (`problem`), or None when there is no committed one. Each newer
-    one skipped is said in one line (`say`; default: to stderr), once per process: a run looks again at
-    every restart. DamagedCheckpointError, in one line, when committed ones exist and none verifies."""
+    one skipped is said in one line on stderr, once per process: a run looks again at every restart.
+    DamagedCheckpointError, in one line, when committed ones exist and none verifies."""
     skipped = []
     for path in checkpoints(root):
         why = problem(path)
         if why is None:
             for p, w in skipped:
-                _say_once(say, f"skipping checkpoint {p}: {w}; loading {path.name}, the newest that verifies")
+                _say_once(f"skipping checkpoint {p}: {w}; loading {path.name}, the newest that verifies")
             return path
         skipped.append((path, why))
     damaged = [(p, w) for p, w in skipped if (p / COMMIT_MARKER).exists()]
@@ -299,18 +299,14 @@ def latest(root: str | Path, say: Callable[[str], None] | None = None) -> Path |
             f"move them out of {root} to train from scratch"
         )
     for p, w in skipped:
-        _say_once(say, f"skipping checkpoint {p}: {w}")
+        _say_once(f"skipping checkpoint {p}: {w}")
     return None
 
 
-def _say_once(say: Callable[[str], None] | None, line: str) -> None:
+def _say_once(line: str) -> None:
     if line not in _said:
         _said.add(line)
-        (say or _to_stderr)(line)
-
-
-def _to_stderr(line: str) -> None:
-    print(f"distrain: {line}", file=sys.stderr, flush=True)
+        print(f"distrain: {line}", file=sys.stderr, flush=True)
 
 
 def prune(root: str | Path, keep: int, committed: int | None = None) -> None:
