@@ -4,8 +4,9 @@
 
 DIR gets config.json, model.safetensors (float32) and the run's tokenizer files, which
 `transformers.AutoModelForCausalLM.from_pretrained(DIR)` and `AutoTokenizer.from_pretrained(DIR)` load.
-From the newest committed checkpoint (or step N's), whatever layout wrote it. DIR is never overwritten:
-the files are written beside it and the directory renamed into place once whole.
+From the newest checkpoint that verifies (or step N's, if it does), whatever layout wrote it; the step
+exported is said. DIR is never overwritten: the files are written beside it and the directory renamed into
+place once whole.
 Bad input: one line and exit status 2."""
 
 from __future__ import annotations
@@ -22,17 +23,20 @@ from distrain.config import ConfigError
 USAGE = "python jobs/export.py run.name=NAME out=DIR [run.storage=runs] [step=N]"
 
 
-def export(run_dir: str | Path, out: str | Path, step: int | None = None) -> Path:
-    """Write the run's model and tokenizer to `out` (absent or empty) as a Hugging Face directory."""
+def export(run_dir: str | Path, out: str | Path, step: int | None = None) -> tuple[Path, int]:
+    """Write the run's model and tokenizer to `out` (absent or empty) as a Hugging Face directory; returns
+    `out` and the step of the checkpoint exported."""
     from safetensors.torch import save_file
 
     from distrain.data.tokenizer import run_tokenizer
-    from distrain.driver.trained import load_trained
+    from distrain.driver.trained import checkpoint_path, load_trained
     from distrain.model.hf import hf_config, to_hf
+    from distrain.storage.checkpoint import read_meta
 
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"out={out} exists and is not empty; give a new directory (export never overwrites)")
+    step = read_meta(checkpoint_path(run_dir, step))["step"]  # the one load_trained loads: checked once
     cfg, model = load_trained(run_dir, step)
     tokenizer = run_tokenizer(cfg)
     config = hf_config(cfg.model, cfg.trainer.seq_len) | {
@@ -53,7 +57,7 @@ def export(run_dir: str | Path, out: str | Path, step: int | None = None) -> Pat
         staging.rename(out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return out
+    return out, step
 
 
 def readable(path: Path) -> None:
@@ -69,11 +73,11 @@ def main(argv: list[str]) -> None:
     spec = {"run.name": (str, REQUIRED), "run.storage": (str, "runs"), "out": (str, REQUIRED), "step": (int, None)}
     try:
         args = job_args(argv, spec, USAGE)
-        out = export(Path(args["run.storage"]) / args["run.name"], args["out"], args["step"])
+        out, step = export(Path(args["run.storage"]) / args["run.name"], args["out"], args["step"])
     except ConfigError as e:
         print(f"distrain: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
-    print(f"distrain: exported run {args['run.name']} to {out}")
+    print(f"distrain: exported run {args['run.name']} at step {step} to {out}")
 
 
 if __name__ == "__main__":

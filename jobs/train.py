@@ -34,12 +34,13 @@ def run(config, record) -> tuple[int, dict | None]:
     from distrain.cluster.runtime import CapacityError
     from distrain.config import ConfigError
     from distrain.driver.launch import train
+    from distrain.storage.checkpoint import DamagedCheckpointError
     from distrain.storage.fsutil import LockedError
 
     CURRENT["config"] = config
     try:
         summary = train(config, STARTUP, record)
-    except (ConfigError, CapacityError, PlacementError, LockedError) as e:
+    except (ConfigError, CapacityError, PlacementError, LockedError, DamagedCheckpointError) as e:
         return fail(str(e)), None
     except WorkerFailure as e:
         return fail(f"training failed: {e}", code=1), None

@@ -4,6 +4,7 @@ composed as `jobs/train.py` composes them."""
 from __future__ import annotations
 
 import os
+import random
 import socket
 import warnings
 from pathlib import Path
@@ -42,6 +43,41 @@ TINY = [
     # seconds on 2 cores); the fresh start is what the main-job, CLI and job-submit tests exercise.
     "cluster.reuse_workers=true",
 ]
+
+
+# Damage done to a committed checkpoint after its commit (issue 32), each with what the line that skips it
+# says: 4 KiB overwritten at the start of its largest DCP shard or in the middle (tensor bytes), size
+# unchanged; meta.json garbled and the rank file replaced by random bytes, at their sizes; the shard truncated.
+DAMAGES = {
+    "shard_head": "no longer matches the checksum",
+    "tensor_bytes": "no longer matches the checksum",
+    "meta_garbled": "meta.json no longer matches the checksum",
+    "rank_file_random": "rank_00000.pt no longer matches the checksum",
+    "shard_truncated": "the commit recorded",
+}
+
+
+def damage(path: Path, kind: str) -> None:
+    """Damage the checkpoint directory `path` as DAMAGES[kind] says; tensor bytes: 4 KiB of 0xFF (NaNs in
+    float32) in the middle of the largest tensor DCP stored, where no file format check can notice."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    shard = max(path.glob("*.distcp"), key=lambda p: p.stat().st_size)
+    if kind == "shard_truncated":
+        os.truncate(shard, shard.stat().st_size // 2)
+        return
+    if kind == "tensor_bytes":
+        item = max(FileSystemReader(path).read_metadata().storage_data.values(), key=lambda info: info.length)
+        target, at, data = path / item.relative_path, item.offset + item.length // 2 - 2048, b"\xff" * 4096
+    elif kind == "shard_head":
+        target, at, data = shard, 0, random.Random(kind).randbytes(4096)
+    else:
+        target = path / ("meta.json" if kind == "meta_garbled" else "rank_00000.pt")
+        size = target.stat().st_size
+        target, at, data = target, 0, b"#" * size if kind == "meta_garbled" else random.Random(kind).randbytes(size)
+    with open(target, "r+b") as f:
+        f.seek(at)
+        f.write(data)
 
 
 def free_port() -> int:

@@ -37,21 +37,21 @@ def test_retention_keeps_the_newest_committed_and_loads_exactly(tmp_path: Path):
     assert torch.equal(rank_state["rng"], rng_at_save)
 
 
-def test_a_torn_newer_directory_is_skipped_then_replaced(tmp_path: Path):
+def test_a_torn_newer_directory_is_skipped_then_replaced(tmp_path: Path, capsys):
     model = nn.Linear(2, 2)
     save(tmp_path, 10, model)
     torn = checkpoint.step_dir(tmp_path, 20)
     torn.mkdir()
     (torn / "__0_0.distcp").write_bytes(b"partial")
-    with pytest.warns(checkpoint.TornCheckpointWarning, match="no commit marker"):
-        assert checkpoint.latest(tmp_path).name == "step_00000010"
+    assert checkpoint.latest(tmp_path).name == "step_00000010"
+    assert "step_00000020: no commit marker" in capsys.readouterr().err
     save(tmp_path, 20, model)  # the resumed run reaches step 20 again
     assert checkpoint.latest(tmp_path).name == "step_00000020"
     assert not (torn / "__0_0.distcp").exists() or (torn / checkpoint.COMMIT_MARKER).exists()
 
 
-def test_an_unreadable_marker_is_torn(tmp_path: Path):
+def test_an_unreadable_marker_is_damage(tmp_path: Path):
     path = save(tmp_path, 5, nn.Linear(2, 2))
     (path / checkpoint.COMMIT_MARKER).write_text("{not json")
-    with pytest.warns(checkpoint.TornCheckpointWarning, match="unreadable commit marker"):
-        assert checkpoint.latest(tmp_path) is None
+    with pytest.raises(checkpoint.DamagedCheckpointError, match="step_00000005: unreadable commit marker"):
+        checkpoint.latest(tmp_path)

@@ -1,23 +1,28 @@
 """jobs/generate.py on a run trained under pipeline parallelism: greedy decoding equals transformers'
 `generate` on the exported model (an independent reference), sampling is reproducible by seed, and bad
-input gets one line and exit status 2."""
+input gets one line and exit status 2. jobs/export.py and jobs/generate.py past a damaged checkpoint."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, make_config
+from conftest import DAMAGES, REPO, damage, make_config
 
 from distrain.data.tokenizer import run_tokenizer
 from distrain.driver.launch import train
 from distrain.driver.trained import load_trained
+from distrain.storage import checkpoint
+from distrain.storage.fsutil import write_json
 
 transformers = pytest.importorskip("transformers")
 sys.path.insert(0, str(REPO / "jobs"))
+import export as export_job  # noqa: E402
+import generate as generate_job  # noqa: E402
 from export import export  # noqa: E402
 from generate import sample  # noqa: E402
 
@@ -44,7 +49,7 @@ def test_greedy_equals_transformers_generate(run, tmp_path: Path):
     )
     assert result.returncode == 0, result.stderr
     tokenizer = run_tokenizer(run)
-    model = transformers.AutoModelForCausalLM.from_pretrained(export(run.run_dir, tmp_path / "hf")).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(export(run.run_dir, tmp_path / "hf")[0]).eval()
     prompt = torch.tensor([tokenizer.encode(PROMPT)])
     reference = model.generate(prompt, max_new_tokens=24, do_sample=False, pad_token_id=0)
     assert result.stdout == tokenizer.decode(reference[0].tolist()) + "\n"
@@ -83,3 +88,55 @@ def test_bad_input_one_line_exit_2(run, job: str, args: list[str], says: str):
     )  # fmt: skip
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.count("\n") == 1 and says in result.stderr, result.stderr
+
+
+def with_older_checkpoint(run, tmp_path: Path) -> Path:
+    """A copy of the run (its storage returned) with a second, older checkpoint: step 20's files as step 10,
+    meta.json's step rewritten, committed as a save commits."""
+    storage = tmp_path / "runs"
+    shutil.copytree(run.run_dir, storage / "gen")
+    root = storage / "gen" / "checkpoints"
+    older = checkpoint.step_dir(root, 10)
+    shutil.copytree(checkpoint.step_dir(root, 20), older)
+    (older / checkpoint.COMMIT_MARKER).unlink()
+    write_json(older / checkpoint.META_FILE, checkpoint.read_meta(older) | {"step": 10})
+    checkpoint.commit(root, 10, {}, keep=5, reader="the test")
+    return storage
+
+
+@pytest.mark.parametrize("kind", DAMAGES)
+def test_export_falls_back_past_a_damaged_checkpoint_and_says_which_step(run, tmp_path: Path, capsys, kind: str):
+    storage = with_older_checkpoint(run, tmp_path)
+    damage(checkpoint.step_dir(storage / "gen" / "checkpoints", 20), kind)
+    capsys.readouterr()
+    export_job.main([f"run.storage={storage}", "run.name=gen", f"out={tmp_path / 'hf'}"])
+    out, err = capsys.readouterr()
+    assert out == f"distrain: exported run gen at step 10 to {tmp_path / 'hf'}\n"
+    assert len(err.splitlines()) == 1 and "step_00000020" in err and DAMAGES[kind] in err, err
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
+
+
+def test_generate_falls_back_and_both_refuse_in_one_line_when_none_verifies(run, tmp_path: Path, capsys):
+    storage = with_older_checkpoint(run, tmp_path)
+    root = storage / "gen" / "checkpoints"
+    damage(checkpoint.step_dir(root, 20), "tensor_bytes")
+    args = [f"run.storage={storage}", "run.name=gen"]
+    capsys.readouterr()
+    generate_job.main([*args, f"prompt={PROMPT}", "max_new_tokens=4", "device=cpu"])
+    out, err = capsys.readouterr()
+    assert out.startswith(PROMPT) and len(err.splitlines()) == 1 and "step_00000020" in err, (out, err)
+
+    with pytest.raises(SystemExit) as refused:  # the damaged step named
+        export_job.main([*args, f"out={tmp_path / 'hf'}", "step=20"])
+    err = capsys.readouterr().err
+    assert refused.value.code == 2 and len(err.splitlines()) == 1 and "whole: [10]" in err, err
+
+    damage(checkpoint.step_dir(root, 10), "meta_garbled")
+    before = sorted((p.relative_to(root), p.stat().st_size) for p in root.rglob("*"))
+    for job, extra in ((export_job, f"out={tmp_path / 'hf'}"), (generate_job, f"prompt={PROMPT}")):
+        with pytest.raises(SystemExit) as refused:
+            job.main([*args, extra])
+        err = capsys.readouterr().err
+        assert refused.value.code == 2 and len(err.splitlines()) == 1 and "verifies" in err, err
+    assert sorted((p.relative_to(root), p.stat().st_size) for p in root.rglob("*")) == before
+    assert not (tmp_path / "hf").exists()

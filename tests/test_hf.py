@@ -138,7 +138,7 @@ def test_trained_run_exports_to_transformers(family: str, strategy: str, ray_clu
     )  # fmt: skip
     summary = train(cfg)
     assert summary["status"] == "completed"
-    out = export(cfg.run_dir, tmp_path / "export")
+    out, _ = export(cfg.run_dir, tmp_path / "export")
     _, ours = load_trained(cfg.run_dir)
     theirs = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     x = tokens(seq_len=cfg.trainer.seq_len)
@@ -210,7 +210,7 @@ def test_bpe_run_exports_its_tokenizer(ray_cluster, tmp_path: Path):
         "model=gpt2_nano", "cluster.num_workers=2", "strategy=tp", "trainer.max_steps=2",
     )  # fmt: skip
     assert train(cfg)["status"] == "completed"
-    out = export(cfg.run_dir, tmp_path / "export")
+    out, _ = export(cfg.run_dir, tmp_path / "export")
     ours, theirs = run_tokenizer(cfg), transformers.AutoTokenizer.from_pretrained(out)
     text = "def main(argv):\n    return sorted(argv)<|endoftext|>"
     ids = ours.encode(text)

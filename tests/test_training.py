@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import final_weights, logged, make_config
+from conftest import DAMAGES, damage, final_weights, logged, make_config
 
 from distrain.driver.launch import train
-from distrain.storage.checkpoint import COMMIT_MARKER, TornCheckpointWarning, step_dir
+from distrain.storage.checkpoint import COMMIT_MARKER, step_dir
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 
@@ -72,30 +73,28 @@ def test_resume_is_exact(tmp_path: Path):
     assert any((Path(second.run_dir) / "wandb").glob(f"offline-run-*-{first_summary['wandb_run_id']}"))
 
 
-def _truncate_largest_shard(path: Path) -> None:
-    shard = max(path.glob("*.distcp"), key=lambda p: p.stat().st_size)
-    with open(shard, "r+b") as f:
-        f.truncate(shard.stat().st_size // 2)
-
-
-@pytest.mark.parametrize("damage", ["no_marker", "truncated_shard"])
-def test_torn_checkpoint_falls_back_to_previous(tmp_path: Path, damage: str):
-    """A newest checkpoint without its commit marker, or with a truncated shard, is skipped with a
-    warning; the run resumes from the previous committed one and then finishes normally."""
+@pytest.mark.parametrize("kind", ["no_marker", "tensor_bytes"])
+def test_torn_or_damaged_checkpoint_falls_back_to_previous(tmp_path: Path, capsys, kind: str):
+    """A newest checkpoint without its commit marker, or with tensor bytes overwritten after its commit
+    (size unchanged: tests/test_damage.py has every other damage), is skipped with one line; the 2-worker
+    run resumes from the previous committed one and then finishes normally, its loss finite."""
     common = ["run.name=torn", "checkpoint.interval=5", "checkpoint.keep=3", "optim.decay_steps=12"]
     cfg = make_config(tmp_path, *common, "trainer.max_steps=10")
     train(cfg)
     newest = step_dir(Path(cfg.run_dir) / "checkpoints", 10)
-    if damage == "no_marker":
+    if kind == "no_marker":
         os.remove(newest / COMMIT_MARKER)
     else:
-        _truncate_largest_shard(newest)
+        damage(newest, kind)
 
     resumed = make_config(tmp_path, *common, "trainer.max_steps=12")
-    with pytest.warns(TornCheckpointWarning, match="step_00000010"):
-        summary = train(resumed)
+    capsys.readouterr()
+    summary = train(resumed)
+    said = [line for line in capsys.readouterr().err.splitlines() if "step_00000010" in line]
+    assert len(said) == 1 and (kind == "no_marker" or DAMAGES[kind] in said[0]), said
     assert summary["resumed_from"].endswith("step_00000005")
-    assert summary["final_step"] == 12
+    assert summary["final_step"] == 12 and summary["status"] == "completed"
+    assert all(math.isfinite(loss) for loss in logged(resumed).values())
     # Steps 6..10 were trained again from step 5 and replace the earlier lines, which are kept aside.
     assert sorted(logged(resumed)) == list(range(1, 13))
     superseded = (Path(cfg.run_dir) / "metrics.superseded.jsonl").read_text().splitlines()
@@ -136,3 +135,21 @@ def test_a_checkpoint_commits_after_its_steps_metrics_line(tmp_path: Path):
     for step in (2, 4, 5):
         committed = (step_dir(Path(cfg.run_dir) / "checkpoints", step) / COMMIT_MARKER).stat().st_mtime
         assert written[step] <= committed, step
+
+
+def test_a_non_finite_loss_ends_the_run_before_it_is_saved(tmp_path: Path):
+    """optim.lr=1e30 overflows the weights within a few steps: the run stops at the first step whose loss or
+    gradient norm is not finite, in one line naming it and what to try, without retrying it; no checkpoint
+    from that step on commits, and the run is never "completed"."""
+    from distrain.cluster.placement import WorkerFailure
+
+    cfg = make_config(tmp_path, "run.name=nan", "optim.lr=1e30", "trainer.max_steps=12", "checkpoint.interval=1")
+    with pytest.raises(WorkerFailure, match=r"not finite \(NaN or inf\) at step (\d+);.*lower optim.lr") as failed:
+        train(cfg)
+    line = str(failed.value)
+    first = int(line.split(" at step ")[1].split(";")[0])
+    assert "\n" not in line and 1 < first < 12, line
+    saved = [int(p.name.removeprefix("step_")) for p in (Path(cfg.run_dir) / "checkpoints").iterdir()]
+    assert saved and max(saved) < first, (saved, first)
+    summary = json.loads((Path(cfg.run_dir) / "summary.json").read_text())
+    assert summary["status"] == "failed" and len(summary["attempts"]) == 1

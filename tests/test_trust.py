@@ -9,6 +9,7 @@ import json
 import os
 import pickle
 import uuid
+import zlib
 from pathlib import Path
 
 import pytest
@@ -139,8 +140,8 @@ def test_a_server_file_holding_a_callable_is_refused_not_run(tmp_path: Path):
 
 @pytest.mark.timeout(180)
 def test_a_resumed_run_refuses_a_planted_rank_file_and_fails(ray_cluster, tmp_path: Path):
-    """A planted rank file, with the commit manifest rewritten to its size as an attacker who can
-    write the directory would: the resuming run fails with the refusal and the callable never runs."""
+    """A planted rank file, with the commit manifest rewritten to its size and checksum as an attacker who
+    can write the directory would: the resuming run fails with the refusal and the callable never runs."""
     common = ("run.name=planted", "cluster.num_workers=1", "checkpoint.interval=2", "checkpoint.keep=1")
     cfg = make_config(tmp_path, *common, "trainer.max_steps=2")
     train(cfg)
@@ -148,6 +149,7 @@ def test_a_resumed_run_refuses_a_planted_rank_file_and_fails(ray_cluster, tmp_pa
     plant(path / "rank_00000.pt", {"cpu_rng": Planted(marker)})
     manifest = json.loads((path / checkpoint.COMMIT_MARKER).read_text())
     manifest["files"]["rank_00000.pt"] = (path / "rank_00000.pt").stat().st_size
+    manifest["crc32"]["rank_00000.pt"] = zlib.crc32((path / "rank_00000.pt").read_bytes())
     (path / checkpoint.COMMIT_MARKER).write_text(json.dumps(manifest))
 
     with pytest.raises(WorkerFailure, match="UnsafeCheckpointError: refused to load"):

@@ -16,20 +16,26 @@ from distrain.storage import checkpoint
 
 
 def checkpoint_path(run_dir: str | Path, step: int | None = None) -> Path:
-    """The newest committed checkpoint of the run (or `step`'s); a one-line ConfigError when there is none."""
+    """The newest checkpoint of the run that verifies (or `step`'s, if it does); a one-line ConfigError when
+    there is none. A newer one skipped as damaged is said in one line on stderr."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise ConfigError(f"run.name: no run at {run_dir}; give the run.name (and run.storage) of a run that trained")
     root = run_dir / "checkpoints"
     if step is not None:
         path = checkpoint.step_dir(root, step)
-        if not path.is_dir() or checkpoint.problem(path) is not None:
-            steps = sorted(
-                checkpoint.read_meta(p)["step"] for p in checkpoint.checkpoints(root) if not checkpoint.problem(p)
+        why = checkpoint.problem(path) if path.is_dir() else "there is none"
+        if why is not None:
+            whole = [checkpoint.read_meta(p)["step"] for p in checkpoint.checkpoints(root) if not checkpoint.problem(p)]
+            raise ConfigError(
+                f"step={step}: run {run_dir.name} has no committed checkpoint of it that verifies ({why}); "
+                f"committed and whole: {sorted(whole)}"
             )
-            raise ConfigError(f"step={step}: run {run_dir.name} has no committed checkpoint of it; committed: {steps}")
         return path
-    path = checkpoint.latest(root)
+    try:
+        path = checkpoint.latest(root)
+    except checkpoint.DamagedCheckpointError as e:
+        raise ConfigError(str(e)) from None
     if path is None:
         raise ConfigError(
             f"run {run_dir.name} has no committed checkpoint yet: train it (a checkpoint commits every "
@@ -40,7 +46,7 @@ def checkpoint_path(run_dir: str | Path, step: int | None = None) -> Path:
 
 def load_trained(run_dir: str | Path, step: int | None = None) -> tuple[TrainConfig, nn.Module]:
     """The run's config (as its checkpoint holds it) and its model, built with the registry and filled
-    with the newest committed checkpoint's weights (or `step`'s), in eval mode on the CPU."""
+    with the weights of the newest checkpoint that verifies (or `step`'s), in eval mode on the CPU."""
     path = checkpoint_path(run_dir, step)
     meta = checkpoint.read_meta(path)
     cfg = from_plain(meta["config"])

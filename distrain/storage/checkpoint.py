@@ -2,12 +2,13 @@
 
 Every rank writes its DCP shard and a small file of its own state (RNG); rank 0 writes the run's
 metadata. Then every rank sends rank 0 the files it sees; only when rank 0 sees all of them, at the
-same sizes, does it write `COMMITTED`, a manifest of every file with its size. A `Saver` does this in
-the background: the step waits only while the state is copied into host memory, DCP's `async_save`
-writes the copy from a thread, and the commit follows once every rank's write has finished. A directory without
-a valid manifest, or with a file whose size differs from it (a truncated shard), is never loaded:
-the newest valid one is, with a warning for each one skipped. Old checkpoints are deleted only
-after a newer one has committed.
+same sizes, does it write `COMMITTED`, a manifest of every file with its size and checksum (each rank
+checksums the files it wrote: integrity.py). A `Saver` does this in the background: the step waits only
+while the state is copied into host memory, DCP's `async_save` writes the copy from a thread, and the commit
+follows once every rank's write has finished. A directory without a valid manifest, with a file whose size
+or checksum differs from it, or with an unreadable meta.json, is never loaded: the newest one that verifies
+is, with one line for each one skipped; when committed ones exist and none verifies, nothing is loaded and
+nothing deleted (DamagedCheckpointError). Old checkpoints are deleted only after a newer one has committed.
 
 The run directory is shared storage that other people and jobs can write, so nothing in it is
 unpickled beyond tensors and plain data: a pickled callable would run in every rank that resumes.
@@ -16,6 +17,7 @@ A file that holds more is refused whole (UnsafeCheckpointError), never partly lo
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
 import io
@@ -23,18 +25,21 @@ import json
 import pickle
 import re
 import shutil
+import sys
 import time
-import warnings
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path, PosixPath
 from typing import IO, Any
 
+from distrain.storage import integrity
 from distrain.storage.fsutil import atomic_write, write_json
 
 COMMIT_MARKER = "COMMITTED"
 META_FILE = "meta.json"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
+_WRITER = re.compile(r"^(?:__|rank_)(\d+)[_.]")  # DCP's __<rank>_<n>.distcp, our rank_<rank>.pt
+_said: set[str] = set()  # the lines `latest` has said in this process
 
 
 class CheckpointNotSharedError(RuntimeError):
@@ -48,8 +53,11 @@ class UnsafeCheckpointError(RuntimeError):
     permanent = True  # read by the supervisor: the run ends at once, with this error's one line
 
 
-class TornCheckpointWarning(UserWarning):
-    """A checkpoint directory was skipped because its save never completed or a file was damaged."""
+class DamagedCheckpointError(RuntimeError):
+    """Committed checkpoints exist but none can be loaded as it was saved (or a file is not what a save
+    writes). Retrying cannot help; nothing is deleted, so a copy can be restored or the damaged one moved."""
+
+    permanent = True  # read by the supervisor: the run ends at once, with this error's one line
 
 
 def step_dir(root: str | Path, step: int) -> Path:
@@ -123,11 +131,15 @@ class Saver:
         if upload is not None:
             upload.result()
         # Every rank's DCP save returns after the coordinator wrote `.metadata`, once every rank's data was
-        # written; the rank files and meta.json were written before: the listings are now comparable.
-        views: list[dict[str, int]] = [{}] * dist.get_world_size(self.group)
-        dist.all_gather_object(views, _listing(path), group=self.group)
-        if dist.get_rank() == 0:
-            commit(self.root, step, {f"rank {r}": view for r, view in enumerate(views)}, self.keep, reader="rank 0")
+        # written; the rank files and meta.json were written before: the listings are now comparable. Each
+        # rank checksums the files it wrote (rank 0 the shared ones), still in its page cache.
+        rank, world, listing = dist.get_rank(self.group), dist.get_world_size(self.group), _listing(path)
+        sums = integrity.checksums(path, [name for name in listing if _hasher(name, world) == rank])
+        views: list[tuple[dict[str, int], dict[str, int]]] = [({}, {})] * world
+        dist.all_gather_object(views, (listing, sums), group=self.group)
+        if rank == 0:
+            writers = {f"rank {r}": view for r, (view, _) in enumerate(views)}
+            commit(self.root, step, writers, self.keep, "rank 0", {k: v for _, s in views for k, v in s.items()})
         self.last_save_s = time.perf_counter() - start
 
     def wait(self) -> None:
@@ -176,9 +188,24 @@ def refuse_unplain(state: Any, what: str, allowed: Sequence[type] = ()) -> None:
         )
 
 
-def commit(root: str | Path, step: int, views: dict[str, dict[str, int]], keep: int, reader: str) -> None:
+def _hasher(name: str, world: int) -> int:
+    """The rank that checksums a file at commit: its writer where the name says it, else rank 0. Which
+    rank does is only a matter of spreading the reads; any rank's checksum of a file is the same."""
+    writer = _WRITER.match(name)
+    return int(writer[1]) % world if writer else 0
+
+
+def commit(
+    root: str | Path,
+    step: int,
+    views: dict[str, dict[str, int]],
+    keep: int,
+    reader: str,
+    sums: dict[str, int] | None = None,
+) -> None:
     """Mark a checkpoint loadable once `reader` (the committer) sees every file each writer wrote
-    (`views`: writer → file → size), at its size; then prune older ones."""
+    (`views`: writer → file → size), at its size; then prune older ones. The manifest records each file's
+    checksum: from `sums` (file → checksum, the writers') or read here."""
     path = step_dir(root, step)
     files = _listing(path)
     for writer, view in views.items():
@@ -189,8 +216,10 @@ def commit(root: str | Path, step: int, views: dict[str, dict[str, int]], keep: 
                     f"{'no such file' if name not in files else f'{files[name]} bytes'}: run.storage must "
                     f"be storage every node shares; the checkpoint is left uncommitted"
                 )
-    write_json(path / COMMIT_MARKER, {"step": step, "files": files})
-    prune(root, keep)
+    sums = dict(sums or {})
+    sums |= integrity.checksums(path, [name for name in files if name not in sums])
+    write_json(path / COMMIT_MARKER, {"step": step, "files": files, "crc32": {name: sums[name] for name in files}})
+    prune(root, keep, step)
 
 
 def prepare(root: str | Path, step: int) -> Path:
@@ -207,14 +236,20 @@ def _listing(path: Path) -> dict[str, int]:
     return {p.name: p.stat().st_size for p in sorted(path.iterdir()) if p.name != COMMIT_MARKER}
 
 
-def problem(path: Path) -> str | None:
-    """Why this checkpoint must not be loaded, or None if it is whole."""
+def problem(path: Path, verify: bool = True) -> str | None:
+    """Why this checkpoint must not be loaded, or None if it is whole: a commit marker, every file it lists
+    at its size; with `verify`, at its checksum too (reading every file, once per process while the files
+    are unchanged) and meta.json readable. A checkpoint committed before checksums were recorded is checked
+    by its sizes only."""
     marker = path / COMMIT_MARKER
     if not marker.exists():
         return "no commit marker (its save never finished)"
     try:
-        files = json.loads(marker.read_text())["files"]
-    except (ValueError, KeyError) as e:
+        manifest = json.loads(marker.read_text())
+        files, sums = manifest["files"], manifest.get("crc32", {})
+        if sums and set(sums) != set(files):
+            raise ValueError("its checksums do not cover its files")
+    except (OSError, ValueError, KeyError, TypeError) as e:
         return f"unreadable commit marker ({e})"
     for name, size in files.items():
         f = path / name
@@ -222,6 +257,16 @@ def problem(path: Path) -> str | None:
             return f"{name} is missing"
         if f.stat().st_size != size:
             return f"{name} is {f.stat().st_size} bytes, the commit recorded {size} (truncated or damaged)"
+    if not verify:
+        return None
+    damage = integrity.mismatch(path, sums) if sums else None
+    if damage:
+        return damage
+    try:
+        if not isinstance(read_meta(path).get("step"), int):
+            raise ValueError("no step in it")
+    except (OSError, ValueError, AttributeError) as e:
+        return f"{META_FILE} is unreadable ({e})"
     return None
 
 
@@ -235,21 +280,45 @@ def checkpoints(root: str | Path) -> list[Path]:
 
 
 def latest(root: str | Path) -> Path | None:
-    """The newest committed, intact checkpoint; warns about each newer one it has to skip."""
+    """The newest checkpoint that verifies (`problem`), or None when there is no committed one. Each newer
+    one skipped is said in one line on stderr, once per process: a run looks again at every restart.
+    DamagedCheckpointError, in one line, when committed ones exist and none verifies."""
+    skipped = []
     for path in checkpoints(root):
         why = problem(path)
         if why is None:
+            for p, w in skipped:
+                _say_once(f"skipping checkpoint {p}: {w}; loading {path.name}, the newest that verifies")
             return path
-        warnings.warn(f"skipping checkpoint {path}: {why}", TornCheckpointWarning, stacklevel=2)
+        skipped.append((path, why))
+    damaged = [(p, w) for p, w in skipped if (p / COMMIT_MARKER).exists()]
+    if damaged:
+        listed = "; ".join(f"{p.name}: {w}" for p, w in damaged[:3]) + ("; …" if len(damaged) > 3 else "")
+        raise DamagedCheckpointError(
+            f"no checkpoint in {root} verifies ({listed}); nothing was deleted: restore them from a copy, or "
+            f"move them out of {root} to train from scratch"
+        )
+    for p, w in skipped:
+        _say_once(f"skipping checkpoint {p}: {w}")
     return None
 
 
-def prune(root: str | Path, keep: int) -> None:
-    """Delete committed checkpoints beyond the newest `keep`, and torn ones older than those kept."""
+def _say_once(line: str) -> None:
+    if line not in _said:
+        _said.add(line)
+        print(f"distrain: {line}", file=sys.stderr, flush=True)
+
+
+def prune(root: str | Path, keep: int, committed: int | None = None) -> None:
+    """Delete committed checkpoints beyond the newest `keep`, and torn ones older than those kept, counting
+    from the one just `committed`: newer ones (damaged, the run resumed from an older one) are left alone
+    until the run saves their step again. Judged by sizes: a commit does not read every checkpoint again."""
     kept = 0
     for path in checkpoints(root):
+        if committed is not None and int(path.name.removeprefix("step_")) > committed:
+            continue
         if kept < keep:
-            kept += problem(path) is None
+            kept += problem(path, verify=False) is None
             continue
         shutil.rmtree(path, ignore_errors=True)
 
@@ -309,7 +378,26 @@ def _weights_only(f: str | Path | IO[bytes], where: str, allowed: Sequence[type]
                 names = ", ".join(torch.serialization.get_unsafe_globals_in_checkpoint(f))
             except (ValueError, RuntimeError):  # not torch.save's zip format: nothing to list
                 names = ""
+                if not _is_pickle(f):
+                    raise DamagedCheckpointError(
+                        f"{where} is damaged: it is neither a file torch.save wrote nor a pickle; move its "
+                        f"checkpoint directory out of the way to resume from the one before"
+                    ) from None
             raise UnsafeCheckpointError(_refusal(where, names or "pickled data torch's safe loader rejects")) from None
+
+
+def _is_pickle(f: str | Path | IO[bytes]) -> bool:
+    """Whether the bytes parse as a pickle (never running it): random bytes do not, a planted pickle does."""
+    import pickletools
+
+    with open(f, "rb") if isinstance(f, (str, Path)) else contextlib.nullcontext(f) as stream:
+        stream.seek(0)
+        try:
+            for _ in pickletools.genops(stream):
+                pass
+        except Exception:  # whatever a malformed opcode stream raises
+            return False
+    return True
 
 
 def _refusal(where: str, what: str) -> str:

@@ -29,6 +29,7 @@ from distrain.parallel import process_group
 from distrain.storage import checkpoint
 from distrain.storage.tracking import Tracker, run_results
 from distrain.train.faults import Faults
+from distrain.train.finite import NonFinite
 from distrain.train.job import RankJob
 from distrain.train.learner import Learner
 from distrain.train.metrics import Readback, memory_peaks, peak_flops
@@ -176,6 +177,7 @@ class Trainer:
         self.window = [time.perf_counter(), 0]
         self.unread: tuple[int, dict, Readback] | None = None  # a logged step whose scalars are in flight
         self.first_step_s, self.val_loss, stopped = None, None, False
+        self.nonfinite = NonFinite(self.device)
         memory_peaks(self.device, reset=True)
         began = self.step
 
@@ -186,6 +188,7 @@ class Trainer:
             set_lr(self.optimizer, lr_at(self.step, self.cfg.optim, t.max_steps))
             loss_sum = self.learner.forward_backward(self.step)
             grad_norm = self.learner.parallel.clip_grad_norm(self.cfg.optim.grad_clip)
+            self.nonfinite.watch(self.step, loss_sum, grad_norm)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             self.window[1] += 1
@@ -213,6 +216,7 @@ class Trainer:
         if self.vote is not None:
             self.vote[0].wait()  # no collective is left in flight
         self.log_read()
+        self.check_finite()  # a run stopped between its saves ends "stopped" only if it trained on numbers
         self.saver.close()
         if isinstance(self.optimizer, NVMeAdamW):
             self.optimizer.close()  # its files are scratch: the checkpoint holds the state
@@ -248,6 +252,12 @@ class Trainer:
         if self.tracker is not None:
             self.tracker.log(step, metrics)
         self.channel.report(metrics)
+        if not (math.isfinite(loss_total) and math.isfinite(grad_norm)):  # the same on every rank: reduced
+            self.check_finite()
+
+    def check_finite(self) -> None:
+        """Collective: end the run, on every rank, if a step's loss or gradient norm was not finite."""
+        self.nonfinite.check(self.cfg, self.device.type == "cuda")
 
     def finish(self, stopped: bool) -> dict:
         wandb_run_id = self.tracker.wandb_run_id if self.tracker is not None else None
@@ -293,6 +303,7 @@ class Trainer:
         self.channel.report({"phase": Phase.CHECKPOINT})
         start = time.perf_counter()
         with self.outside_steps():
+            self.check_finite()  # never a checkpoint of NaN weights
             self.save()
             if wait:
                 self.saver.wait()
