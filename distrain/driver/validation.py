@@ -23,6 +23,7 @@ WANDB_MODES = (None, "online", "offline", "disabled")
 PRECISIONS = ("auto", "fp32", "bf16")
 OFFLOADS = ("none", "cpu", "nvme")
 PS_MODES = ("sync", "async", "hogwild", "easgd")
+OBJECTIVES = ("val_loss", "loss")  # run.objective: summary.json's final_<objective>
 # What WorkerGroup.environments sets for each rank (distrain/cluster/worker_group.py).
 PER_RANK_VARIABLES = (
     "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK",
@@ -243,6 +244,7 @@ def _validate_training(cfg: TrainConfig) -> None:
         f"logger.wandb.mode={cfg.logger.wandb.mode!r}: choose online, offline or disabled",
     )
     require(bool(cfg.run.name) and "/" not in cfg.run.name, f"run.name={cfg.run.name!r}: must be a plain name")
+    require(cfg.run.objective in OBJECTIVES, f"run.objective={cfg.run.objective!r}: choose val_loss or loss")
 
 
 def _validate_data(cfg: TrainConfig) -> None:
