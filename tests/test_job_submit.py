@@ -94,6 +94,7 @@ def test_the_documented_one_machine_commands_run_as_printed(ray_head):
     default ports are taken): the job trains, keeps Hydra's record and says it succeeded."""
     head = processes(f"DISTRAIN_CLUSTER=/tmp/distrain-ray-{ray_head['RAY_ADDRESS'].rpartition(':')[2]}")
     assert listening(head) == {"127.0.0.1"}, "the head listens beyond loopback"
+    assert set(head) <= set(processes("RAY_USAGE_STATS_ENABLED=0")), "the head reports usage statistics"
     out = bash(documented_commands()[1], ray_head, timeout=300)
     said = out.stdout + out.stderr
     run_dir = re.search(r"run directory (\S+)", said)
