@@ -49,14 +49,14 @@ def ray_head():
     marker = f"DISTRAIN_TEST_HEAD={uuid.uuid4().hex}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}  # a user's shell: no loopback switch
     env[marker.partition("=")[0]] = marker.partition("=")[2]
-    with contextlib.ExitStack() as held:
-        for port in RAY_DEFAULT_PORTS:
-            with contextlib.suppress(OSError):  # already taken: by another cluster indeed
-                held.enter_context(socket.create_server(("127.0.0.1", port)))
-        started = bash(f"{first}\nenv -0", env, timeout=120)
-    exported = dict(kv.partition("=")[::2] for kv in started.stdout.split("\0") if kv.startswith("RAY_"))
-    stopped = None
+    exported, stopped = {}, None
     try:
+        with contextlib.ExitStack() as held:
+            for port in RAY_DEFAULT_PORTS:
+                with contextlib.suppress(OSError):  # taken already: by another cluster, as on the host
+                    held.enter_context(socket.create_server(("127.0.0.1", port)))
+            started = bash(f"{first}\nenv -0", env, timeout=120)
+        exported = dict(kv.partition("=")[::2] for kv in started.stdout.split("\0") if kv.startswith("RAY_"))
         assert started.returncode == 0 and exported.get("RAY_API_SERVER_ADDRESS"), started.stderr
         assert processes(marker), "the head started no process"
         yield {**env, **exported}
@@ -66,6 +66,8 @@ def ray_head():
         left = processes(marker)
         for pid in left:
             os.kill(pid, signal.SIGKILL)
+        if "RAY_ADDRESS" in exported:  # its temp dir, which the documented stop removes
+            shutil.rmtree(f"/tmp/distrain-ray-{exported['RAY_ADDRESS'].rpartition(':')[2]}", ignore_errors=True)
     assert stopped and stopped.returncode == 0 and not left, (stopped, left)
 
 
