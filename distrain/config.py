@@ -219,6 +219,7 @@ class LoggerConfig:
 class RunConfig:
     name: str = "${model.name}-${strategy.name}-${now:%Y%m%d-%H%M%S}"
     storage: str = "runs"
+    objective: str = "val_loss"  # what a sweep's point returns to the sweeper: its final val_loss, or loss
 
 
 @dataclass

@@ -80,12 +80,15 @@ def run_state() -> str:
     return f"run {config.run.name!r} resumes from step {step} with the same command and run.name={config.run.name}"
 
 
-def main(cfg) -> None:
-    """Train (or with `plan=true` print the layout) the composed config; in a sweep, one point of it.
-    Imports here, not at the top, so `--cfg job` and bad input do not wait for Ray to load."""
+def main(cfg) -> float | None:
+    """Train (or with `plan=true` print the layout) the composed config; in a sweep, one point of it, whose
+    objective it returns to the sweeper. Imports here, not at the top, so `--cfg job` and bad input do not
+    wait for Ray to load."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
     from omegaconf import OmegaConf
+
+    from distrain.driver.sweep import earlier_result, objective
 
     STARTUP["composed_at"] = time.time()
     hydra = HydraConfig.get()
@@ -104,8 +107,11 @@ def main(cfg) -> None:
         OmegaConf.save(OmegaConf.create(list(hydra.overrides.task)), out / "overrides.yaml")
 
     config = OmegaConf.to_object(cfg)
+    earlier = earlier_result(config.run_dir, cfg) if sweeping else None
+    if earlier:
+        print(f"distrain: run {config.run.name!r} completed this point with this config: its result again")
     try:
-        code, summary = run(config, record)
+        code, summary = (0, earlier) if earlier else run(config, record)
     except Exception as e:
         if not sweeping:
             raise
@@ -115,8 +121,9 @@ def main(cfg) -> None:
     if not sweeping:
         if code:
             raise SystemExit(code)
-        return
-    status = {0: "completed", 2: "refused", 1: "failed"}.get(code, "stopped")
+        return None
+    status = "reused" if earlier else {0: "completed", 2: "refused", 1: "failed"}.get(code, "stopped")
+    value = objective(summary, config.run.objective)
     SWEEP["points"].append(
         Point(
             overrides=" ".join(values),
@@ -125,10 +132,12 @@ def main(cfg) -> None:
             final_loss=(summary or {}).get("final_loss"),
             final_val_loss=(summary or {}).get("final_val_loss"),
             error=CURRENT.pop("error", None),
+            objective=value,
         )
     )
     if status == "stopped":
         raise SystemExit(code)  # a signal stops the sweep, not only its point (the table still ends it)
+    return value
 
 
 def check_sweep_storage(overrides: list[str]) -> None:
@@ -173,7 +182,7 @@ def entry(argv: list[str]) -> int:
         if SWEEP["points"]:
             print(table(SWEEP["points"]))
             write_record(SWEEP["dir"], SWEEP["points"])
-    return 1 if any(p.status != "completed" for p in SWEEP["points"]) else 0
+    return 1 if any(p.status not in ("completed", "reused") for p in SWEEP["points"]) else 0
 
 
 if __name__ == "__main__":

@@ -2,103 +2,112 @@
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
 import json
 import os
+import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
-import tempfile
 import time
+import uuid
 from pathlib import Path
 
 import pytest
-from conftest import REPO, TINY, free_port
+from conftest import REPO, TINY
+
+sys.path.insert(0, str(REPO / "jobs"))
+from cluster import processes  # noqa: E402  (jobs/cluster.py)
 
 RAY = str(Path(sys.executable).parent / "ray")
+RAY_DEFAULT_PORTS = (6379, 8265, 52365)  # GCS, dashboard, dashboard agent: held by "another cluster" here
 
 
-def pids_with_env(marker: str) -> list[int]:
-    """Processes whose environment holds `marker`: Ray rewrites its workers' titles, but every
-    process the head starts inherits the head's environment."""
-    pids = []
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit() and int(proc.name) != os.getpid():
-            try:
-                if marker.encode() in (proc / "environ").read_bytes().split(b"\0"):
-                    pids.append(int(proc.name))
-            except OSError:
-                pass
-    return pids
+def documented_commands() -> list[str]:
+    """The commands of docs/cluster.md's one-machine block, as printed (comments and all)."""
+    section = (REPO / "docs" / "cluster.md").read_text().split("\n## One machine\n", 1)[1]
+    block = section.split("```bash\n", 1)[1].split("```", 1)[0]
+    return [line for line in block.splitlines() if line.strip()]
+
+
+def bash(command: str, env: dict, timeout: float) -> subprocess.CompletedProcess:
+    """`command` in bash from the repository root, as a user would type it there."""
+    return subprocess.run(["bash", "-c", command], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
 def ray_head():
-    """`ray start --head --block` on 127.0.0.1 with its own temp dir and ports. Torn down by PID:
-    the process group we started, then every process that inherited our marker variable (workers
-    can outlive the head in sessions of their own). `ray stop` would also stop the tests' cluster."""
-    temp_dir = tempfile.mkdtemp(prefix="rayh", dir="/tmp")  # short: Ray's socket paths are length-limited
-    dashboard = free_port()
-    marker = f"DISTRAIN_TEST_HEAD={temp_dir}"
-    env = {
-        **os.environ,
-        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-        "DISTRAIN_TEST_HEAD": temp_dir,
-        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
-    }
-    env.pop("RAY_ADDRESS", None)
-    ports = {
-        f"--{name}": str(free_port())
-        for name in (
-            "port",
-            "node-manager-port",
-            "object-manager-port",
-            "dashboard-agent-listen-port",
-            "dashboard-agent-grpc-port",
-            "runtime-env-agent-port",
-            "metrics-export-port",
-            "ray-client-server-port",
-        )
-    }
-    cmd = [
-        RAY,
-        "start",
-        "--head",
-        "--block",
-        "--node-ip-address=127.0.0.1",
-        "--num-cpus=2",
-        "--num-gpus=0",  # CPU workers, whatever the machine has
-        "--include-dashboard=true",
-        "--dashboard-host=127.0.0.1",
-        f"--dashboard-port={dashboard}",
-        f"--temp-dir={temp_dir}",
-        "--disable-usage-stats",
-        *[a for kv in ports.items() for a in kv],
-    ]
-    head = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    address = f"http://127.0.0.1:{dashboard}"
-    client_env = {**env, "RAY_AUTH_MODE": "token", "RAY_ADDRESS": address}
+    """The head docs/cluster.md's first command starts, stopped by its last one; yields the environment
+    the first one exports. Every process the head starts inherits our marker variable: what the documented
+    stop leaves is an error, and is ended by PID (`ray stop` would also stop the tests' cluster)."""
+    if not (REPO / ".venv" / "bin" / "ray").exists():
+        pytest.skip("the documented commands use the .venv that `make setup` makes")
+    first, *_, last = documented_commands()
+    marker = f"DISTRAIN_TEST_HEAD={uuid.uuid4().hex}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}  # a user's shell: no loopback switch
+    env[marker.partition("=")[0]] = marker.partition("=")[2]
+    exported, stopped = {}, None
     try:
-        deadline = time.monotonic() + 90
-        while subprocess.run([RAY, "job", "list"], env=client_env, capture_output=True).returncode != 0:
-            assert head.poll() is None, "ray start --head exited"
-            assert time.monotonic() < deadline, "the head's job server did not come up"
-            time.sleep(1)
-        yield client_env
+        with contextlib.ExitStack() as held:
+            for port in RAY_DEFAULT_PORTS:
+                with contextlib.suppress(OSError):  # taken already: by another cluster, as on the issue's host
+                    held.enter_context(socket.create_server(("127.0.0.1", port)))
+            started = bash(f"{first}\nenv -0", env, timeout=120)
+        exported = dict(kv.partition("=")[::2] for kv in started.stdout.split("\0") if kv.startswith("RAY_"))
+        assert started.returncode == 0 and exported.get("RAY_API_SERVER_ADDRESS"), started.stderr
+        assert processes(marker), "the head started no process"
+        yield {**env, **exported}
     finally:
-        os.killpg(head.pid, signal.SIGTERM)
-        try:
-            head.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            os.killpg(head.pid, signal.SIGKILL)
-            head.wait()
-        for pid in pids_with_env(marker):
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            stopped = bash(last, {**env, **exported}, timeout=60)
+        left = processes(marker)
+        for pid in left:
             os.kill(pid, signal.SIGKILL)
-        deadline = time.monotonic() + 15
-        while pids_with_env(marker) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not pids_with_env(marker), "processes of the test head survived SIGKILL"
-        shutil.rmtree(temp_dir, ignore_errors=True)
+        if "RAY_ADDRESS" in exported:  # its temp dir, which the documented stop removes
+            shutil.rmtree(f"/tmp/distrain-ray-{exported['RAY_ADDRESS'].rpartition(':')[2]}", ignore_errors=True)
+    assert stopped and stopped.returncode == 0 and not left, (stopped, left)
+
+
+def listening(pids: list[int]) -> set[str]:
+    """The addresses the processes `pids` accept TCP connections on (/proc/net/tcp*: LISTEN sockets,
+    by inode)."""
+    inodes = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                with contextlib.suppress(OSError):
+                    inodes.add(os.readlink(fd).removeprefix("socket:[").removesuffix("]"))
+    addresses = set()
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+            local, state, inode = (line.split()[i] for i in (1, 3, 9))
+            if state == "0A" and inode in inodes:
+                raw = bytes.fromhex(local.partition(":")[0])
+                host = ipaddress.ip_address(b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4)))
+                addresses.add(str(getattr(host, "ipv4_mapped", None) or host))  # in 32-bit host-order words
+    return addresses
+
+
+def test_the_documented_one_machine_commands_run_as_printed(ray_head):
+    """docs/cluster.md's submission, on the head its start command started (loopback only, though Ray's
+    default ports are taken): the job trains, keeps Hydra's record and says it succeeded."""
+    head = processes(f"DISTRAIN_CLUSTER=/tmp/distrain-ray-{ray_head['RAY_ADDRESS'].rpartition(':')[2]}")
+    assert listening(head) == {"127.0.0.1"}, "the head listens beyond loopback"
+    assert set(head) <= set(processes("RAY_USAGE_STATS_ENABLED=0")), "the head reports usage statistics"
+    out = bash(documented_commands()[1], ray_head, timeout=300)
+    said = out.stdout + out.stderr
+    run_dir = re.search(r"run directory (\S+)", said)
+    try:
+        assert out.returncode == 0 and run_dir and re.search(r"Job 'raysubmit_\w+' succeeded", said), said
+        summary = json.loads((Path(run_dir[1]) / "summary.json").read_text())
+        assert summary["status"] == "completed" and summary["final_step"] == 3
+        assert any((Path(run_dir[1]) / "hydra").glob("*/.hydra/config.yaml"))  # Hydra's record kept
+    finally:
+        if run_dir and Path(run_dir[1]).parent == REPO / "runs":
+            shutil.rmtree(run_dir[1])
 
 
 def submit(env: dict, submission_id: str, *overrides: str) -> str:
@@ -125,14 +134,8 @@ def submit(env: dict, submission_id: str, *overrides: str) -> str:
 
 
 @pytest.mark.timeout(400)
-def test_ray_job_submit_trains_and_reports_status(ray_head, tmp_path: Path):
+def test_a_failing_job_reports_failed(ray_head, tmp_path: Path):
     common = [*TINY, f"run.storage={tmp_path}", "cluster.num_workers=2"]
-    out = submit(ray_head, "distrain-ok", *common, "run.name=submitted", "trainer.max_steps=8")
-    assert "Job 'distrain-ok' succeeded" in out, out
-    summary = json.loads((tmp_path / "submitted" / "summary.json").read_text())
-    assert summary["status"] == "completed" and summary["final_step"] == 8
-    assert any((tmp_path / "submitted" / "hydra").glob("*/.hydra/config.yaml"))  # Hydra's record kept
-
     out = submit(ray_head, "distrain-bad", *common, "run.name=bad", "trainer.global_batch_size=7")
     assert "Job 'distrain-bad' failed" in out, out
     logs = subprocess.run([RAY, "job", "logs", "distrain-bad"], env=ray_head, capture_output=True, text=True)

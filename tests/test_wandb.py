@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import json
 import struct
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import REPO, make_config
 
 from distrain.storage.tracking import read_metrics
 
@@ -83,3 +86,28 @@ def test_offline_run_is_complete_and_one_run_across_a_resume(tracked_run):
         assert refs and all(ref.startswith(f"{step_dir.resolve().as_uri()}/") for ref in refs)
     kept = run_dir / "checkpoints" / "step_00000006"  # (checkpoint.keep=2 pruned step 2's directory)
     assert refs == {f"{kept.resolve().as_uri()}/{p.name}" for p in kept.iterdir()}
+
+
+AT_EXIT = """
+import os, signal, sys
+from dataclasses import asdict
+from pathlib import Path
+sys.path.insert(0, "tests")
+from conftest import make_config
+from distrain.storage.tracking import Tracker
+cfg = make_config(Path(sys.argv[1]), "logger.wandb.mode=offline", "run.name=t")
+Path(cfg.run_dir).mkdir()
+tracker = Tracker(cfg.run_dir, asdict(cfg), 0, None)
+tracker.log(1, {"loss": 1.0})
+tracker.close({"final_step": 1})
+for stat in Path("/proc").glob("[0-9]*/stat"):  # as Ray ends a finished job's worker: its children first
+    if stat.read_text().rpartition(")")[2].split()[1] == str(os.getpid()):
+        os.kill(int(stat.parent.name), signal.SIGKILL)
+"""
+
+
+def test_a_closed_run_leaves_wandb_nothing_to_do_at_exit(tmp_path: Path):
+    """W&B's atexit hook tears its service down; when Ray has killed the service first (a submitted job's
+    worker as the job ends), the hook printed a traceback into the job's log. Closing ends the service."""
+    done = subprocess.run([sys.executable, "-c", AT_EXIT, str(tmp_path)], cwd=REPO, capture_output=True, text=True)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr

@@ -64,7 +64,7 @@ def check_overrides(overrides: list[str] | tuple[str, ...], conf_dir: Path = CON
         key = override.key_or_group
         if re.split(r"[./]", key)[0] == "hydra" or override.is_delete():
             continue  # Hydra's own settings
-        values = list(override.sweep_iterator()) if override.is_sweep_override() else [override.value()]
+        values = sweep_values(override, conf_dir) if override.is_sweep_override() else [override.value()]
         if (conf_dir / key).is_dir():
             check_group_choice(key, values, override.input_line, conf_dir)
             continue
@@ -77,7 +77,30 @@ def check_overrides(overrides: list[str] | tuple[str, ...], conf_dir: Path = CON
             try:
                 OmegaConf.update(schema, key, value, merge=True)
             except OmegaConfBaseException:
-                raise BadInput(f"{override.input_line}: {key} takes {type_name(kind)}, not {value!r}") from None
+                integers = kind is int and "interval(" in override.input_line
+                hint = "; int(interval(a,b)) samples integers" if integers else ""
+                raise BadInput(f"{override.input_line}: {key} takes {type_name(kind)}, not {value!r}{hint}") from None
+
+
+def sweep_values(override: typing.Any, conf_dir: Path = CONF_DIR) -> list:
+    """What of a sweep can be checked before it runs: each value of a choice or a range, the options of
+    its group a glob matches, an interval's bounds (a sampler such as Optuna's picks values between them)."""
+    from hydra.core.override_parser.types import Glob, IntervalSweep
+
+    value, line = override.value(), override.input_line
+    if isinstance(value, IntervalSweep):
+        if not value.start < value.end:
+            raise BadInput(f"{line}: an interval's start must be below its end")
+        return [value.start, value.end]
+    if isinstance(value, Glob):
+        group = conf_dir / override.key_or_group
+        if not group.is_dir():
+            raise BadInput(f"{line}: glob() sweeps the options of a config group, and {override.key_or_group} is none")
+        options = sorted(p.stem for p in group.glob("*.yaml"))
+        if not value.filter(options):
+            raise BadInput(f"{line} matches none of {override.key_or_group}'s options: {', '.join(options)}")
+        return value.filter(options)
+    return list(override.sweep_iterator())
 
 
 def field_type(key: str, cls: type = TrainConfig) -> typing.Any:

@@ -1,10 +1,14 @@
 """A Hydra sweep (`jobs/train.py -m optim.lr=1e-3,3e-3`): each point is a run of its own, with its own
 run.name (so its own directory and W&B run), run one after another in one driver on one Ray cluster;
-a point that fails is recorded and the sweep goes on; a table of the points ends it."""
+a point that fails is recorded and the sweep goes on; a table of the points ends it.
+
+Each point returns its objective (run.objective) to the sweeper, so a sweeper that optimises (Optuna's)
+can; a point sampled again reports its run's recorded result instead of training it again."""
 
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -16,10 +20,36 @@ SWEEP_RECORD = "sweep.json"  # beside Hydra's multirun.yaml in the sweep's direc
 class Point:
     overrides: str  # the point's swept values, e.g. "optim.lr=0.001"
     run_dir: str
-    status: str  # completed | stopped | refused | failed
+    status: str  # completed | reused | stopped | refused | failed
     final_loss: float | None = None
     final_val_loss: float | None = None
     error: str | None = None
+    objective: float | None = None  # what the sweeper got
+
+
+def objective(summary: dict | None, name: str) -> float | None:
+    """A point's value for the sweeper: its run's final `name` (run.objective); None for a run that did not
+    complete or whose value is not finite. Optuna's sweeper (1.3) records None as a failed trial and samples
+    on (NaN would end its sweep: optuna 2 refuses to be told it)."""
+    value = (summary or {}).get(f"final_{name}")
+    completed = summary is not None and summary.get("status") == "completed" and value is not None
+    return float(value) if completed and math.isfinite(value) else None
+
+
+def earlier_result(run_dir: str | Path, cfg) -> dict | None:
+    """The summary of the point's run when it already completed with this very config (Hydra's record of
+    its newest invocation equals `cfg`): training it again would repeat the same steps on the same data
+    from the same seed, so a sweeper that samples a point twice gets the recorded result again."""
+    from omegaconf import OmegaConf
+
+    records = sorted(Path(run_dir).glob("hydra/*/.hydra/config.yaml"))
+    summary_path = Path(run_dir) / "summary.json"
+    if not records or not summary_path.exists():
+        return None
+    summary = json.loads(summary_path.read_text())
+    same = OmegaConf.to_container(OmegaConf.load(records[-1])) == OmegaConf.to_container(cfg)
+    done = summary.get("status") == "completed" and summary.get("final_step") == cfg.trainer.max_steps
+    return summary if same and done else None
 
 
 def swept_keys(overrides: list[str]) -> set[str]:

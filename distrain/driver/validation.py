@@ -25,6 +25,7 @@ TENSORBOARD_HINT = 'pip install -e ".[tensorboard]"'  # logger.tensorboard's pac
 PRECISIONS = ("auto", "fp32", "bf16")
 OFFLOADS = ("none", "cpu", "nvme")
 PS_MODES = ("sync", "async", "hogwild", "easgd")
+OBJECTIVES = ("val_loss", "loss")  # run.objective: summary.json's final_<objective>
 # What WorkerGroup.environments sets for each rank (distrain/cluster/worker_group.py).
 PER_RANK_VARIABLES = (
     "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK",
@@ -249,6 +250,7 @@ def _validate_training(cfg: TrainConfig) -> None:
         f"logger.tensorboard=true needs the tensorboard package, which is not installed: {TENSORBOARD_HINT}",
     )
     require(bool(cfg.run.name) and "/" not in cfg.run.name, f"run.name={cfg.run.name!r}: must be a plain name")
+    require(cfg.run.objective in OBJECTIVES, f"run.objective={cfg.run.objective!r}: choose val_loss or loss")
 
 
 def _validate_data(cfg: TrainConfig) -> None:

@@ -102,6 +102,11 @@ class Tracker:
             self.log_checkpoints()
             self.wandb_run.summary.update(summary)
             self.wandb_run.finish()
+            import wandb
+
+            # End W&B's service now: left to its atexit hook, the teardown races the service's own end when
+            # Ray kills a finished job's workers, and prints a traceback into the job's log.
+            wandb.teardown()
 
 
 def committed(run_dir: Path) -> list[Path]:

@@ -1,0 +1,93 @@
+"""Hydra's own sweepers: every sweep its grammar has passes the up-front check, and Optuna's sweeper
+optimises what the points return (their final validation loss), a point it samples twice included."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import optuna
+import pytest
+from conftest import REPO, TINY, make_config
+from hydra.core.global_hydra import GlobalHydra
+
+from distrain.config import ConfigError
+from distrain.driver.cli import BadInput, check_overrides
+from distrain.driver.sweep import objective
+from distrain.driver.validation import validate
+
+sys.path.insert(0, str(REPO / "jobs"))
+import train as entrypoint  # noqa: E402  (jobs/train.py)
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "optim.lr=interval(0.0005,0.005)",
+        "optim.lr=tag(log,interval(0.0005,0.005))",
+        "trainer.max_steps=int(interval(2,8))",
+        "trainer.max_steps=range(2,8,2)",
+        "optim.lr=choice(0.001,0.003)",
+        "strategy=glob(zero*)",
+        "strategy=glob(*,exclude=[ps,3d])",
+    ],
+)
+def test_every_sweep_of_hydras_grammar_passes_the_check(override: str):
+    check_overrides([override])
+
+
+@pytest.mark.parametrize(
+    ("override", "needle"),
+    [
+        ("optim.lr=interval(0.005,0.0005)", "an interval's start must be below its end"),
+        ("trainer.max_steps=interval(2,8)", "takes int, not 2.0; int(interval(a,b)) samples integers"),
+        ("optim.lr=interval(fast,0.5)", "Error parsing override 'optim.lr=interval(fast,0.5)'"),
+        ("optim.lrr=interval(0.1,0.5)", "unknown key optim.lrr; did you mean optim.lr?"),
+        ("strategy=glob(nope*)", "matches none of strategy's options"),
+        ("optim.lr=glob(*)", "glob() sweeps the options of a config group, and optim.lr is none"),
+    ],
+)
+def test_a_sweep_that_cannot_work_is_refused_in_one_line(override: str, needle: str):
+    with pytest.raises(BadInput) as refused:
+        check_overrides([override])
+    assert needle in str(refused.value)
+
+
+def test_a_point_returns_none_unless_it_completed_with_a_finite_objective():
+    completed = {"status": "completed", "final_loss": 2.5, "final_val_loss": 2.25}
+    assert objective(completed, "val_loss") == 2.25 and objective(completed, "loss") == 2.5
+    for summary in (None, {**completed, "status": "failed"}, {**completed, "final_val_loss": float("nan")}):
+        assert objective(summary, "val_loss") is None
+
+
+@pytest.mark.timeout(300)
+def test_optunas_sweeper_gets_each_points_final_val_loss(tmp_path: Path, ray_cluster, monkeypatch, capsys):
+    """Three trials of a choice of two: one point is sampled twice, and gets its run's result again."""
+    studies = []
+    create_study = optuna.create_study
+    monkeypatch.setattr(optuna, "create_study", lambda **kw: studies.append(create_study(**kw)) or studies[-1])
+    monkeypatch.setattr(sys, "argv", sys.argv[:1])
+    argv = ["-m", "hydra/sweeper=optuna", "hydra.sweeper.n_trials=3", "hydra.sweeper.sampler.seed=1"]
+    argv += ["optim.lr=choice(0.001,0.003)", *TINY, "trainer.max_steps=3", f"run.storage={tmp_path}", "run.name=o"]
+    try:
+        assert entrypoint.entry(argv) == 0, capsys.readouterr()
+    finally:
+        GlobalHydra.instance().clear()
+    (study,) = studies
+    assert [t.state for t in study.trials] == [optuna.trial.TrialState.COMPLETE] * 3
+    runs = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("o-"))
+    assert runs == ["o-optim.lr_0.001", "o-optim.lr_0.003"]  # the repeated point trained once
+    for trial in study.trials:
+        summary = json.loads((tmp_path / f"o-optim.lr_{trial.params['optim.lr']}" / "summary.json").read_text())
+        assert summary["status"] == "completed" and summary["final_step"] == 3
+        assert trial.value == summary["final_val_loss"]
+    (record,) = (tmp_path / "sweeps").glob("*/sweep.json")
+    points = json.loads(record.read_text())
+    assert sorted(p["status"] for p in points) == ["completed", "completed", "reused"]
+    assert [p["objective"] for p in points] == [t.value for t in study.trials]
+
+
+def test_an_unknown_objective_is_refused(tmp_path: Path):
+    with pytest.raises(ConfigError, match=r"run.objective='nope': choose val_loss or loss"):
+        validate(make_config(tmp_path, "run.objective=nope"))
