@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import REPO, make_config
+from conftest import REPO
 
 from distrain.storage.tracking import read_metrics
 
