@@ -144,6 +144,7 @@ class OptimConfig:
 @dataclass
 class ClusterConfig:
     address: str | None = None  # None: RAY_ADDRESS if set, else an embedded local cluster
+    connect_timeout_s: float = 10.0  # attaching gives up when the address does not answer within this
     # The embedded local cluster's size; None: this machine's CPUs and GPUs. Ignored when attaching.
     local_cpus: int | None = None
     local_gpus: int | None = None

@@ -165,9 +165,11 @@ def entry(argv: list[str]) -> int:
     sys.argv[1:] = argv
     try:
         hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")(main)()
-    except KeyboardInterrupt:
-        print(f"distrain: stopped by SIGINT: {run_state()} (exit status 130)", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:  # distrain.driver.stop.Stopped names the signal; a bare one is Ctrl-C
+        sig = getattr(e, "signum", signal.SIGINT)
+        name = signal.Signals(sig).name
+        print(f"distrain: stopped by {name}: {run_state()} (exit status {128 + sig})", file=sys.stderr)
+        return 128 + sig
     finally:
         if SWEEP["points"]:
             print(table(SWEEP["points"]))

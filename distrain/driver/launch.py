@@ -29,7 +29,7 @@ from distrain.cluster.worker_group import WorkerGroup
 from distrain.config import ClusterConfig, ConfigError, TrainConfig, attach_address, to_plain
 from distrain.data.checks import check_same_shards
 from distrain.driver.plan import describe
-from distrain.driver.stop import stop_signals
+from distrain.driver.stop import Stopped, stop_signals
 from distrain.driver.validation import validate
 from distrain.model.hf import resolve_init_from
 from distrain.progress import ProgressLine
@@ -143,35 +143,43 @@ def train(
     summary.json. With `cfg.plan`, write nothing and return the layout's description instead.
     `startup`: wall-clock marks of the caller's own start (jobs/train.py: its imports, Hydra's compose),
     which summary.json's `startup` holds with this driver's (started_at, connected_at: Ray is up).
-    `on_run_dir`: called with the run directory once the config is valid and the directory made (the
-    command line keeps its record and console log there); nothing is written before."""
+    `on_run_dir`: called with the run directory once every check has passed (the command line keeps its
+    record and console log there). A refusal (config, cluster, a run in use, a resume that cannot be)
+    writes nothing. A signal before the run directory is made raises `Stopped`."""
     started = time.time()
     cfg, layout = resolved(cfg)
     if cfg.plan:
         return {"status": "planned", "plan": plan(cfg, layout)}
-    run_dir = make_run_dir(cfg)
-    if on_run_dir is not None:
-        on_run_dir(run_dir)
-    with exclusive_lock(run_dir / LOCK_FILE), stop_signals() as stop:
-        supervisor, summary, progress = _prepare(cfg, layout, run_dir, {**(startup or {}), "started_at": started})
-        stop.install()
-        stop.forward_to(supervisor.request_stop)
-        try:
-            finished = Finished(None, stopped=True) if stop.received else supervisor.run()
-            stopped = finished.stopped
-            summary.update(finished.results or _from_metrics(run_dir), status="stopped" if stopped else "completed")
-            if stopped and stop.received:
-                summary["stop_signal"] = stop.received[0]
-        except BaseException as e:
-            summary.update(_from_metrics(run_dir), error=f"{type(e).__name__}: {e}")
-            raise
-        finally:
-            progress.close()
-            summary["attempts"] = [a.record() for a in supervisor.attempts]
-            summary["replacements"] = supervisor.replacements
-            summary["restarts"] = supervisor.restarts
-            summary["wall_s"] = time.time() - started
-            write_summary(str(run_dir), summary)
+    with stop_signals() as stop:
+        progress = ProgressLine(cfg.logger.progress_interval_s)
+        spec = stop.guard(lambda: placeable_spec(cfg, layout, progress.message))
+        connected = time.time()
+        run_dir = make_run_dir(cfg)
+        with exclusive_lock(run_dir / LOCK_FILE):
+            supervisor, summary = _prepare(cfg, layout, spec, run_dir, progress, started)
+            summary["startup"] = {**(startup or {}), "started_at": started, "connected_at": connected}
+            if on_run_dir is not None:
+                on_run_dir(run_dir)
+            stop.install()
+            stop.forward_to(supervisor.request_stop)
+            try:
+                finished = Finished(None, stopped=True) if stop.received else stop.guard(supervisor.run)
+                stopped = finished.stopped
+                summary.update(finished.results or _from_metrics(run_dir), status="stopped" if stopped else "completed")
+            except Stopped:  # nothing to save yet: stopped at once
+                summary.update(_from_metrics(run_dir), status="stopped")
+            except BaseException as e:
+                summary.update(_from_metrics(run_dir), error=f"{type(e).__name__}: {e}")
+                raise
+            finally:
+                progress.close()
+                summary["attempts"] = [a.record() for a in supervisor.attempts]
+                summary["replacements"] = supervisor.replacements
+                summary["restarts"] = supervisor.restarts
+                summary["wall_s"] = time.time() - started
+                if summary["status"] == "stopped" and stop.received:
+                    summary["stop_signal"] = stop.received[0]
+                write_summary(str(run_dir), summary)
     return summary
 
 
@@ -196,27 +204,25 @@ def resolved(given: TrainConfig) -> tuple[TrainConfig, Layout]:
     return workers_see, layout
 
 
-def _prepare(cfg: TrainConfig, layout: Layout, run_dir: Path, startup: dict[str, float]) -> tuple:
-    """The supervisor of the run (its engine: collective training or the parameter server), the
-    summary it starts from (the run's history, its W&B id, the start-up marks), and the console progress line."""
-    started = startup["started_at"]
+def _prepare(
+    cfg: TrainConfig, layout: Layout, spec: GroupSpec, run_dir: Path, progress: ProgressLine, started: float
+) -> tuple:
+    """The supervisor of the run (its engine: collective training or the parameter server) and the summary
+    it starts from (the run's history, its W&B id); ConfigError, before anything is written, for a
+    checkpoint this config cannot resume. `started`: the driver's start."""
     resume_from = checkpoint.latest(run_dir / "checkpoints")
     meta = checkpoint.read_meta(resume_from) if resume_from else {}
     if resume_from:
         check_resumable(meta.get("config"), to_plain(cfg))
-        check_steps_left(meta, cfg)
+        check_steps_left(meta, cfg, progress.message)
     history = _previous_summaries(run_dir)
     wandb_run_id = meta.get("wandb_run_id") or next(
         (h["wandb_run_id"] for h in reversed(history) if h.get("wandb_run_id")), None
     )
     if cfg.logger.wandb.mode != "disabled":
         wandb_run_id = wandb_run_id or uuid.uuid4().hex[:8]  # one W&B run across every attempt
-
-    progress = ProgressLine(cfg.logger.progress_interval_s)
-    spec = placeable_spec(cfg, layout, progress.message)
     summary = {
         "status": "failed",
-        "startup": {**startup, "connected_at": time.time()},
         "restarts": 0,
         "resumed_from": str(resume_from) if resume_from else None,
         "wandb_run_id": wandb_run_id,
@@ -243,7 +249,7 @@ def _prepare(cfg: TrainConfig, layout: Layout, run_dir: Path, startup: dict[str,
         on_event=progress.message,
         reuse_workers=c.reuse_workers,
     )
-    return supervisor, summary, progress
+    return supervisor, summary
 
 
 def timeouts(c: ClusterConfig) -> Timeouts:
@@ -274,7 +280,12 @@ def placeable_spec(cfg: TrainConfig, layout: Layout, say: Callable[[str], None] 
     """Connect to the cluster and fail at once if it could never hold the workers, spares and servers;
     with cluster.use_gpu=true, first wait (placement_timeout_s) for GPUs it lacks. `say` prints events."""
     c = cfg.cluster
-    connect(c.address, c.local_cpus, c.local_gpus)
+    address = attach_address(c.address)
+    if address:
+        say(
+            f"attaching to the Ray cluster at {address} (giving up after cluster.connect_timeout_s={c.connect_timeout_s:g} s)"
+        )
+    connect(c.address, c.local_cpus, c.local_gpus, c.connect_timeout_s)
     spec = group_spec(cfg, layout, say)
     if c.use_gpu:
         wait_for_gpus(spec, say)
