@@ -283,7 +283,8 @@ def placeable_spec(cfg: TrainConfig, layout: Layout, say: Callable[[str], None] 
     address = attach_address(c.address)
     if address:
         say(
-            f"attaching to the Ray cluster at {address} (giving up after cluster.connect_timeout_s={c.connect_timeout_s:g} s)"
+            f"attaching to the Ray cluster at {address} "
+            f"(giving up after cluster.connect_timeout_s={c.connect_timeout_s:g} s)"
         )
     connect(c.address, c.local_cpus, c.local_gpus, c.connect_timeout_s)
     spec = group_spec(cfg, layout, say)
