@@ -190,6 +190,8 @@ class TrainerConfig:
     eval_interval: int = 100  # 0 disables periodic validation (a final one still runs)
     eval_batches: int = 4
     precision: str = "auto"  # auto: bf16 autocast on GPU, fp32 on CPU | fp32 | bf16
+    # Refuse a run whose estimated memory per rank (`--plan`) exceeds its devices' (distrain/driver/fits.py).
+    check_memory: bool = True
 
 
 @dataclass

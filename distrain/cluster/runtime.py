@@ -6,10 +6,13 @@ import contextlib
 import logging
 import os
 import socket
+import subprocess
 from collections.abc import Callable, Iterator
 
 import ray
+from ray.exceptions import GetTimeoutError, RayError
 from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from distrain.cluster.placement import GroupSpec
 from distrain.config import attach_address
@@ -167,3 +170,50 @@ def check_capacity(
                 f"{who} needs {need:g} {resource} ({key}={each:g} each) but the cluster has {have:g}; "
                 f"lower cluster.num_workers or {'cluster.cpus_per_worker' if resource == 'CPU' else 'add GPU nodes'}"
             )
+
+
+def node_memory() -> tuple[int, str]:
+    """The largest alive node's memory for workers, in bytes, and the node's address: what Ray gives its
+    tasks and object store there (`memory` + `object_store_memory`, about the node's RAM less what is in use)."""
+    best = max(
+        (
+            (n["Resources"].get("memory", 0) + n["Resources"].get("object_store_memory", 0), n["NodeManagerAddress"])
+            for n in ray.nodes()
+            if n["Alive"]
+        ),
+        default=(0, "none"),
+    )
+    return int(best[0]), best[1]
+
+
+def gpu_memory(timeout_s: float = 30.0) -> tuple[int, str] | None:
+    """The smallest GPU's memory in bytes over the alive GPU nodes, and its node, as `nvidia-smi` reports it
+    there; None when it cannot tell in timeout_s. A CPU-less task pinned to each node asks: it takes no
+    GPU (busy GPUs do not make it wait) and imports nothing (torch would cost seconds at every start)."""
+    nodes = [n for n in ray.nodes() if n["Alive"] and n["Resources"].get("GPU", 0) > 0]
+    refs = {
+        _total_gpu_mib.options(
+            num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)
+        ).remote(): n["NodeManagerAddress"]
+        for n in nodes
+    }
+    try:
+        answers = ray.get(list(refs), timeout=timeout_s)
+    except (GetTimeoutError, RayError):
+        return None
+    sizes = [(mib * 2**20, node) for mib, node in zip(answers, refs.values(), strict=True) if mib]
+    return min(sizes) if sizes and len(sizes) == len(refs) else None
+
+
+@ray.remote(max_retries=0)
+def _total_gpu_mib() -> int | None:
+    return smallest_mib(subprocess.run(NVIDIA_SMI, capture_output=True, text=True, timeout=20).stdout)
+
+
+NVIDIA_SMI = ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"]
+
+
+def smallest_mib(output: str) -> int | None:
+    """nvidia-smi's memory.total column (MiB, a line per GPU) → the smallest, or None if it printed none."""
+    values = [int(line) for line in output.split() if line.isdigit()]
+    return min(values) if values else None

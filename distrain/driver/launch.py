@@ -28,6 +28,7 @@ from distrain.cluster.timeouts import Timeouts
 from distrain.cluster.worker_group import WorkerGroup
 from distrain.config import ClusterConfig, ConfigError, TrainConfig, attach_address, to_plain
 from distrain.data.checks import check_same_shards
+from distrain.driver.fits import check_fits
 from distrain.driver.plan import describe
 from distrain.driver.stop import Stopped, stop_signals
 from distrain.driver.validation import validate
@@ -277,8 +278,9 @@ def _from_metrics(run_dir: Path) -> dict:
 
 
 def placeable_spec(cfg: TrainConfig, layout: Layout, say: Callable[[str], None] = print_event) -> GroupSpec:
-    """Connect to the cluster and fail at once if it could never hold the workers, spares and servers;
-    with cluster.use_gpu=true, first wait (placement_timeout_s) for GPUs it lacks. `say` prints events."""
+    """Connect to the cluster and fail at once if it could never hold the workers, spares and servers, or
+    (a run, not a plan) a rank's estimated memory; with cluster.use_gpu=true, first wait
+    (placement_timeout_s) for GPUs it lacks. `say` prints events."""
     c = cfg.cluster
     address = attach_address(c.address)
     if address:
@@ -290,6 +292,8 @@ def placeable_spec(cfg: TrainConfig, layout: Layout, say: Callable[[str], None] 
     spec = group_spec(cfg, layout, say)
     if c.use_gpu:
         wait_for_gpus(spec, say)
+    if not cfg.plan:  # a plan shows the estimate instead
+        check_fits(cfg, layout, spec.gpus_per_worker > 0, say)
     servers = cfg.ps.num_servers if cfg.ps.mode is not None else 0
     check_capacity(spec.num_workers, spec.cpus_per_worker, spec.gpus_per_worker, spec.spares, servers)
     return spec
@@ -331,8 +335,8 @@ def check_resumable(saved: dict | None, current: dict) -> None:
 
 def check_steps_left(meta: dict, cfg: TrainConfig, say: Callable[[str], None] = print_event) -> None:
     """A rerun whose checkpoint is already at trainer.max_steps would train nothing: refused. One asking
-    for more steps than the checkpoint's run extends it, which is said: the LR schedule follows
-    trainer.max_steps unless optim.decay_steps fixes its length."""
+    for more (or fewer) steps than the checkpoint's run extends (or shortens) it, which is said: the LR
+    schedule follows trainer.max_steps unless optim.decay_steps fixes its length, so its LR changes."""
     step, steps, name = meta["step"], cfg.trainer.max_steps, cfg.run.name
     if step >= steps:
         raise ConfigError(
@@ -340,13 +344,15 @@ def check_steps_left(meta: dict, cfg: TrainConfig, say: Callable[[str], None] = 
             f"trainer.max_steps above {step} to extend it, or a new run.name"
         )
     before = (meta.get("config") or {}).get("trainer", {}).get("max_steps")
-    if before is not None and before < steps:
+    if before is not None and before != steps:
+        how = "stretches to" if before < steps else "shrinks to"
         schedule = (
             f"optim.decay_steps={cfg.optim.decay_steps} keeps the LR schedule"
             if cfg.optim.decay_steps
-            else "the LR schedule stretches to the new length (set optim.decay_steps to keep it)"
+            else f"the LR schedule {how} the new length (set optim.decay_steps={before} to keep it)"
         )
-        say(f"extending run {name!r} from trainer.max_steps={before} to {steps}, from step {step}: {schedule}")
+        change = "extending" if before < steps else "shortening"
+        say(f"{change} run {name!r} from trainer.max_steps={before} to {steps}, from step {step}: {schedule}")
 
 
 def make_run_dir(cfg: TrainConfig) -> Path:

@@ -134,17 +134,24 @@ def group_lines(layout: Layout) -> list[str]:
     return lines or ["  none: a single rank"]
 
 
+def worker_memory(cfg: TrainConfig, layout: Layout, precision: str) -> list[Memory]:
+    """What a worker holds, for each pipeline rank: `rank_memory`, less the optimizer state where parameter
+    servers hold it."""
+    mems = [rank_memory(cfg, layout, pp_rank, precision) for pp_rank in range(layout.pp)]
+    if cfg.ps.mode not in (None, "easgd"):
+        mems = [replace(mem, optimizer=0) for mem in mems]  # the parameter servers hold it
+    return mems
+
+
 def memory_lines(cfg: TrainConfig, layout: Layout, precision: str) -> list[str]:
     o, s = cfg.optim, cfg.strategy
     lines = [
         f"memory per rank (estimate: fp32 parameters, gradients and {o.name} state ({optimizer_states(cfg)} per "
         f"parameter); {precision} activations of the blocks, Korthikanti et al. 2022):"
     ]
-    for pp_rank in range(layout.pp):
+    for pp_rank, mem in enumerate(worker_memory(cfg, layout, precision)):
         ranks = [r for r in range(layout.world_size) if layout.coordinate(r)["pp"] == pp_rank]
-        mem, n = rank_memory(cfg, layout, pp_rank, precision), in_flight(layout, pp_rank)
-        if cfg.ps.mode not in (None, "easgd"):
-            mem = replace(mem, optimizer=0)  # the parameter servers hold it
+        n = in_flight(layout, pp_rank)
         who = "every rank" if layout.pp == 1 else f"pp rank {pp_rank} {_group(ranks)}"
         lines.append(
             f"  {who}: params {human(mem.params)}, grads {human(mem.grads)}, optimizer {human(mem.optimizer)}, "
