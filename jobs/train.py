@@ -13,7 +13,7 @@ from pathlib import Path
 
 STARTUP: dict[str, float] = {"imported_at": time.time()}  # wall-clock marks of this process's start
 
-from distrain.driver.cli import CONF_DIR, BadInput, check_overrides, overrides_of, plan_overrides, register  # noqa: E402
+from distrain.driver.cli import CONF_DIR, BadInput, check_flags, check_overrides, overrides_of, plan_overrides, register  # noqa: E402
 from distrain.driver.console import DriverLog  # noqa: E402
 from distrain.driver.sweep import Point, point_name, point_values, sweep_overrides, swept_keys, table, write_record  # noqa: E402
 
@@ -153,6 +153,7 @@ def entry(argv: list[str]) -> int:
     multirun = [a for a in argv if a in ("-m", "--multirun")]
     argv = [*multirun, *plan_overrides([a for a in argv if a not in multirun])]  # Hydra's parser wants it first
     try:
+        check_flags(argv)
         overrides = overrides_of(argv)
         check_overrides(overrides)
         if multirun:

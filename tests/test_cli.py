@@ -41,6 +41,9 @@ def one_error(result: subprocess.CompletedProcess, needle: str) -> None:
         ("trainer.max_steps=abc", "trainer.max_steps takes int, not 'abc'"),
         ("optim.lr=1e-3,fast", "optim.lr takes float, not 'fast'"),
         ("run.storage=/sys/distrain-runs", "run.storage='/sys/distrain-runs' cannot hold the run directory"),
+        ("--strategy=zero3", "--strategy=zero3: overrides take no dashes; write strategy=zero3"),
+        ("--trainer.max_steps=5", "write trainer.max_steps=5"),
+        ("--steps=5", "--steps=5 is not an option: `jobs/train.py --help` lists the commands"),
     ],
 )
 def test_bad_input_fails_in_one_line_and_creates_nothing(tmp_path: Path, override: str, needle: str):
@@ -48,6 +51,15 @@ def test_bad_input_fails_in_one_line_and_creates_nothing(tmp_path: Path, overrid
     one_error(result, needle)
     assert list(tmp_path.iterdir()) == []  # no run directory, no Hydra record, no multirun/
     assert not Path("/sys/distrain-runs").exists()
+
+
+def test_help_says_distrains_commands(tmp_path: Path):
+    result = run_cli(tmp_path, "--help")
+    assert result.returncode == 0, result.stderr
+    for command in ("--plan", "--cfg job", "-m ", "prepare_data.py", "export.py", "generate.py", "plot.py"):
+        assert command in result.stdout, command
+    assert "strategy: 3d, ddp" in result.stdout and "powered by Hydra" not in result.stdout
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_sweep_on_impossible_storage_fails_in_one_line(tmp_path: Path):

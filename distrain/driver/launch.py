@@ -35,7 +35,7 @@ from distrain.driver.validation import validate
 from distrain.model.hf import resolve_init_from
 from distrain.progress import ProgressLine
 from distrain.storage import checkpoint
-from distrain.storage.fsutil import exclusive_lock, make_writable_dir
+from distrain.storage.fsutil import exclusive_lock, make_writable_dir, remove_empty
 from distrain.storage.tracking import SUMMARY_FILE, read_metrics, wandb_mode, write_summary
 from distrain.strategy.layout import Layout
 from distrain.train.job import RankJob
@@ -153,9 +153,13 @@ def train(
         return {"status": "planned", "plan": plan(cfg, layout)}
     with stop_signals() as stop:
         progress = ProgressLine(cfg.logger.progress_interval_s)
-        spec = stop.guard(lambda: placeable_spec(cfg, layout, progress.message))
+        run_dir, made = make_run_dir(cfg)  # first: storage that cannot hold it is refused before Ray starts
+        try:
+            spec = stop.guard(lambda: placeable_spec(cfg, layout, progress.message))
+        except BaseException:
+            remove_empty(made)  # a refusal, or a stop, leaves nothing behind
+            raise
         connected = time.time()
-        run_dir = make_run_dir(cfg)
         with exclusive_lock(run_dir / LOCK_FILE):
             supervisor, summary = _prepare(cfg, layout, spec, run_dir, progress, started)
             summary["startup"] = {**(startup or {}), "started_at": started, "connected_at": connected}
@@ -355,18 +359,17 @@ def check_steps_left(meta: dict, cfg: TrainConfig, say: Callable[[str], None] = 
         say(f"{change} run {name!r} from trainer.max_steps={before} to {steps}, from step {step}: {schedule}")
 
 
-def make_run_dir(cfg: TrainConfig) -> Path:
-    """The run directory, made and written to once, or a one-line ConfigError about run.storage (read-only,
-    a file, /sys) with nothing left behind."""
+def make_run_dir(cfg: TrainConfig) -> tuple[Path, list[Path]]:
+    """The run directory, made and written to once, and the directories made for it (deepest first); or a
+    one-line ConfigError about run.storage (read-only, a file, /sys) with nothing left behind."""
     run_dir = Path(cfg.run_dir)
     try:
-        make_writable_dir(run_dir)
+        return run_dir, make_writable_dir(run_dir)
     except OSError as e:
         raise ConfigError(
             f"run.storage={cfg.run.storage!r} cannot hold the run directory {str(run_dir)!r} "
             f"({e.strerror or e}): give a directory you can write"
         ) from None
-    return run_dir
 
 
 def _previous_summaries(run_dir: Path) -> list[dict]:
