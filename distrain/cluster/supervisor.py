@@ -96,7 +96,8 @@ class Supervisor:
         when no attempt's ranks run (workers being placed or started, a restart's back-off): nothing to
         save, and the caller may end the run at once."""
         self.stop_requested_at = self.stop_requested_at or time.time()
-        return isinstance(self.state, Watching)
+        launched = self.group is not None and bool(self.group.calls)  # the ranks' calls went out in Placing
+        return isinstance(self.state, Watching) or launched
 
     def run(self) -> Finished:
         """Step the state machine to its end: Finished, or the error that made it Failed, raised."""
