@@ -7,10 +7,12 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from conftest import make_config
+from conftest import REPO, make_config
 
 from distrain.cluster.runtime import CapacityError, smallest_mib
 from distrain.config import ConfigError
@@ -87,3 +89,39 @@ def test_refused_reruns_write_nothing_and_a_shorter_one_says_its_schedule_change
         "shortening run 'r' from trainer.max_steps=10 to 6, from step 4: the LR schedule shrinks to the new "
         "length (set optim.decay_steps=10 to keep it)"
     ]
+
+
+GPU_CHECK = """
+from distrain.cluster.runtime import connect
+from distrain.config import ConfigError
+from distrain.driver.cli import compose
+from distrain.driver.fits import check_fits
+from distrain.driver.validation import validate
+
+connect(None, 1, 1)  # a GPU resource Ray is told of; the fake nvidia-smi on PATH describes it
+for overrides in ([], ["trainer.seq_len=300000"]):
+    cfg = compose(["model.dim=32", "model.n_layers=2", "model.n_heads=2", "model.ffn_dim=64", *overrides])
+    try:
+        check_fits(cfg, validate(cfg), gpu=True, say=print)
+        print("fits")
+    except ConfigError as e:
+        print(e)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_gpu_memory_is_asked_of_nvidia_smi_on_the_gpu_nodes(tmp_path: Path):
+    """Without a GPU: a cluster told it has one, and an nvidia-smi on PATH reporting two GPUs (80 and 40 GiB),
+    as the node's own would; the smallest is the capacity."""
+    fake = tmp_path / "bin" / "nvidia-smi"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\nprintf '81920\\n40960\\n'\n")
+    fake.chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake.parent}:{os.environ['PATH']}", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    env.pop("RAY_ADDRESS", None)
+    result = subprocess.run(
+        [sys.executable, "-c", GPU_CHECK], capture_output=True, text=True, timeout=110, cwd=REPO, env=env
+    )
+    lines = result.stdout.splitlines()
+    assert result.returncode == 0 and lines[0] == "fits", result.stdout + result.stderr
+    assert "each rank needs an estimated" in lines[1] and "the smallest GPU has 40.0 GiB (nvidia-smi on" in lines[1]
