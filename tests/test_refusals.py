@@ -21,7 +21,8 @@ from distrain.driver.launch import LOCK_FILE, check_steps_left, train
 from distrain.driver.validation import validate
 from distrain.storage.fsutil import LockedError
 
-HUGE = "trainer.seq_len=300000"  # the tiny model's activations, attention scores counted: terabytes per rank
+# The tiny model, wider, on long micro-batches: activations of hundreds of GiB per rank, attention scores not counted.
+HUGE = ("model.dim=1024", "trainer.seq_len=300000", "trainer.micro_batch_size=8", "trainer.global_batch_size=16")
 
 
 def files(root: Path) -> list[str]:
@@ -30,15 +31,15 @@ def files(root: Path) -> list[str]:
 
 def test_a_rank_that_cannot_fit_is_refused_with_the_figures_and_knobs(tmp_path: Path, ray_cluster):
     said: list[str] = []
-    cfg = make_config(tmp_path, HUGE)
+    cfg = make_config(tmp_path, *HUGE)
     with pytest.raises(ConfigError) as refused:
         check_fits(cfg, validate(cfg), gpu=False, say=said.append)
     line = str(refused.value)
-    assert "each rank needs an estimated" in line and "TiB" in line and "the largest node has" in line, line
+    assert "each rank needs an estimated" in line and "GiB" in line and "the largest node has" in line, line
     for knob in ("trainer.micro_batch_size", "trainer.seq_len", "activation_checkpoint", "zero3", "strategy.tp"):
         assert knob in line
     assert "trainer.check_memory=false" in line and "\n" not in line
-    cfg = make_config(tmp_path, HUGE, "trainer.check_memory=false")
+    cfg = make_config(tmp_path, *HUGE, "trainer.check_memory=false")
     check_fits(cfg, validate(cfg), gpu=False, say=said.append)  # the override: not checked
     cfg = make_config(tmp_path)
     check_fits(cfg, validate(cfg), gpu=False, say=said.append)  # what the tests train fits
@@ -53,7 +54,7 @@ def test_nvidia_smi_memory_is_read():
 @pytest.mark.parametrize(
     ("overrides", "error", "needle"),
     [
-        ((HUGE,), ConfigError, "each rank needs an estimated"),
+        (HUGE, ConfigError, "each rank needs an estimated"),
         (
             ("cluster.num_workers=64", "trainer.global_batch_size=128"),
             CapacityError,
@@ -99,7 +100,7 @@ from distrain.driver.fits import check_fits
 from distrain.driver.validation import validate
 
 connect(None, 1, 1)  # a GPU resource Ray is told of; the fake nvidia-smi on PATH describes it
-for overrides in ([], ["trainer.seq_len=300000"]):
+for overrides in ([], ["model.dim=1024", "trainer.seq_len=300000"]):
     cfg = compose(["model.dim=32", "model.n_layers=2", "model.n_heads=2", "model.ffn_dim=64", *overrides])
     try:
         check_fits(cfg, validate(cfg), gpu=True, say=print)
