@@ -161,7 +161,7 @@ def train(
             raise
         connected = time.time()
         with exclusive_lock(run_dir / LOCK_FILE):
-            supervisor, summary = _prepare(cfg, layout, spec, run_dir, progress, started)
+            supervisor, summary = stop.guard(lambda: _prepare(cfg, layout, spec, run_dir, progress, started))
             summary["startup"] = {**(startup or {}), "started_at": started, "connected_at": connected}
             if on_run_dir is not None:
                 on_run_dir(run_dir)
@@ -177,6 +177,7 @@ def train(
                 summary.update(_from_metrics(run_dir), error=f"{type(e).__name__}: {e}")
                 raise
             finally:
+                stop.forward_to(lambda: True)  # the run has ended: a first signal now lets its record be written
                 progress.close()
                 summary["attempts"] = [a.record() for a in supervisor.attempts]
                 summary["replacements"] = supervisor.replacements
