@@ -22,9 +22,9 @@ class Stopped(KeyboardInterrupt):
 class StopRequests:
     """SIGTERM (`ray job stop`, a preempted node) or Ctrl-C asks for a clean stop: checkpoint, then exit.
     When there is nothing to save (attaching to Ray, placing and starting workers, a restart's back-off),
-    and at a second signal, the run stops at once: the wait it is in is cut
-    short (Ray's blocking calls let a signal through as KeyboardInterrupt), and `guard` turns that into
-    `Stopped`. Signals reach only the main thread; elsewhere, nothing to do."""
+    and at a second signal, the run stops at once: the wait it is in is cut short (Ray's blocking calls let
+    a signal through as KeyboardInterrupt), and `guard` turns that into `Stopped`. Signals reach only the
+    main thread; elsewhere, nothing to do."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
