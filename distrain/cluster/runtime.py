@@ -207,7 +207,10 @@ def gpu_memory(timeout_s: float = 30.0) -> tuple[int, str] | None:
 
 @ray.remote(max_retries=0)
 def _total_gpu_mib() -> int | None:
-    return smallest_mib(subprocess.run(NVIDIA_SMI, capture_output=True, text=True, timeout=20).stdout)
+    try:
+        return smallest_mib(subprocess.run(NVIDIA_SMI, capture_output=True, text=True, timeout=20).stdout)
+    except (OSError, subprocess.SubprocessError):  # no nvidia-smi on the node, or it hung
+        return None
 
 
 NVIDIA_SMI = ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"]
