@@ -146,7 +146,8 @@ def train(
     which summary.json's `startup` holds with this driver's (started_at, connected_at: Ray is up).
     `on_run_dir`: called with the run directory once every check has passed (the command line keeps its
     record and console log there). A refusal (config, cluster, a run in use, a resume that cannot be)
-    writes nothing. A signal before the run directory is made raises `Stopped`."""
+    writes nothing. A signal while attaching or checking raises `Stopped`; one while the workers are placed
+    and started ends the run at once, `stopped`; once their calls went out, it stops cleanly."""
     started = time.time()
     cfg, layout = resolved(cfg)
     if cfg.plan:
