@@ -144,6 +144,7 @@ class OptimConfig:
 @dataclass
 class ClusterConfig:
     address: str | None = None  # None: RAY_ADDRESS if set, else an embedded local cluster
+    connect_timeout_s: float = 10.0  # attaching gives up when the address does not answer within this
     # The embedded local cluster's size; None: this machine's CPUs and GPUs. Ignored when attaching.
     local_cpus: int | None = None
     local_gpus: int | None = None
@@ -189,6 +190,8 @@ class TrainerConfig:
     eval_interval: int = 100  # 0 disables periodic validation (a final one still runs)
     eval_batches: int = 4
     precision: str = "auto"  # auto: bf16 autocast on GPU, fp32 on CPU | fp32 | bf16
+    # Refuse a run whose estimated memory per rank (`--plan`) exceeds its devices' (distrain/driver/fits.py).
+    check_memory: bool = True
 
 
 @dataclass

@@ -13,7 +13,7 @@ from pathlib import Path
 
 STARTUP: dict[str, float] = {"imported_at": time.time()}  # wall-clock marks of this process's start
 
-from distrain.driver.cli import CONF_DIR, BadInput, check_overrides, overrides_of, plan_overrides, register  # noqa: E402
+from distrain.driver.cli import CONF_DIR, BadInput, check_flags, check_overrides, overrides_of, plan_overrides, register  # noqa: E402
 from distrain.driver.console import DriverLog  # noqa: E402
 from distrain.driver.sweep import Point, point_name, point_values, sweep_overrides, swept_keys, table, write_record  # noqa: E402
 
@@ -163,6 +163,7 @@ def entry(argv: list[str]) -> int:
     multirun = [a for a in argv if a in ("-m", "--multirun")]
     argv = [*multirun, *plan_overrides([a for a in argv if a not in multirun])]  # Hydra's parser wants it first
     try:
+        check_flags(argv)
         overrides = overrides_of(argv)
         check_overrides(overrides)
         if multirun:
@@ -175,9 +176,11 @@ def entry(argv: list[str]) -> int:
     sys.argv[1:] = argv
     try:
         hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")(main)()
-    except KeyboardInterrupt:
-        print(f"distrain: stopped by SIGINT: {run_state()} (exit status 130)", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:  # distrain.driver.stop.Stopped names the signal; a bare one is Ctrl-C
+        sig = getattr(e, "signum", signal.SIGINT)
+        name = signal.Signals(sig).name
+        print(f"distrain: stopped by {name}: {run_state()} (exit status {128 + sig})", file=sys.stderr)
+        return 128 + sig
     finally:
         if SWEEP["points"]:
             print(table(SWEEP["points"]))

@@ -7,6 +7,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -40,6 +41,9 @@ def one_error(result: subprocess.CompletedProcess, needle: str) -> None:
         ("trainer.max_steps=abc", "trainer.max_steps takes int, not 'abc'"),
         ("optim.lr=1e-3,fast", "optim.lr takes float, not 'fast'"),
         ("run.storage=/sys/distrain-runs", "run.storage='/sys/distrain-runs' cannot hold the run directory"),
+        ("--strategy=zero3", "--strategy=zero3: overrides take no dashes; write strategy=zero3"),
+        ("--trainer.max_steps=5", "write trainer.max_steps=5"),
+        ("--steps=5", "--steps=5 is not an option: `jobs/train.py --help` lists the commands"),
     ],
 )
 def test_bad_input_fails_in_one_line_and_creates_nothing(tmp_path: Path, override: str, needle: str):
@@ -47,6 +51,15 @@ def test_bad_input_fails_in_one_line_and_creates_nothing(tmp_path: Path, overrid
     one_error(result, needle)
     assert list(tmp_path.iterdir()) == []  # no run directory, no Hydra record, no multirun/
     assert not Path("/sys/distrain-runs").exists()
+
+
+def test_help_says_distrains_commands(tmp_path: Path):
+    result = run_cli(tmp_path, "--help")
+    assert result.returncode == 0, result.stderr
+    for command in ("--plan", "--cfg job", "-m ", "prepare_data.py", "export.py", "generate.py", "plot.py"):
+        assert command in result.stdout, command
+    assert "strategy: 3d, ddp" in result.stdout and "powered by Hydra" not in result.stdout
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_sweep_on_impossible_storage_fails_in_one_line(tmp_path: Path):
@@ -116,9 +129,9 @@ def test_a_sweep_trains_each_point_as_its_own_run(tmp_path: Path):
     one_error(run_cli(tmp_path, *TINY, *STEPS, "run.name=sw-trainer.global_batch_size_8"), "leaves nothing to train")
 
 
-def interrupt_when(tmp_path: Path, ready, *overrides: str) -> tuple[int, str]:
+def interrupt_when(tmp_path: Path, ready, *overrides: str) -> tuple[int, str, float]:
     """Run the entrypoint (run.name=c), send it SIGINT (as a terminal's Ctrl-C) once `ready(run_dir)`:
-    its exit status and output."""
+    its exit status, its output, and the seconds it took to end after the signal."""
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
     env.pop("RAY_ADDRESS", None)
     args = [*TINY, f"run.storage={tmp_path}", "run.name=c", "cluster.local_cpus=2", "cluster.local_gpus=0", *overrides]
@@ -131,31 +144,90 @@ def interrupt_when(tmp_path: Path, ready, *overrides: str) -> tuple[int, str]:
         text=True,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # a background job ignores it
     )
-    deadline = time.time() + 150
-    while not ready(tmp_path / "c") and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGINT)
-    out, _ = proc.communicate(timeout=180)
+    try:
+        deadline = time.time() + 150
+        while not ready(tmp_path / "c") and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+        took = time.monotonic() - sent
+    finally:
+        proc.kill()  # a no-op once it has ended
+        proc.wait()
     assert "Traceback" not in out and "KeyboardInterrupt" not in out, out
-    return proc.returncode, out
+    return proc.returncode, out, took
 
 
-def test_ctrl_c_during_start_up_stops_cleanly(tmp_path: Path):
-    """SIGINT once the run directory exists, while Ray starts and workers are placed: one line saying the
-    run trained nothing, exit status 130."""
-    code, out = interrupt_when(tmp_path, lambda run_dir: list(run_dir.glob("logs/driver-*.log")), *STEPS)
+def test_ctrl_c_during_start_up_stops_at_once(tmp_path: Path):
+    """SIGINT once the run directory exists, while workers are placed and start: nothing to save, so the
+    run ends at once (it used to wait for the ranks' first step) with one line saying it trained nothing."""
+    code, out, took = interrupt_when(tmp_path, lambda run_dir: list(run_dir.glob("logs/driver-*.log")), *STEPS)
     assert code == 130, out
     assert "stopped by SIGINT: run 'c' has trained nothing (exit status 130)" in out
+    assert took < 10, (took, out)
     assert committed_step(tmp_path / "c") == 0
 
 
 def test_ctrl_c_during_training_checkpoints_and_exits_130(tmp_path: Path):
-    code, out = interrupt_when(tmp_path, lambda run_dir: logged_step(run_dir) >= 2, "trainer.max_steps=100000")
-    step = committed_step(tmp_path / "c")
+    code, out, took = interrupt_when(tmp_path, lambda run_dir: logged_step(run_dir) >= 2, "trainer.max_steps=100000")
+    step = committed_step(tmp_path / "c")  # the newest checkpoint that is whole (manifest and files)
     assert code == 130 and step >= 2, out
+    assert took < 20, (took, out)
     assert f"stopped by SIGINT: run 'c' resumes from step {step}" in out
     assert "no evaluation" in out and "val loss nan" not in out, out  # a stop skips the final evaluation
     assert json.loads((tmp_path / "c" / "summary.json").read_text())["status"] == "stopped"
+
+
+class SilentPort:
+    """A port on 127.0.0.1 that takes connections and never answers, as a wedged or firewalled head does."""
+
+    def __init__(self) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.listener.setblocking(False)
+        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        self.held: list[socket.socket] = []
+
+    def accepted(self) -> bool:
+        """Whether a client (the driver) has connected."""
+        try:
+            self.held.append(self.listener.accept()[0])
+        except BlockingIOError:
+            pass
+        return bool(self.held)
+
+    def close(self) -> None:
+        for conn in [*self.held, self.listener]:
+            conn.close()
+
+
+@pytest.fixture
+def silent_gcs():
+    port = SilentPort()
+    yield port
+    port.close()
+
+
+def test_attaching_to_a_silent_address_gives_up_in_bounded_time(tmp_path: Path, silent_gcs):
+    """Ray alone retries a dead GCS for about 12 minutes with only its own warnings: the driver gives up after
+    cluster.connect_timeout_s, in one line naming the address and what to check, and writes nothing."""
+    address = silent_gcs.address
+    started = time.monotonic()
+    result = run_cli(tmp_path, *TINY, *STEPS, f"cluster.address={address}", "cluster.connect_timeout_s=2")
+    one_error(result, f"cannot attach to the Ray cluster at {address} (cluster.address): no answer within 2 s")
+    assert "ray status --address" in result.stderr and "RAY_ADDRESS" in result.stderr
+    assert time.monotonic() - started < 30 and "GCS" not in result.stdout  # no flood of Ray's warnings
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_ctrl_c_while_attaching_stops_at_once(tmp_path: Path, silent_gcs):
+    address = silent_gcs.address
+    overrides = (*STEPS, f"cluster.address={address}", "cluster.connect_timeout_s=300")
+    code, out, took = interrupt_when(tmp_path, lambda run_dir: silent_gcs.accepted(), *overrides)
+    assert code == 130 and "stopped by SIGINT: run 'c' has trained nothing (exit status 130)" in out, out
+    assert f"attaching to the Ray cluster at {address}" in out
+    assert took < 5, (took, out)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_readme_commands_use_the_virtual_environment():

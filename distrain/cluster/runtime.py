@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
+import os
+import socket
+import subprocess
+from collections.abc import Callable, Iterator
 
 import ray
+from ray.exceptions import GetTimeoutError, RayError
 from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from distrain.cluster.placement import GroupSpec
 from distrain.config import attach_address
@@ -16,15 +22,33 @@ class CapacityError(RuntimeError):
     """The cluster can never hold the workers asked for."""
 
 
-def connect(address: str | None, num_cpus: int | None = None, num_gpus: int | None = None) -> None:
+class AttachError(CapacityError):
+    """No Ray cluster answers at the address the run attaches to."""
+
+
+RAY_CLIENT_PORT = 10001  # a `ray://host` address without a port
+HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"  # a gRPC server (Ray's GCS) answers it with SETTINGS
+SETTINGS_FRAME = 0x04
+
+
+def connect(
+    address: str | None, num_cpus: int | None = None, num_gpus: int | None = None, timeout_s: float = 10.0
+) -> None:
     """Attach to the cluster `attach_address` names, or start a local one on loopback only (see the
     package's __init__) with `num_cpus` and `num_gpus` (None: the machine's); `address="local"`
-    keeps Ray from joining a stale `ray start` cluster."""
+    keeps Ray from joining a stale `ray start` cluster. Attaching gives up with AttachError when no
+    gRPC server answers at the address within `timeout_s` (Ray itself retries for about 12 minutes
+    with nothing but warnings, and a Ctrl-C cannot reach the driver while it does)."""
     if ray.is_initialized():
         return
     address = attach_address(address)
     if address:
-        ray.init(address=address, logging_level="WARNING")
+        probe(address, timeout_s)
+        with one_gcs_attempt():
+            try:
+                ray.init(address=address, logging_level="WARNING")
+            except ConnectionError as e:
+                raise AttachError(unreachable(address, f"Ray could not attach: {e}")) from None
         return
     # Ray enables token authentication on a new local cluster unless RAY_AUTH_MODE says otherwise, and warns
     # on every start that it did. Setting the variable ourselves is no cure: Ray caches its config when first
@@ -39,6 +63,59 @@ def connect(address: str | None, num_cpus: int | None = None, num_gpus: int | No
         )
     finally:
         announcer.setLevel(level)
+
+
+def probe(address: str, timeout_s: float) -> None:
+    """AttachError unless a gRPC server (a GCS, or a Ray Client server for `ray://`) answers at `address`
+    within timeout_s: refused, unreachable, silent, or something else there (the dashboard's HTTP port).
+    `auto` is left to Ray, which looks for a cluster on this machine and says at once if it finds none."""
+    if address == "auto":
+        return
+    client = address.startswith("ray://")
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        host, port = address.removeprefix("ray://"), str(RAY_CLIENT_PORT) if client else ""
+    if not port.isdigit():
+        raise AttachError(
+            f"cluster.address / RAY_ADDRESS {address!r} is not host:port (the head's GCS port, 6379 unless "
+            f"`ray start --port` said otherwise) or ray://host:port"
+        )
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s) as sock:
+            sock.sendall(HTTP2_PREFACE)
+            answer = sock.recv(9)
+    except TimeoutError:
+        raise AttachError(unreachable(address, f"no answer within {timeout_s:g} s")) from None
+    except OSError as e:
+        raise AttachError(unreachable(address, (e.strerror or str(e)).lower())) from None
+    tls = os.environ.get("RAY_USE_TLS", "0") not in ("0", "")  # its handshake is not plain HTTP/2
+    if not tls and (len(answer) < 4 or answer[3] != SETTINGS_FRAME):
+        raise AttachError(unreachable(address, "something answers there, but not a Ray cluster's GCS"))
+
+
+def unreachable(address: str, why: str) -> str:
+    """The one line a failed attach prints: the address, why, and what to check."""
+    source = "RAY_ADDRESS" if os.environ.get("RAY_ADDRESS") == address else "cluster.address"
+    return (
+        f"cannot attach to the Ray cluster at {address} ({source}): {why}; check that `ray start --head` runs there "
+        f"and `ray status --address {address.removeprefix('ray://')}` answers, or unset RAY_ADDRESS (and "
+        f"cluster.address) to train on an embedded cluster on this machine (cluster.connect_timeout_s sets the wait)"
+    )
+
+
+@contextlib.contextmanager
+def one_gcs_attempt() -> Iterator[None]:
+    """Ray tries its GCS 20 times, about 35 s each, before giving up: once is enough once the probe has
+    seen a gRPC server there (RAY_gcs_server_port_wait_time_s counts the tries, read when ray.init runs;
+    a value the user set is kept). Only while attaching: an embedded cluster's start reads it too."""
+    key = "RAY_gcs_server_port_wait_time_s"
+    given = os.environ.get(key)
+    os.environ.setdefault(key, "1")
+    try:
+        yield
+    finally:
+        if given is None:
+            os.environ.pop(key, None)
 
 
 def gpu_count() -> float:
@@ -93,3 +170,53 @@ def check_capacity(
                 f"{who} needs {need:g} {resource} ({key}={each:g} each) but the cluster has {have:g}; "
                 f"lower cluster.num_workers or {'cluster.cpus_per_worker' if resource == 'CPU' else 'add GPU nodes'}"
             )
+
+
+def node_memory() -> tuple[int, str]:
+    """The largest alive node's memory for workers, in bytes, and the node's address: what Ray gives its
+    tasks and object store there (`memory` + `object_store_memory`, about the node's RAM less what is in use)."""
+    best = max(
+        (
+            (n["Resources"].get("memory", 0) + n["Resources"].get("object_store_memory", 0), n["NodeManagerAddress"])
+            for n in ray.nodes()
+            if n["Alive"]
+        ),
+        default=(0, "none"),
+    )
+    return int(best[0]), best[1]
+
+
+def gpu_memory(timeout_s: float = 30.0) -> tuple[int, str] | None:
+    """The smallest GPU's memory in bytes over the alive GPU nodes, and its node, as `nvidia-smi` reports it
+    there; None when it cannot tell in timeout_s. A CPU-less task pinned to each node asks: it takes no
+    GPU (busy GPUs do not make it wait) and imports nothing (torch would cost seconds at every start)."""
+    nodes = [n for n in ray.nodes() if n["Alive"] and n["Resources"].get("GPU", 0) > 0]
+    refs = {
+        _total_gpu_mib.options(
+            num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)
+        ).remote(): n["NodeManagerAddress"]
+        for n in nodes
+    }
+    try:
+        answers = ray.get(list(refs), timeout=timeout_s)
+    except (GetTimeoutError, RayError):
+        return None
+    sizes = [(mib * 2**20, node) for mib, node in zip(answers, refs.values(), strict=True) if mib]
+    return min(sizes) if sizes and len(sizes) == len(refs) else None
+
+
+@ray.remote(max_retries=0)
+def _total_gpu_mib() -> int | None:
+    try:
+        return smallest_mib(subprocess.run(NVIDIA_SMI, capture_output=True, text=True, timeout=20).stdout)
+    except (OSError, subprocess.SubprocessError):  # no nvidia-smi on the node, or it hung
+        return None
+
+
+NVIDIA_SMI = ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"]
+
+
+def smallest_mib(output: str) -> int | None:
+    """nvidia-smi's memory.total column (MiB, a line per GPU) → the smallest, or None if it printed none."""
+    values = [int(line) for line in output.split() if line.isdigit()]
+    return min(values) if values else None

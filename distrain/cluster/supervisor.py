@@ -91,9 +91,13 @@ class Supervisor:
     def restarts(self) -> int:
         return len(self.replacements) + max(len(self.attempts) - 1, 0)
 
-    def request_stop(self) -> None:
-        """Ask for a clean stop (SIGTERM): the ranks checkpoint if time allows, then return."""
+    def request_stop(self) -> bool:
+        """Ask for a clean stop (SIGTERM, Ctrl-C): the ranks checkpoint if time allows, then return. False
+        when no attempt's ranks run (workers being placed or started, a restart's back-off): nothing to
+        save, and the caller may end the run at once."""
         self.stop_requested_at = self.stop_requested_at or time.time()
+        launched = self.group is not None and bool(self.group.calls)  # the ranks' calls went out in Placing
+        return isinstance(self.state, Watching) or launched
 
     def run(self) -> Finished:
         """Step the state machine to its end: Finished, or the error that made it Failed, raised."""

@@ -153,6 +153,22 @@ def overrides_of(argv: list[str]) -> list[str]:
     return get_args_parser().parse_known_args(argv)[0].overrides
 
 
+def check_flags(argv: list[str]) -> None:
+    """An argument Hydra has no flag for (`--strategy=zero3`, `--steps 5`) in one line, naming the override
+    meant, instead of Hydra's usage page."""
+    from hydra._internal.utils import get_args_parser
+
+    unknown = [a for a in get_args_parser().parse_known_args(argv)[1] if a.startswith("-")]
+    if not unknown:
+        return
+    arg = unknown[0]
+    key, eq, value = arg.lstrip("-").partition("=")
+    if field_type(key) is not None or (CONF_DIR / key).is_dir():
+        meant = f"{key}={value}" if eq else f"{key}=…"
+        raise BadInput(f"{arg}: overrides take no dashes; write {meant}")
+    raise BadInput(f"{arg} is not an option: `jobs/train.py --help` lists the commands, and overrides are key=value")
+
+
 def plan_overrides(args: list[str]) -> list[str]:
     """`--plan` is the override `plan=true` (which, like any run, Hydra writes nothing for: conf/train.yaml
     keeps its record and log out of the working directory). Public names that no dataclass field can have

@@ -28,13 +28,14 @@ from distrain.cluster.timeouts import Timeouts
 from distrain.cluster.worker_group import WorkerGroup
 from distrain.config import ClusterConfig, ConfigError, TrainConfig, attach_address, to_plain
 from distrain.data.checks import check_same_shards
+from distrain.driver.fits import check_fits
 from distrain.driver.plan import describe
-from distrain.driver.stop import stop_signals
+from distrain.driver.stop import Stopped, stop_signals
 from distrain.driver.validation import validate
 from distrain.model.hf import resolve_init_from
 from distrain.progress import ProgressLine
 from distrain.storage import checkpoint
-from distrain.storage.fsutil import exclusive_lock, make_writable_dir
+from distrain.storage.fsutil import exclusive_lock, make_writable_dir, remove_empty
 from distrain.storage.tracking import SUMMARY_FILE, read_metrics, wandb_mode, write_summary
 from distrain.strategy.layout import Layout
 from distrain.train.job import RankJob
@@ -143,35 +144,49 @@ def train(
     summary.json. With `cfg.plan`, write nothing and return the layout's description instead.
     `startup`: wall-clock marks of the caller's own start (jobs/train.py: its imports, Hydra's compose),
     which summary.json's `startup` holds with this driver's (started_at, connected_at: Ray is up).
-    `on_run_dir`: called with the run directory once the config is valid and the directory made (the
-    command line keeps its record and console log there); nothing is written before."""
+    `on_run_dir`: called with the run directory once every check has passed (the command line keeps its
+    record and console log there). A refusal (config, cluster, a run in use, a resume that cannot be)
+    writes nothing. A signal while attaching or checking raises `Stopped`; one while the workers are placed
+    and started ends the run at once, `stopped`; once their calls went out, it stops cleanly."""
     started = time.time()
     cfg, layout = resolved(cfg)
     if cfg.plan:
         return {"status": "planned", "plan": plan(cfg, layout)}
-    run_dir = make_run_dir(cfg)
-    if on_run_dir is not None:
-        on_run_dir(run_dir)
-    with exclusive_lock(run_dir / LOCK_FILE), stop_signals() as stop:
-        supervisor, summary, progress = _prepare(cfg, layout, run_dir, {**(startup or {}), "started_at": started})
-        stop.install()
-        stop.forward_to(supervisor.request_stop)
+    with stop_signals() as stop:
+        progress = ProgressLine(cfg.logger.progress_interval_s)
+        run_dir, made = make_run_dir(cfg)  # first: storage that cannot hold it is refused before Ray starts
         try:
-            finished = Finished(None, stopped=True) if stop.received else supervisor.run()
-            stopped = finished.stopped
-            summary.update(finished.results or _from_metrics(run_dir), status="stopped" if stopped else "completed")
-            if stopped and stop.received:
-                summary["stop_signal"] = stop.received[0]
-        except BaseException as e:
-            summary.update(_from_metrics(run_dir), error=f"{type(e).__name__}: {e}")
+            spec = stop.guard(lambda: placeable_spec(cfg, layout, progress.message))
+        except BaseException:
+            remove_empty(made)  # a refusal, or a stop, leaves nothing behind
             raise
-        finally:
-            progress.close()
-            summary["attempts"] = [a.record() for a in supervisor.attempts]
-            summary["replacements"] = supervisor.replacements
-            summary["restarts"] = supervisor.restarts
-            summary["wall_s"] = time.time() - started
-            write_summary(str(run_dir), summary)
+        connected = time.time()
+        with exclusive_lock(run_dir / LOCK_FILE):
+            supervisor, summary = stop.guard(lambda: _prepare(cfg, layout, spec, run_dir, progress, started))
+            summary["startup"] = {**(startup or {}), "started_at": started, "connected_at": connected}
+            if on_run_dir is not None:
+                on_run_dir(run_dir)
+            stop.install()
+            stop.forward_to(supervisor.request_stop)
+            try:
+                finished = Finished(None, stopped=True) if stop.received else stop.guard(supervisor.run)
+                stopped = finished.stopped
+                summary.update(finished.results or _from_metrics(run_dir), status="stopped" if stopped else "completed")
+            except Stopped:  # nothing to save yet: stopped at once
+                summary.update(_from_metrics(run_dir), status="stopped")
+            except BaseException as e:
+                summary.update(_from_metrics(run_dir), error=f"{type(e).__name__}: {e}")
+                raise
+            finally:
+                stop.forward_to(lambda: True)  # the run has ended: a first signal now lets its record be written
+                progress.close()
+                summary["attempts"] = [a.record() for a in supervisor.attempts]
+                summary["replacements"] = supervisor.replacements
+                summary["restarts"] = supervisor.restarts
+                summary["wall_s"] = time.time() - started
+                if summary["status"] == "stopped" and stop.received:
+                    summary["stop_signal"] = stop.received[0]
+                write_summary(str(run_dir), summary)
     return summary
 
 
@@ -196,27 +211,25 @@ def resolved(given: TrainConfig) -> tuple[TrainConfig, Layout]:
     return workers_see, layout
 
 
-def _prepare(cfg: TrainConfig, layout: Layout, run_dir: Path, startup: dict[str, float]) -> tuple:
-    """The supervisor of the run (its engine: collective training or the parameter server), the
-    summary it starts from (the run's history, its W&B id, the start-up marks), and the console progress line."""
-    started = startup["started_at"]
+def _prepare(
+    cfg: TrainConfig, layout: Layout, spec: GroupSpec, run_dir: Path, progress: ProgressLine, started: float
+) -> tuple:
+    """The supervisor of the run (its engine: collective training or the parameter server) and the summary
+    it starts from (the run's history, its W&B id); ConfigError, before anything is written, for a
+    checkpoint this config cannot resume. `started`: the driver's start."""
     resume_from = checkpoint.latest(run_dir / "checkpoints")
     meta = checkpoint.read_meta(resume_from) if resume_from else {}
     if resume_from:
         check_resumable(meta.get("config"), to_plain(cfg))
-        check_steps_left(meta, cfg)
+        check_steps_left(meta, cfg, progress.message)
     history = _previous_summaries(run_dir)
     wandb_run_id = meta.get("wandb_run_id") or next(
         (h["wandb_run_id"] for h in reversed(history) if h.get("wandb_run_id")), None
     )
     if cfg.logger.wandb.mode != "disabled":
         wandb_run_id = wandb_run_id or uuid.uuid4().hex[:8]  # one W&B run across every attempt
-
-    progress = ProgressLine(cfg.logger.progress_interval_s)
-    spec = placeable_spec(cfg, layout, progress.message)
     summary = {
         "status": "failed",
-        "startup": {**startup, "connected_at": time.time()},
         "restarts": 0,
         "resumed_from": str(resume_from) if resume_from else None,
         "wandb_run_id": wandb_run_id,
@@ -243,7 +256,7 @@ def _prepare(cfg: TrainConfig, layout: Layout, run_dir: Path, startup: dict[str,
         on_event=progress.message,
         reuse_workers=c.reuse_workers,
     )
-    return supervisor, summary, progress
+    return supervisor, summary
 
 
 def timeouts(c: ClusterConfig) -> Timeouts:
@@ -271,13 +284,22 @@ def _from_metrics(run_dir: Path) -> dict:
 
 
 def placeable_spec(cfg: TrainConfig, layout: Layout, say: Callable[[str], None] = print_event) -> GroupSpec:
-    """Connect to the cluster and fail at once if it could never hold the workers, spares and servers;
-    with cluster.use_gpu=true, first wait (placement_timeout_s) for GPUs it lacks. `say` prints events."""
+    """Connect to the cluster and fail at once if it could never hold the workers, spares and servers, or
+    (a run, not a plan) a rank's estimated memory; with cluster.use_gpu=true, first wait
+    (placement_timeout_s) for GPUs it lacks. `say` prints events."""
     c = cfg.cluster
-    connect(c.address, c.local_cpus, c.local_gpus)
+    address = attach_address(c.address)
+    if address:
+        say(
+            f"attaching to the Ray cluster at {address} "
+            f"(giving up after cluster.connect_timeout_s={c.connect_timeout_s:g} s)"
+        )
+    connect(c.address, c.local_cpus, c.local_gpus, c.connect_timeout_s)
     spec = group_spec(cfg, layout, say)
     if c.use_gpu:
         wait_for_gpus(spec, say)
+    if not cfg.plan:  # a plan shows the estimate instead
+        check_fits(cfg, layout, spec.gpus_per_worker > 0, say)
     servers = cfg.ps.num_servers if cfg.ps.mode is not None else 0
     check_capacity(spec.num_workers, spec.cpus_per_worker, spec.gpus_per_worker, spec.spares, servers)
     return spec
@@ -319,8 +341,8 @@ def check_resumable(saved: dict | None, current: dict) -> None:
 
 def check_steps_left(meta: dict, cfg: TrainConfig, say: Callable[[str], None] = print_event) -> None:
     """A rerun whose checkpoint is already at trainer.max_steps would train nothing: refused. One asking
-    for more steps than the checkpoint's run extends it, which is said: the LR schedule follows
-    trainer.max_steps unless optim.decay_steps fixes its length."""
+    for more (or fewer) steps than the checkpoint's run extends (or shortens) it, which is said: the LR
+    schedule follows trainer.max_steps unless optim.decay_steps fixes its length, so its LR changes."""
     step, steps, name = meta["step"], cfg.trainer.max_steps, cfg.run.name
     if step >= steps:
         raise ConfigError(
@@ -328,27 +350,28 @@ def check_steps_left(meta: dict, cfg: TrainConfig, say: Callable[[str], None] = 
             f"trainer.max_steps above {step} to extend it, or a new run.name"
         )
     before = (meta.get("config") or {}).get("trainer", {}).get("max_steps")
-    if before is not None and before < steps:
+    if before is not None and before != steps:
+        how = "stretches to" if before < steps else "shrinks to"
         schedule = (
             f"optim.decay_steps={cfg.optim.decay_steps} keeps the LR schedule"
             if cfg.optim.decay_steps
-            else "the LR schedule stretches to the new length (set optim.decay_steps to keep it)"
+            else f"the LR schedule {how} the new length (set optim.decay_steps={before} to keep it)"
         )
-        say(f"extending run {name!r} from trainer.max_steps={before} to {steps}, from step {step}: {schedule}")
+        change = "extending" if before < steps else "shortening"
+        say(f"{change} run {name!r} from trainer.max_steps={before} to {steps}, from step {step}: {schedule}")
 
 
-def make_run_dir(cfg: TrainConfig) -> Path:
-    """The run directory, made and written to once, or a one-line ConfigError about run.storage (read-only,
-    a file, /sys) with nothing left behind."""
+def make_run_dir(cfg: TrainConfig) -> tuple[Path, list[Path]]:
+    """The run directory, made and written to once, and the directories made for it (deepest first); or a
+    one-line ConfigError about run.storage (read-only, a file, /sys) with nothing left behind."""
     run_dir = Path(cfg.run_dir)
     try:
-        make_writable_dir(run_dir)
+        return run_dir, make_writable_dir(run_dir)
     except OSError as e:
         raise ConfigError(
             f"run.storage={cfg.run.storage!r} cannot hold the run directory {str(run_dir)!r} "
             f"({e.strerror or e}): give a directory you can write"
         ) from None
-    return run_dir
 
 
 def _previous_summaries(run_dir: Path) -> list[dict]:

@@ -68,24 +68,26 @@ def optimizer_states(cfg: TrainConfig) -> int:
     return 2 if o.name == "adamw" else int(o.momentum != 0)
 
 
-def layer_activations(cfg: TrainConfig, layout: Layout, precision: str) -> tuple[int, int]:
+def layer_activations(cfg: TrainConfig, layout: Layout, precision: str, scores: bool = True) -> tuple[int, int]:
     """(bytes a block keeps for the backward pass, bytes it needs while its forward is recomputed).
 
     Korthikanti et al. 2022, eq. 1-2 and 4: a transformer block stores s·b·h·(34 + 5·a·s/h) bytes in
     16-bit (s sequence, b micro-batch, h dim, a heads); the parallelisms divide it all as their
     `activation_split` says (tensor parallelism, always with sequence parallelism here, by tp); fp32
     doubles it; with activation checkpointing a block keeps only its 2·s·b·h input (divided alike).
-    An estimate: it assumes a 4h MLP, and counts the a·s² attention scores that a fused SDPA kernel does not store.
+    An estimate: it assumes a 4h MLP, and counts the a·s² attention scores that a fused SDPA kernel does not store
+    (`scores=False` leaves them out).
     """
     m, t = cfg.model, cfg.trainer
-    sbh, scores = t.seq_len * t.micro_batch_size * m.dim, 5 * m.n_heads * t.seq_len**2 * t.micro_batch_size
+    sbh = t.seq_len * t.micro_batch_size * m.dim
+    attention = 5 * m.n_heads * t.seq_len**2 * t.micro_batch_size if scores else 0
     split = math.prod(p.activation_split(layout) for p in PARALLELISMS)
-    full, kept = (34 * sbh + scores) // split, 2 * sbh // split
+    full, kept = (34 * sbh + attention) // split, 2 * sbh // split
     scale = 2 if precision == "fp32" else 1
     return scale * (kept if cfg.strategy.activation_checkpoint else full), scale * full
 
 
-def rank_memory(cfg: TrainConfig, layout: Layout, pp_rank: int, precision: str) -> Memory:
+def rank_memory(cfg: TrainConfig, layout: Layout, pp_rank: int, precision: str, scores: bool = True) -> Memory:
     """Per-rank memory for the ranks at `pp_rank` (the other coordinates hold equal shares). With
     P the rank's parameters and N = dp_shard: ZeRO-0 keeps P params, P grads, K·P optimizer state;
     ZeRO-1 shards the optimizer state (K·P/N); ZeRO-2 the gradients too (P/N); ZeRO-3 the parameters
@@ -98,7 +100,7 @@ def rank_memory(cfg: TrainConfig, layout: Layout, pp_rank: int, precision: str) 
         return -(-n // layout.dp_shard) if s.zero >= level else n
 
     layers = sum(len(layout.stage_layers(cfg.model.n_layers)[i]) for i in stages)
-    kept, full = layer_activations(cfg, layout, precision)
+    kept, full = layer_activations(cfg, layout, precision, scores)
     activations = layers * in_flight(layout, pp_rank) * kept + (full - kept)
     return Memory(
         params=FP32 * shard(p, 3),
@@ -134,17 +136,24 @@ def group_lines(layout: Layout) -> list[str]:
     return lines or ["  none: a single rank"]
 
 
+def worker_memory(cfg: TrainConfig, layout: Layout, precision: str, scores: bool = True) -> list[Memory]:
+    """What a worker holds, for each pipeline rank: `rank_memory`, less the optimizer state where parameter
+    servers hold it."""
+    mems = [rank_memory(cfg, layout, pp_rank, precision, scores) for pp_rank in range(layout.pp)]
+    if cfg.ps.mode not in (None, "easgd"):
+        mems = [replace(mem, optimizer=0) for mem in mems]  # the parameter servers hold it
+    return mems
+
+
 def memory_lines(cfg: TrainConfig, layout: Layout, precision: str) -> list[str]:
     o, s = cfg.optim, cfg.strategy
     lines = [
         f"memory per rank (estimate: fp32 parameters, gradients and {o.name} state ({optimizer_states(cfg)} per "
         f"parameter); {precision} activations of the blocks, Korthikanti et al. 2022):"
     ]
-    for pp_rank in range(layout.pp):
+    for pp_rank, mem in enumerate(worker_memory(cfg, layout, precision)):
         ranks = [r for r in range(layout.world_size) if layout.coordinate(r)["pp"] == pp_rank]
-        mem, n = rank_memory(cfg, layout, pp_rank, precision), in_flight(layout, pp_rank)
-        if cfg.ps.mode not in (None, "easgd"):
-            mem = replace(mem, optimizer=0)  # the parameter servers hold it
+        n = in_flight(layout, pp_rank)
         who = "every rank" if layout.pp == 1 else f"pp rank {pp_rank} {_group(ranks)}"
         lines.append(
             f"  {who}: params {human(mem.params)}, grads {human(mem.grads)}, optimizer {human(mem.optimizer)}, "

@@ -155,7 +155,7 @@ def _validate_cluster(c: ClusterConfig) -> None:
     for key in ("hang_timeout_s", "stop_grace_s"):
         value = getattr(c, key)
         require(value is None or value > 0, f"cluster.{key}={value}: must be positive (or null for the default)")
-    for key in ("setup_timeout_s", "collective_timeout_s", "node_check_s"):
+    for key in ("setup_timeout_s", "collective_timeout_s", "node_check_s", "connect_timeout_s"):
         require(getattr(c, key) > 0, f"cluster.{key}={getattr(c, key)}: must be positive")
     require(c.restart_backoff_s >= 0, f"cluster.restart_backoff_s={c.restart_backoff_s}: must be ≥ 0")
     for key in c.env_vars:

@@ -27,9 +27,9 @@ def atomic_write(path: str | os.PathLike, data: bytes | str) -> None:
         os.close(dir_fd)
 
 
-def make_writable_dir(path: Path) -> None:
+def make_writable_dir(path: Path) -> list[Path]:
     """Make `path` (and its missing parents) and write a file in it once: OSError if that cannot be done,
-    with the directories made here removed again."""
+    with the directories made here removed again. Returns the directories it made, deepest first."""
     made = [p for p in (path, *path.parents) if not p.exists()]
     probe = path / f".write-test-{os.getpid()}"
     try:
@@ -37,10 +37,16 @@ def make_writable_dir(path: Path) -> None:
         probe.write_text("")
         probe.unlink()
     except OSError:
-        for directory in made:
-            with contextlib.suppress(OSError):
-                directory.rmdir()
+        remove_empty(made)
         raise
+    return made
+
+
+def remove_empty(directories: list[Path]) -> None:
+    """Remove each of `directories` (deepest first) that is empty; leave the others."""
+    for directory in directories:
+        with contextlib.suppress(OSError):
+            directory.rmdir()
 
 
 def write_json(path: str | os.PathLike, obj: Any) -> None:
