@@ -68,16 +68,14 @@ def readable(path: Path) -> None:
 
 
 def main(argv: list[str]) -> None:
-    from distrain.driver.trained import REQUIRED, job_args
+    from distrain.driver.jobargs import REQUIRED, run_job
+
+    def work(args: dict) -> str:
+        out, step = export(Path(args["run.storage"]) / args["run.name"], args["out"], args["step"])
+        return f"distrain: exported run {args['run.name']} at step {step} to {out}"
 
     spec = {"run.name": (str, REQUIRED), "run.storage": (str, "runs"), "out": (str, REQUIRED), "step": (int, None)}
-    try:
-        args = job_args(argv, spec, USAGE)
-        out, step = export(Path(args["run.storage"]) / args["run.name"], args["out"], args["step"])
-    except ConfigError as e:
-        print(f"distrain: error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
-    print(f"distrain: exported run {args['run.name']} at step {step} to {out}")
+    run_job(argv, spec, USAGE, work)
 
 
 if __name__ == "__main__":

@@ -90,7 +90,7 @@ def generate(args: dict) -> str:
 
 
 def main(argv: list[str]) -> None:
-    from distrain.driver.trained import REQUIRED, job_args
+    from distrain.driver.jobargs import REQUIRED, run_job
 
     spec = {
         "run.name": (str, REQUIRED),
@@ -103,12 +103,7 @@ def main(argv: list[str]) -> None:
         "step": (int, None),
         "device": (str, "auto"),
     }
-    try:
-        text = generate(job_args(argv, spec, USAGE))
-    except ConfigError as e:
-        print(f"distrain: error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
-    print(text)
+    run_job(argv, spec, USAGE, generate)
 
 
 if __name__ == "__main__":

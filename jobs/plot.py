@@ -128,19 +128,16 @@ def plot(storage: Path, names: list[str], out: Path | None = None) -> Path:
 
 
 def main(argv: list[str]) -> None:
-    from distrain.driver.trained import REQUIRED, job_args
+    from distrain.driver.jobargs import REQUIRED, run_job
 
-    spec = {"run.name": (str, REQUIRED), "run.storage": (str, "runs"), "out": (str, None)}
-    try:
-        args = job_args(argv, spec, USAGE)
+    def work(args: dict) -> str:
         names = [n for n in args["run.name"].split(",") if n]
         if not names:
             raise ConfigError(f"run.name= names no run; usage: {USAGE}")
         out = plot(Path(args["run.storage"]), names, Path(args["out"]) if args["out"] else None)
-    except ConfigError as e:
-        print(f"distrain: error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
-    print(f"distrain: plotted {', '.join(names)} to {out}")
+        return f"distrain: plotted {', '.join(names)} to {out}"
+
+    run_job(argv, {"run.name": (str, REQUIRED), "run.storage": (str, "runs"), "out": (str, None)}, USAGE, work)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,6 @@ jobs/export.py and jobs/generate.py start from; no process group, no Ray."""
 
 from __future__ import annotations
 
-import difflib
 import warnings
 from pathlib import Path
 
@@ -62,27 +61,3 @@ def load_trained(run_dir: str | Path, step: int | None = None) -> tuple[TrainCon
             checkpoint.read_state(path, state, no_dist=True)  # as a resume reads it: tensors and plain data only
         model.load_state_dict(state["model"])
     return cfg, model.eval()
-
-
-REQUIRED = object()  # a job argument without a default
-
-
-def job_args(argv: list[str], spec: dict[str, tuple[type, object]], usage: str) -> dict:
-    """A job's `key=value` arguments, each `spec[key] = (type, default)`; a one-line ConfigError for an
-    unknown key (with the closest one), a value not of its type, or a REQUIRED one missing."""
-    args = {key: default for key, (_, default) in spec.items()}
-    for arg in argv:
-        key, sep, value = arg.partition("=")
-        if not sep or key not in spec:
-            close = difflib.get_close_matches(key, spec, n=1)
-            hint = f"did you mean {close[0]}=?" if close else f"usage: {usage}"
-            raise ConfigError(f"{arg!r} is not an argument of this job; {hint}")
-        kind = spec[key][0]
-        try:
-            args[key] = kind(value)
-        except ValueError:
-            raise ConfigError(f"{key}={value!r}: expected {kind.__name__}; usage: {usage}") from None
-    missing = [key for key, value in args.items() if value is REQUIRED]
-    if missing:
-        raise ConfigError(f"{missing[0]}= is required; usage: {usage}")
-    return args

@@ -1,0 +1,44 @@
+"""The `key=value` arguments of the one-process jobs (export, generate, plot) and how they end: what the
+job did in one line, or a user error in one line and exit status 2. Torch-free, so jobs/plot.py starts fast."""
+
+from __future__ import annotations
+
+import difflib
+import sys
+from collections.abc import Callable
+
+from distrain.config import ConfigError
+
+REQUIRED = object()  # a job argument without a default
+
+
+def job_args(argv: list[str], spec: dict[str, tuple[type, object]], usage: str) -> dict:
+    """A job's `key=value` arguments, each `spec[key] = (type, default)`; a one-line ConfigError for an
+    unknown key (with the closest one), a value not of its type, or a REQUIRED one missing."""
+    args = {key: default for key, (_, default) in spec.items()}
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        if not sep or key not in spec:
+            close = difflib.get_close_matches(key, spec, n=1)
+            hint = f"did you mean {close[0]}=?" if close else f"usage: {usage}"
+            raise ConfigError(f"{arg!r} is not an argument of this job; {hint}")
+        kind = spec[key][0]
+        try:
+            args[key] = kind(value)
+        except ValueError:
+            raise ConfigError(f"{key}={value!r}: expected {kind.__name__}; usage: {usage}") from None
+    missing = [key for key, value in args.items() if value is REQUIRED]
+    if missing:
+        raise ConfigError(f"{missing[0]}= is required; usage: {usage}")
+    return args
+
+
+def run_job(argv: list[str], spec: dict[str, tuple[type, object]], usage: str, work: Callable[[dict], str]) -> None:
+    """Parse `argv` by `spec`, run `work` on the arguments and print what it returns; a ConfigError from
+    either is one line on stderr and exit status 2."""
+    try:
+        said = work(job_args(argv, spec, usage))
+    except ConfigError as e:
+        print(f"distrain: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    print(said)
