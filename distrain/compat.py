@@ -20,8 +20,8 @@ Private torch names distrain relies on, the first place to look after a torch up
 
 - `DefaultStager._state_dict_stager` and its `close` (checkpoint_stager, here);
 - DCP's `.metadata` pickle: `metadata._MEM_FORMAT_ENCODING`, `filesystem._StorageInfo`,
-  `serialization._get_layout` (checkpoint._metadata_globals), and `FileSystemReader._get_metadata_path`
-  (checkpoint._guarded_reader);
+  `serialization._get_layout` (safeload._metadata_globals), and `FileSystemReader._get_metadata_path`
+  (safeload._guarded_reader);
 - `distributed_c10d._abort_process_group`, `_set_pg_timeout` and `_world.pg_map` (parallel/process_group.py);
 - `torch.distributed._composable.replicate_with_fsdp.replicate` (parallel/data_parallel.py) and
   `torch.distributed._composable.checkpoint` (parallel/parallelize.py);

@@ -34,8 +34,8 @@ def run(config, record) -> tuple[int, dict | None]:
     from distrain.cluster.runtime import CapacityError
     from distrain.config import ConfigError
     from distrain.driver.launch import train
-    from distrain.storage.checkpoint import DamagedCheckpointError
     from distrain.storage.fsutil import LockedError
+    from distrain.storage.safeload import DamagedCheckpointError
 
     CURRENT["config"] = config
     try:

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from distrain.storage import checkpoint
+from distrain.storage import checkpoint, safeload
 
 pytestmark = pytest.mark.usefixtures("process_group")
 
@@ -53,5 +53,5 @@ def test_a_torn_newer_directory_is_skipped_then_replaced(tmp_path: Path, capsys)
 def test_an_unreadable_marker_is_damage(tmp_path: Path):
     path = save(tmp_path, 5, nn.Linear(2, 2))
     (path / checkpoint.COMMIT_MARKER).write_text("{not json")
-    with pytest.raises(checkpoint.DamagedCheckpointError, match="step_00000005: unreadable commit marker"):
+    with pytest.raises(safeload.DamagedCheckpointError, match="step_00000005: unreadable commit marker"):
         checkpoint.latest(tmp_path)

@@ -33,7 +33,7 @@ def save_every_layout(rank: int, port: int, cases: dict, out: str) -> None:
     rank_env(rank, WORLD, port, CUDA_VISIBLE_DEVICES="")
     from distrain.config import from_plain
     from distrain.parallel import process_group
-    from distrain.storage import checkpoint
+    from distrain.storage import checkpoint, safeload
     from distrain.strategy.layout import Layout
     from distrain.train.faults import Faults
     from distrain.train.learner import Learner
@@ -54,7 +54,7 @@ def save_every_layout(rank: int, port: int, cases: dict, out: str) -> None:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             state, _ = checkpoint_state(learner, optimizer)
-            found[name] = checkpoint.unplain_leaves(state)
+            found[name] = safeload.unplain_leaves(state)
             saver.save(step, state, {"step": step, "world_size": WORLD}, {})
         saver.close()
     torch.save(found, Path(out, f"rank{rank}.pt"))
@@ -92,10 +92,10 @@ def test_every_layout_checkpoints_only_tensors_and_plain_data_save_after_save(tm
 
 
 def test_a_leaf_that_is_not_a_tensor_or_plain_data_is_named_and_nothing_is_written(tmp_path: Path):
-    from distrain.storage import checkpoint
+    from distrain.storage import safeload
 
     state = {"model": {"w": torch.ones(2)}, "optim": {"step": 3, "betas": (0.9, 0.95), "kind": torch.optim.AdamW}}
-    assert checkpoint.unplain_leaves(state) == ["optim.kind (type)"]
+    assert safeload.unplain_leaves(state) == ["optim.kind (type)"]
     with pytest.raises(TypeError, match=r"holds optim.kind \(type\): a checkpoint holds only tensors"):
-        checkpoint.refuse_unplain(state, "the state of step 3")
-    assert checkpoint.unplain_leaves({"pieces": [slice(0, 2)]}, allowed=[slice]) == []
+        safeload.refuse_unplain(state, "the state of step 3")
+    assert safeload.unplain_leaves({"pieces": [slice(0, 2)]}, allowed=[slice]) == []

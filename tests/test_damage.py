@@ -12,7 +12,7 @@ import torch
 from conftest import DAMAGES, damage
 from torch import nn
 
-from distrain.storage import checkpoint
+from distrain.storage import checkpoint, safeload
 
 pytestmark = pytest.mark.usefixtures("process_group")
 
@@ -60,7 +60,7 @@ def test_when_none_verifies_one_error_and_nothing_is_deleted(tmp_path: Path):
     damage(checkpoint.step_dir(tmp_path, 20), "tensor_bytes")
     damage(checkpoint.step_dir(tmp_path, 10), "meta_garbled")
     before = files(tmp_path)
-    with pytest.raises(checkpoint.DamagedCheckpointError) as refused:
+    with pytest.raises(safeload.DamagedCheckpointError) as refused:
         checkpoint.latest(tmp_path)
     line = str(refused.value)
     assert "\n" not in line and "nothing was deleted" in line
@@ -94,8 +94,8 @@ def test_a_checkpoint_committed_without_checksums_loads_by_its_sizes(tmp_path: P
     assert checkpoint.load(path, {"model": model.state_dict()})[0]["step"] == 10
     # A damaged rank file is named damaged, not "could run code"; an unreadable meta.json is found up front.
     damage(path, "rank_file_random")
-    with pytest.raises(checkpoint.DamagedCheckpointError, match="rank_00000.pt is damaged"):
+    with pytest.raises(safeload.DamagedCheckpointError, match="rank_00000.pt is damaged"):
         checkpoint.load(path, {"model": model.state_dict()})
     damage(path, "meta_garbled")
-    with pytest.raises(checkpoint.DamagedCheckpointError, match="step_00000010: meta.json is unreadable"):
+    with pytest.raises(safeload.DamagedCheckpointError, match="step_00000010: meta.json is unreadable"):
         checkpoint.latest(tmp_path)

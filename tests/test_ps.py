@@ -32,7 +32,7 @@ from distrain.model.llama import Transformer
 from distrain.ps.server import ParameterServer, elastic_exchange, feasible, load_weights
 from distrain.ps.shard import Piece, Slot, as_tensor, plan_shards
 from distrain.ps.worker import PSWorker
-from distrain.storage import checkpoint
+from distrain.storage import checkpoint, safeload
 from distrain.storage.tracking import read_metrics
 from distrain.train.optim import lr_at
 
@@ -448,7 +448,7 @@ def test_a_restored_server_goes_on_exactly_as_the_saved_one(make_server, tmp_pat
     meta = saved.save(str(folder))
     assert meta["applied"] == {0: 2, 1: 2}  # the last step of each worker the saved weights hold
     state = torch.load(folder / meta["file"], weights_only=False)  # the test's own file: read whole
-    assert checkpoint.unplain_leaves(state, allowed=[Piece]) == [] and state["optim"]["state"]  # moments and all
+    assert safeload.unplain_leaves(state, allowed=[Piece]) == [] and state["optim"]["state"]  # moments and all
     restored = make_server(*overrides, resume_from=str(folder))
     assert restored.version == saved.version == (2 if mode == "sync" else 4)
     assert torch.equal(restored.flat, saved.flat)

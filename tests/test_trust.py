@@ -25,7 +25,7 @@ from distrain.driver.launch import group_spec, train
 from distrain.driver.validation import validate
 from distrain.model.llama import Transformer
 from distrain.ps.server import SERVER_FILE, ParameterServer, load_weights
-from distrain.storage import checkpoint
+from distrain.storage import checkpoint, safeload
 
 
 class Planted:
@@ -63,7 +63,7 @@ def test_a_rank_file_holding_a_callable_is_refused_not_run(process_group, tmp_pa
     path = checkpoint.save(tmp_path / "ckpt", 1, {"model": model.state_dict()}, {"step": 1, "world_size": 1}, {}, 1)
     rank_file = path / "rank_00000.pt"
     plant(rank_file, {"cpu_rng": Planted(marker)}, fmt)
-    with pytest.raises(checkpoint.UnsafeCheckpointError) as error:
+    with pytest.raises(safeload.UnsafeCheckpointError) as error:
         checkpoint.load(path, {"model": model.state_dict()})
     assert_refused(error, str(rank_file))
     assert not marker.exists()
@@ -76,7 +76,7 @@ def test_dcp_metadata_naming_a_callable_is_refused_not_run(process_group, tmp_pa
     model, marker = nn.Linear(2, 2), tmp_path / "ran"
     path = checkpoint.save(tmp_path / "ckpt", 1, {"model": model.state_dict()}, {"step": 1, "world_size": 1}, {}, 1)
     plant(path / ".metadata", Planted(marker), "pickle")
-    with pytest.raises(checkpoint.UnsafeCheckpointError) as error:
+    with pytest.raises(safeload.UnsafeCheckpointError) as error:
         checkpoint.load(path, {"model": model.state_dict()})
     assert_refused(error, str(path / ".metadata"))
     assert "pathlib.Path" in str(error.value) and not marker.exists()
@@ -99,7 +99,7 @@ def test_a_non_tensor_item_holding_a_callable_is_refused_not_run(process_group, 
     assert not (tmp_path / "ckpt").exists()
     path = checkpoint.prepare(tmp_path / "ckpt", 1)  # someone else's, written straight with DCP
     dcp.save(planted, checkpoint_id=str(path))
-    with pytest.raises(checkpoint.UnsafeCheckpointError) as error:
+    with pytest.raises(safeload.UnsafeCheckpointError) as error:
         checkpoint.load(path, {"model": model.state_dict(), "extra": None})
     assert_refused(error, f"item extra of {path}")
     assert not marker.exists()
@@ -126,10 +126,10 @@ def test_a_server_file_holding_a_callable_is_refused_not_run(tmp_path: Path):
 
     shard_file = folder / SERVER_FILE.format(0)
     plant(shard_file, {"pieces": Planted(marker)})
-    with pytest.raises(checkpoint.UnsafeCheckpointError) as error:
+    with pytest.raises(safeload.UnsafeCheckpointError) as error:
         ParameterServer(resumed, 0)
     assert_refused(error, str(shard_file))
-    with pytest.raises(checkpoint.UnsafeCheckpointError) as error:
+    with pytest.raises(safeload.UnsafeCheckpointError) as error:
         load_weights(folder, model)
     assert_refused(error, str(shard_file))
     assert not marker.exists()

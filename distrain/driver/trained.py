@@ -11,7 +11,7 @@ from torch import nn
 
 from distrain.config import ConfigError, TrainConfig, from_plain
 from distrain.model.registry import build_model
-from distrain.storage import checkpoint
+from distrain.storage import checkpoint, safeload
 
 
 def checkpoint_path(run_dir: str | Path, step: int | None = None) -> Path:
@@ -33,7 +33,7 @@ def checkpoint_path(run_dir: str | Path, step: int | None = None) -> Path:
         return path
     try:
         path = checkpoint.latest(root)
-    except checkpoint.DamagedCheckpointError as e:
+    except safeload.DamagedCheckpointError as e:
         raise ConfigError(str(e)) from None
     if path is None:
         raise ConfigError(
@@ -58,6 +58,6 @@ def load_trained(run_dir: str | Path, step: int | None = None) -> tuple[TrainCon
         state = {"model": model.state_dict()}
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.simplefilter("ignore", UserWarning)
-            checkpoint.read_state(path, state, no_dist=True)  # as a resume reads it: tensors and plain data only
+            safeload.read_state(path, state, no_dist=True)  # as a resume reads it: tensors and plain data only
         model.load_state_dict(state["model"])
     return cfg, model.eval()

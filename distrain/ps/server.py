@@ -32,7 +32,7 @@ from distrain.model.contract import fill_parameters
 from distrain.model.hf import hf_weights
 from distrain.model.registry import build_model
 from distrain.ps.shard import Piece, ShardView, Slot, as_tensor, model_shards
-from distrain.storage.checkpoint import load_tensors, refuse_unplain
+from distrain.storage.safeload import load_tensors, refuse_unplain
 from distrain.train.optim import lr_at
 
 SERVER_FILE = "server_{:03d}.pt"
