@@ -33,6 +33,7 @@ PORTS = (  # every port `ray start --head` would otherwise take at a fixed defau
     "ray-client-server-port",
 )
 LAST = ("raylet", "gcs_server")  # `ray stop`'s order: the raylet first, the rest, the GCS last
+JOB_STOP_WAIT_S = 60
 VARIABLES = ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "RAY_AUTH_MODE", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
 
 
@@ -104,6 +105,9 @@ def start(ray_args: list[str]) -> int:
     env = {**os.environ, MARKER: str(directory), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"  # the job's `python` is this one
     env.pop("RAY_ADDRESS", None)
+    # `ray job stop` sends SIGTERM, then SIGKILL this long after (Ray's default, 3 s, is shorter than a
+    # checkpoint often takes); the job's driver reads it too, as its deadline to checkpoint and stop.
+    env.setdefault("RAY_JOB_STOP_WAIT_TIME_S", str(JOB_STOP_WAIT_S))
     cmd = [RAY, "start", "--head", "--node-ip-address=127.0.0.1", "--dashboard-host=127.0.0.1", f"--port={gcs}"]
     cmd += [f"--{name}={port}" for name, port in ports.items()]
     cmd += [f"--temp-dir={directory}", "--disable-usage-stats", *ray_args]

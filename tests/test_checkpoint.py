@@ -50,6 +50,15 @@ def test_a_torn_newer_directory_is_skipped_then_replaced(tmp_path: Path, capsys)
     assert not (torn / "__0_0.distcp").exists() or (torn / checkpoint.COMMIT_MARKER).exists()
 
 
+def test_a_lone_torn_directory_says_that_nothing_is_loaded(tmp_path: Path, capsys):
+    """A stop killed before its first checkpoint committed: the rerun starts over, and says so."""
+    torn = checkpoint.step_dir(tmp_path, 24)
+    torn.mkdir(parents=True)
+    (torn / "__0_0.distcp").write_bytes(b"partial")
+    assert checkpoint.latest(tmp_path) is None
+    assert "no older checkpoint, so nothing is loaded (a run starts at step 0)" in capsys.readouterr().err
+
+
 def test_an_unreadable_marker_is_damage(tmp_path: Path):
     path = save(tmp_path, 5, nn.Linear(2, 2))
     (path / checkpoint.COMMIT_MARKER).write_text("{not json")

@@ -241,6 +241,8 @@ def run_cli(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
             ["cluster.num_workers=3", "cluster.cpus_per_worker=1", "trainer.global_batch_size=24"],
             "cluster.num_workers=3 needs 3 CPU",
         ),
+        # An embedded cluster has no autoscaler: GPUs it lacks are refused at once, not waited for.
+        (["cluster.use_gpu=true"], "needs 2 GPU (GPUs per worker=1 each) but the cluster has 0"),
     ],
 )
 def test_cli_bad_input_fails_early_with_one_line(tmp_path: Path, overrides: list[str], needle: str):
@@ -259,6 +261,15 @@ def test_cfg_job_prints_the_composed_config(tmp_path: Path):
     assert result.returncode == 0, result.stderr
     assert "dim: 768" in result.stdout and "name: ddp" in result.stdout
     assert "async_save: false" in result.stdout  # `async` is a keyword: the command line's name for the field
+
+
+def test_a_path_from_home_is_read_as_the_shell_would(tmp_path: Path, monkeypatch):
+    """`data.path=~/corpus` as printed in the docs: the shell leaves it alone and Hydra's grammar has no `~`;
+    the entrypoint (through --cfg job) and compose (prepare_data's way) both read it as the home directory."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert make_config(tmp_path, "data.path=~/corpus").data.path == f"{tmp_path}/corpus"
+    result = run_cli(tmp_path, "data.path=~/corpus", "--cfg", "job")
+    assert result.returncode == 0 and f"path: {tmp_path}/corpus" in result.stdout, result.stderr
 
 
 def test_checkpoints_are_written_in_the_background_unless_asked_not_to(tmp_path: Path):

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+import ray
 import torch
 import torch.multiprocessing as mp
 from conftest import free_port, make_config, rank_env
@@ -283,12 +284,15 @@ def test_use_gpu_true_waits_for_gpus_then_fails_in_one_line(tmp_path: Path):
     from distrain.driver.launch import placeable_spec
     from distrain.driver.validation import validate
 
-    cfg = make_config(tmp_path, "cluster.use_gpu=true", "cluster.placement_timeout_s=1")
+    # Attached (an embedded cluster has no autoscaler, so it is refused at once: test_config's bad input)
+    address = ray.get_runtime_context().gcs_address
+    cfg = make_config(tmp_path, "cluster.use_gpu=true", "cluster.placement_timeout_s=1", f"cluster.address={address}")
     said: list[str] = []
     started = time.monotonic()
     with pytest.raises(CapacityError) as err:
         placeable_spec(cfg, validate(cfg), said.append)
     assert time.monotonic() - started >= 1.0
+    said = [line for line in said if not line.startswith("attaching")]
     assert len(said) == 1 and "waiting up to 1 s" in said[0] and "2 GPUs" in said[0]
     message = str(err.value)
     assert "\n" not in message and "cluster.placement_timeout_s=1" in message and "cluster.use_gpu=false" in message

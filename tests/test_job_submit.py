@@ -97,6 +97,7 @@ def test_the_documented_one_machine_commands_run_as_printed(ray_head):
     head = processes(f"DISTRAIN_CLUSTER=/tmp/distrain-ray-{ray_head['RAY_ADDRESS'].rpartition(':')[2]}")
     assert listening(head) == {"127.0.0.1"}, "the head listens beyond loopback"
     assert set(head) <= set(processes("RAY_USAGE_STATS_ENABLED=0")), "the head reports usage statistics"
+    assert set(head) <= set(processes("RAY_JOB_STOP_WAIT_TIME_S=60")), "`ray job stop` kills a job 3 s after"
     out = bash(documented_commands()[1], ray_head, timeout=300)
     said = out.stdout + out.stderr
     run_dir = re.search(r"run directory (\S+)", said)
@@ -148,10 +149,9 @@ def test_ray_job_stop_checkpoints_before_the_job_ends(ray_head, tmp_path: Path):
     between, every rank stops at one step and a checkpoint is committed."""
     run_dir = tmp_path / "stopped"
     overrides = [*TINY, f"run.storage={tmp_path}", "run.name=stopped", "trainer.max_steps=5000"]
-    wait = json.dumps({"env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": "60"}})
-    subprocess.run(
+    subprocess.run(  # the documented cluster gives a stopped job RAY_JOB_STOP_WAIT_TIME_S=60 to checkpoint
         [RAY, "job", "submit", "--no-wait", "--submission-id=distrain-stop", f"--working-dir={REPO}"]
-        + [f"--runtime-env-json={wait}", "--", "python", "jobs/train.py", *overrides],
+        + ["--", "python", "jobs/train.py", *overrides],
         env=ray_head,
         check=True,
         capture_output=True,

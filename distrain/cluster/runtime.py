@@ -166,9 +166,10 @@ def check_capacity(
         need, have = actors * each, total.get(resource, 0)
         if each and need > have:
             key = "cluster.cpus_per_worker" if resource == "CPU" else "GPUs per worker"
+            fix = "cluster.cpus_per_worker" if resource == "CPU" else "add GPU nodes (or set cluster.use_gpu=false)"
             raise CapacityError(
                 f"{who} needs {need:g} {resource} ({key}={each:g} each) but the cluster has {have:g}; "
-                f"lower cluster.num_workers or {'cluster.cpus_per_worker' if resource == 'CPU' else 'add GPU nodes'}"
+                f"lower cluster.num_workers or {fix}"
             )
 
 

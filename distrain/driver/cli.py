@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import re
 import typing
 from pathlib import Path
@@ -59,7 +60,10 @@ def check_overrides(overrides: list[str] | tuple[str, ...], conf_dir: Path = CON
     try:
         parsed = OverridesParser.create().parse_overrides(list(overrides))
     except OverrideParseException as e:
-        raise BadInput(str(e).splitlines()[0] + " (an override is key=value)") from None
+        raise BadInput(
+            str(e).splitlines()[0]
+            + """ (an override is key=value; quote a value with characters Hydra reserves: "key='value'")"""
+        ) from None
     for override in parsed:
         key = override.key_or_group
         if re.split(r"[./]", key)[0] == "hydra" or override.is_delete():
@@ -178,5 +182,14 @@ def plan_overrides(args: list[str]) -> list[str]:
 
 def spell_out(args: list[str] | tuple[str, ...]) -> list[str]:
     """`checkpoint.async=…` sets the field `checkpoint.async_save` (`async` is a Python keyword), and
-    `cluster.policy._target_=…` the field `cluster.policy` (a user's class is named as a model is)."""
-    return [ALIASES[a.partition("=")[0]] + a[a.index("=") :] if a.partition("=")[0] in ALIASES else a for a in args]
+    `cluster.policy._target_=…` the field `cluster.policy` (a user's class is named as a model is). A value
+    that starts with `~` (`data.path=~/corpus`) is the home directory, as the shell would have expanded it in
+    an assignment: Hydra's grammar has no `~` in values, and the shell leaves `key.sub=~/x` alone."""
+    spelled = []
+    for arg in args:
+        key, sep, value = arg.partition("=")
+        key = ALIASES.get(key, key)
+        if sep and not key.startswith("~") and re.match(r"~[\w.-]*(/|$)", value):
+            value = os.path.expanduser(value)
+        spelled.append(key + sep + value)
+    return spelled

@@ -285,8 +285,8 @@ def _from_metrics(run_dir: Path) -> dict:
 
 def placeable_spec(cfg: TrainConfig, layout: Layout, say: Callable[[str], None] = print_event) -> GroupSpec:
     """Connect to the cluster and fail at once if it could never hold the workers, spares and servers, or
-    (a run, not a plan) a rank's estimated memory; with cluster.use_gpu=true, first wait
-    (placement_timeout_s) for GPUs it lacks. `say` prints events."""
+    (a run, not a plan) a rank's estimated memory; with cluster.use_gpu=true on a cluster attached to, first
+    wait (placement_timeout_s) for GPUs it lacks. `say` prints events."""
     c = cfg.cluster
     address = attach_address(c.address)
     if address:
@@ -296,12 +296,12 @@ def placeable_spec(cfg: TrainConfig, layout: Layout, say: Callable[[str], None] 
         )
     connect(c.address, c.local_cpus, c.local_gpus, c.connect_timeout_s)
     spec = group_spec(cfg, layout, say)
-    if c.use_gpu:
+    if c.use_gpu and address:  # an embedded cluster has no autoscaler: the GPUs it lacks now never come
         wait_for_gpus(spec, say)
-    if not cfg.plan:  # a plan shows the estimate instead
-        check_fits(cfg, layout, spec.gpus_per_worker > 0, say)
     servers = cfg.ps.num_servers if cfg.ps.mode is not None else 0
     check_capacity(spec.num_workers, spec.cpus_per_worker, spec.gpus_per_worker, spec.spares, servers)
+    if not cfg.plan:  # a plan shows the estimate instead
+        check_fits(cfg, layout, spec.gpus_per_worker > 0, say)
     return spec
 
 

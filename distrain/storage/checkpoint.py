@@ -251,7 +251,7 @@ def latest(root: str | Path) -> Path | None:
             f"move them out of {root} to train from scratch"
         )
     for p, w in skipped:
-        _say_once(f"skipping checkpoint {p}: {w}")
+        _say_once(f"skipping checkpoint {p}: {w}; no older checkpoint, so nothing is loaded (a run starts at step 0)")
     return None
 
 
