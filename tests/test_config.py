@@ -250,6 +250,8 @@ def test_cli_bad_input_fails_early_with_one_line(tmp_path: Path, overrides: list
     assert result.returncode == 2, result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("distrain: error:")]
     assert len(errors) == 1 and needle in errors[0], result.stderr
+    said = [line for line in (result.stdout + result.stderr).splitlines() if line.startswith("distrain:")]
+    assert said == errors, "a refused run says one line, not what it would have trained on first"
     assert "Traceback" not in result.stderr
     run_dir = tmp_path / "bad"
     assert not (run_dir / "placement.json").exists()  # no worker was ever placed

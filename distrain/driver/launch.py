@@ -295,13 +295,16 @@ def placeable_spec(cfg: TrainConfig, layout: Layout, say: Callable[[str], None] 
             f"(giving up after cluster.connect_timeout_s={c.connect_timeout_s:g} s)"
         )
     connect(c.address, c.local_cpus, c.local_gpus, c.connect_timeout_s)
-    spec = group_spec(cfg, layout, say)
+    choice: list[str] = []  # which devices cluster.use_gpu=null chose: said once the run is not refused
+    spec = group_spec(cfg, layout, choice.append)
     if c.use_gpu and address:  # an embedded cluster has no autoscaler: the GPUs it lacks now never come
         wait_for_gpus(spec, say)
     servers = cfg.ps.num_servers if cfg.ps.mode is not None else 0
     check_capacity(spec.num_workers, spec.cpus_per_worker, spec.gpus_per_worker, spec.spares, servers)
     if not cfg.plan:  # a plan shows the estimate instead
         check_fits(cfg, layout, spec.gpus_per_worker > 0, say)
+    for line in choice:
+        say(line)
     return spec
 
 
