@@ -127,7 +127,7 @@ def main(cfg) -> float | None:
     SWEEP["points"].append(
         Point(
             overrides=" ".join(values),
-            run_dir=config.run_dir,
+            run_dir=config.run_dir if Path(config.run_dir).is_dir() else None,
             status=status,
             final_loss=(summary or {}).get("final_loss"),
             final_val_loss=(summary or {}).get("final_val_loss"),
@@ -160,6 +160,8 @@ def check_sweep_storage(overrides: list[str]) -> None:
 def entry(argv: list[str]) -> int:
     import hydra
 
+    from distrain.driver.sweep import check_points
+
     multirun = [a for a in argv if a in ("-m", "--multirun")]
     argv = [*multirun, *plan_overrides([a for a in argv if a not in multirun])]  # Hydra's parser wants it first
     try:
@@ -169,6 +171,7 @@ def entry(argv: list[str]) -> int:
         if multirun:
             SWEEP["keys"] = swept_keys(overrides)
             argv = sweep_overrides(argv)
+            check_points(overrides_of(argv), SWEEP["keys"])
             check_sweep_storage(overrides)
     except BadInput as e:
         return fail(str(e))

@@ -4,6 +4,7 @@ optimises what the points return (their final validation loss), a point it sampl
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -11,10 +12,11 @@ import optuna
 import pytest
 from conftest import REPO, TINY, make_config
 from hydra.core.global_hydra import GlobalHydra
+from omegaconf import OmegaConf
 
 from distrain.config import ConfigError
-from distrain.driver.cli import BadInput, check_overrides
-from distrain.driver.sweep import objective
+from distrain.driver.cli import CONF_DIR, BadInput, check_overrides, register
+from distrain.driver.sweep import PointComposer, objective
 from distrain.driver.validation import validate
 
 sys.path.insert(0, str(REPO / "jobs"))
@@ -91,3 +93,66 @@ def test_optunas_sweeper_gets_each_points_final_val_loss(tmp_path: Path, ray_clu
 def test_an_unknown_objective_is_refused(tmp_path: Path):
     with pytest.raises(ConfigError, match=r"run.objective='nope': choose val_loss or loss"):
         validate(make_config(tmp_path, "run.objective=nope"))
+
+
+@pytest.fixture
+def fresh_entrypoint(monkeypatch):
+    """jobs/train.py's per-process state, new for each in-process call."""
+    monkeypatch.setattr(entrypoint, "SWEEP", {"keys": set(), "points": [], "dir": None})
+    monkeypatch.setattr(entrypoint, "CURRENT", {})
+    monkeypatch.setattr(sys, "argv", sys.argv[:1])
+
+
+@pytest.mark.parametrize(
+    ("sweep", "point"),
+    [
+        ("trainer.global_batch_size=8,30", "#2 of 4 (trainer.global_batch_size=30 optim.lr=0.001)"),
+        ("trainer.global_batch_size=choice(8,16,30)", "#4 of 6 (trainer.global_batch_size=30 optim.lr=0.001)"),
+        ("trainer.global_batch_size=range(8,40,22)", "#2 of 4 (trainer.global_batch_size=30 optim.lr=0.001)"),
+        ("strategy=glob([ddp,3d])", "#0 of 4 (strategy=3d optim.lr=0.001)"),  # 3d needs 4 workers, not 2
+    ],
+)
+@pytest.mark.usefixtures("fresh_entrypoint")
+def test_a_sweep_with_an_impossible_point_is_refused_before_any_trains(tmp_path: Path, capsys, sweep: str, point: str):
+    argv = ["-m", *TINY, sweep, "optim.lr=0.001,0.003", "trainer.max_steps=3", f"run.storage={tmp_path}", "run.name=s"]
+    assert entrypoint.entry(argv) == 2
+    said = capsys.readouterr()
+    (error,) = said.err.splitlines()
+    assert error.startswith(f"distrain: error: sweep point {point} cannot run: ") and "nothing was trained" in error
+    assert "Launching" not in said.out + said.err and list(tmp_path.iterdir()) == []  # nothing trained, nothing made
+
+
+def test_points_compose_as_hydra_composes_them(tmp_path: Path):
+    """The fast path of the up-front check (one defaults list per set of group choices) gives Hydra's config."""
+    from hydra import compose, initialize_config_dir
+
+    points = [
+        ["model=nano", "optim.lr=0.003", "+cluster.env_vars.X=1", f"run.storage={tmp_path}"],
+        ["strategy=zero3", "++trainer.max_steps=7", "run.name=${model.name}-x"],
+        ["strategy=zero3", "trainer.global_batch_size=16", "checkpoint.async_save=true"],
+    ]
+    with PointComposer() as composer:
+        fast = [OmegaConf.to_container(composer.compose(p)) for p in points]
+    register()
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        assert fast == [OmegaConf.to_container(compose("train", overrides=p)) for p in points]
+    assert fast[1]["trainer"]["max_steps"] == 7 and fast[2]["strategy"]["name"] == "zero3"
+
+
+@pytest.mark.usefixtures("fresh_entrypoint")
+def test_a_sampled_point_is_refused_when_it_comes_and_names_no_directory(tmp_path: Path, capsys):
+    """Optuna's points are not known up front: its refused point is recorded, with no run directory."""
+    tiny = [o for o in TINY if not o.startswith("trainer.global_batch_size=")]
+    argv = ["-m", *tiny, "hydra/sweeper=optuna", "hydra.sweeper.n_trials=1", "trainer.global_batch_size=choice(30,31)"]
+    argv += ["trainer.max_steps=3", f"run.storage={tmp_path}", "run.name=o"]
+    try:
+        with pytest.raises(SystemExit):  # Optuna: "No trials are completed yet"
+            entrypoint.entry(argv)
+    finally:
+        GlobalHydra.instance().clear()
+    table = capsys.readouterr().out
+    assert re.search(r"\n0 +trainer.global_batch_size=3[01] +refused +- +- +-\n", table), table
+    (record,) = (tmp_path / "sweeps").glob("*/sweep.json")
+    ((point,),) = [json.loads(record.read_text())]
+    assert point["status"] == "refused" and point["run_dir"] is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sweeps"]

@@ -1,15 +1,19 @@
 """A Hydra sweep (`jobs/train.py -m optim.lr=1e-3,3e-3`): each point is a run of its own, with its own
 run.name (so its own directory and W&B run), run one after another in one driver on one Ray cluster;
-a point that fails is recorded and the sweep goes on; a table of the points ends it.
+a point that fails is recorded and the sweep goes on; a table of the points ends it. The points Hydra's
+basic sweeper enumerates are each composed and validated before any trains (`check_points`).
 
 Each point returns its objective (run.objective) to the sweeper, so a sweeper that optimises (Optuna's)
 can; a point sampled again reports its run's recorded result instead of training it again."""
 
 from __future__ import annotations
 
+import copy
 import json
 import math
+import re
 import time
+import typing
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -19,7 +23,7 @@ SWEEP_RECORD = "sweep.json"  # beside Hydra's multirun.yaml in the sweep's direc
 @dataclass
 class Point:
     overrides: str  # the point's swept values, e.g. "optim.lr=0.001"
-    run_dir: str
+    run_dir: str | None  # None: a point refused before its run directory was made
     status: str  # completed | reused | stopped | refused | failed
     final_loss: float | None = None
     final_val_loss: float | None = None
@@ -80,13 +84,90 @@ def point_name(base: str, values: list[str], swept: set[str]) -> str:
     return "-".join([base, *(v.replace("=", "_").replace("/", "_") for v in values)])
 
 
+def check_points(overrides: list[str], swept: set[str]) -> int | None:
+    """Validate every point of a sweep Hydra's basic sweeper runs, as `main` will train it (its run.name
+    included), before any trains: BadInput naming the first point that cannot run and why. Returns how
+    many points were checked; None for a sweeper that samples (hydra/sweeper=optuna), whose points are
+    not known up front and are each checked as it comes."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+
+    from distrain.config import ConfigError
+    from distrain.driver.cli import BadInput
+    from distrain.driver.validation import validate
+    from distrain.model.hf import resolve_init_from
+
+    if any(o.startswith("hydra/sweeper=") and o != "hydra/sweeper=basic" for o in overrides):
+        return None
+    own = [o for o in overrides if not re.match(r"\+*hydra[./]", o)]  # Hydra's settings: its, not the config's
+    with PointComposer() as composer:
+        try:
+            (points,) = BasicSweeper.split_arguments(composer.parser.parse_overrides(own), None)
+        except HydraException as e:  # interval(): only a sampler draws from it
+            raise BadInput(f"{e}; interval() needs a sweeper that samples, e.g. hydra/sweeper=optuna") from None
+        for i, point in enumerate(points):
+            cfg = composer.compose(point)
+            values = point_values(point, swept)
+            cfg.run.name = point_name(cfg.run.name, values, swept)
+            try:
+                validate(resolve_init_from(OmegaConf.to_object(cfg), say=lambda _: None))
+            except ConfigError as e:
+                where = " ".join(values) or "its only point"
+                raise BadInput(
+                    f"sweep point #{i} of {len(points)} ({where}) cannot run: {e}; nothing was trained"
+                ) from None
+    return len(points)
+
+
+class PointComposer:
+    """Hydra's compose of `train` for many points, fast: the defaults list (the slow part, ~0.1 s) is
+    composed once per distinct set of config-group choices, and the values are applied to a copy as
+    Hydra's own loader applies them (`_apply_overrides_to_config`), giving the config `compose` gives."""
+
+    def __enter__(self) -> PointComposer:
+        from hydra import initialize_config_dir
+        from hydra.core.global_hydra import GlobalHydra
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+
+        from distrain.driver.cli import CONF_DIR, register
+
+        register()
+        self.context = initialize_config_dir(str(CONF_DIR), version_base="1.3")
+        self.context.__enter__()
+        self.parser = OverridesParser.create(config_loader=GlobalHydra.instance().config_loader())  # for glob()
+        self.groups: dict[tuple[str, ...], typing.Any] = {}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.context.__exit__(*exc)
+
+    def compose(self, overrides: list[str]) -> typing.Any:
+        """The DictConfig `hydra.compose("train", overrides)` returns."""
+        from hydra import compose
+        from hydra._internal.config_loader_impl import ConfigLoaderImpl
+
+        from distrain.driver.cli import CONF_DIR
+
+        choices, values = [], []
+        for o in self.parser.parse_overrides(overrides):
+            is_group = o.package is not None or (CONF_DIR / o.key_or_group).is_dir()
+            (choices if is_group else values).append(o)
+        key = tuple(o.input_line for o in choices)
+        if key not in self.groups:
+            self.groups[key] = compose("train", overrides=list(key))
+        cfg = copy.deepcopy(self.groups[key])
+        ConfigLoaderImpl._apply_overrides_to_config(values, cfg)
+        return cfg
+
+
 def table(points: list[Point]) -> str:
     """The sweep's points, one line each."""
     rows = [("#", "overrides", "status", "loss", "val loss", "run directory")]
     for i, p in enumerate(points):
         loss = f"{p.final_loss:.4f}" if p.final_loss is not None else "-"
         val = f"{p.final_val_loss:.4f}" if p.final_val_loss is not None else "-"
-        rows.append((str(i), p.overrides or "-", p.status, loss, val, p.run_dir))
+        rows.append((str(i), p.overrides or "-", p.status, loss, val, p.run_dir or "-"))
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
     failed = [f"#{i}: {p.error}" for i, p in enumerate(points) if p.error]
