@@ -3,6 +3,7 @@ disk and on the console, and the README's commands."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -125,9 +126,13 @@ def test_a_sweep_trains_each_point_as_its_own_run(tmp_path: Path):
     one_error(run_cli(tmp_path, *TINY, *STEPS, "run.name=sw-trainer.global_batch_size_8"), "leaves nothing to train")
 
 
-def interrupt_when(tmp_path: Path, ready, *overrides: str) -> tuple[int, str, float]:
-    """Run the entrypoint (run.name=c), send it SIGINT (as a terminal's Ctrl-C) once `ready(run_dir)`:
-    its exit status, its output, and the seconds it took to end after the signal."""
+def interrupt_when(
+    tmp_path: Path, ready, *overrides: str, sig: int = signal.SIGINT, group: bool = False
+) -> tuple[int, str, float]:
+    """Run the entrypoint (run.name=c), send it `sig` (SIGINT: as a terminal's Ctrl-C) once `ready(run_dir)`,
+    to its process alone or, with `group`, to its whole process group (as `timeout` and systemd do; the driver
+    leads a session of its own, which must be empty 10 s after it ends, and is killed in any case): its exit
+    status, its output, and the seconds it took to end after the signal."""
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
     env.pop("RAY_ADDRESS", None)
     args = [*TINY, f"run.storage={tmp_path}", "run.name=c", "cluster.local_cpus=2", "cluster.local_gpus=0", *overrides]
@@ -139,20 +144,39 @@ def interrupt_when(tmp_path: Path, ready, *overrides: str) -> tuple[int, str, fl
         stderr=subprocess.STDOUT,
         text=True,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # a background job ignores it
+        start_new_session=group,
     )
     try:
         deadline = time.time() + 150
         while not ready(tmp_path / "c") and time.time() < deadline and proc.poll() is None:
             time.sleep(0.05)
         sent = time.monotonic()
-        proc.send_signal(signal.SIGINT)
+        if group:
+            os.killpg(proc.pid, sig)
+        else:
+            proc.send_signal(sig)
         out, _ = proc.communicate(timeout=60)
         took = time.monotonic() - sent
+        while group and group_alive(proc.pid) and time.monotonic() < sent + took + 10:
+            time.sleep(0.1)  # the cluster's processes end with the driver
+        left = group and group_alive(proc.pid)
     finally:
+        if group:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
         proc.kill()  # a no-op once it has ended
         proc.wait()
     assert "Traceback" not in out and "KeyboardInterrupt" not in out, out
+    assert not left, f"processes of the driver's group outlived it by 10 s: {out}"
     return proc.returncode, out, took
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def test_ctrl_c_during_start_up_stops_at_once(tmp_path: Path):
@@ -173,6 +197,43 @@ def test_ctrl_c_during_training_checkpoints_and_exits_130(tmp_path: Path):
     assert f"stopped by SIGINT: run 'c' resumes from step {step}" in out
     assert "no evaluation" in out and "val loss nan" not in out, out  # a stop skips the final evaluation
     assert json.loads((tmp_path / "c" / "summary.json").read_text())["status"] == "stopped"
+
+
+def test_sigterm_to_the_process_group_checkpoints_and_exits_143(tmp_path: Path):
+    """`timeout -s TERM` and systemd signal the driver's whole process group, which holds the embedded
+    cluster's GCS and raylet: they must outlive it (they used to die with it, and the driver waited a minute
+    on the dead GCS, then Ray ended it with no line, its lock left behind)."""
+    code, out, took = interrupt_when(
+        tmp_path, lambda run_dir: logged_step(run_dir) >= 2, "trainer.max_steps=100000", sig=signal.SIGTERM, group=True
+    )
+    step = committed_step(tmp_path / "c")
+    assert code == 143 and step >= 2, out
+    assert took < 20, (took, out)
+    assert f"stopped by SIGTERM: run 'c' resumes from step {step}" in out
+    assert not (tmp_path / "c" / ".lock").exists()
+    assert json.loads((tmp_path / "c" / "summary.json").read_text())["status"] == "stopped"
+
+
+def test_sigterm_to_the_process_group_while_the_cluster_starts_stops_at_once(tmp_path: Path):
+    """The same once the embedded cluster's GCS runs, as ray.init starts the rest: it used to die under
+    ray.init, which waited for it, and the driver ended by the signal with no line."""
+    code, out, _ = interrupt_when(
+        tmp_path, lambda run_dir: gcs_started(tmp_path), *STEPS, sig=signal.SIGTERM, group=True
+    )
+    assert code == 143, out
+    assert "stopped by SIGTERM: run 'c' has trained nothing (exit status 143)" in out
+    assert not (tmp_path / "c").exists()
+
+
+def gcs_started(storage: Path) -> bool:
+    """Whether a GCS runs whose parent, a driver, was given run.storage=`storage`."""
+    for comm in Path("/proc").glob("[0-9]*/comm"):
+        with contextlib.suppress(OSError):
+            if comm.read_text().strip() == "gcs_server":
+                parent = (comm.parent / "stat").read_text().rsplit(")", 1)[1].split()[1]
+                if f"run.storage={storage}".encode() in Path(f"/proc/{parent}/cmdline").read_bytes():
+                    return True
+    return False
 
 
 class SilentPort:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import socket
 import subprocess
 from collections.abc import Callable, Iterator
@@ -58,11 +59,31 @@ def connect(
     level = announcer.level
     announcer.setLevel(logging.ERROR)
     try:
-        ray.init(
-            address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False, logging_level="WARNING"
-        )
+        with sigterm_held():
+            ray.init(
+                address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False, logging_level="WARNING"
+            )
     finally:
         announcer.setLevel(level)
+
+
+@contextlib.contextmanager
+def sigterm_held() -> Iterator[None]:
+    """SIGTERM blocked in this thread while an embedded cluster starts: its processes (GCS, raylet and what
+    they start) inherit the mask, as Ray has them inherit a blocked SIGINT. They share the driver's process
+    group, so a SIGTERM to the group (`timeout`, systemd, a scheduler) would otherwise end the cluster under
+    the driver, which then waits a minute on the dead GCS instead of stopping cleanly. Ray ends them at exit
+    with SIGKILL 1 s after its SIGTERM. A Python handler the caller had (the driver's stop) is put back
+    before the mask is lifted, which delivers a SIGTERM that came meanwhile: ray.init replaced it with one
+    that aborts."""
+    before = signal.getsignal(signal.SIGTERM)
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        yield
+    finally:
+        if callable(before):
+            signal.signal(signal.SIGTERM, before)
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 def probe(address: str, timeout_s: float) -> None:
