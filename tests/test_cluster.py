@@ -138,6 +138,9 @@ def test_progress_reaches_the_driver_while_ranks_run():
     with WorkerGroup(spec(2)) as group:
         group.start()
         group.launch(report_steps)
+        # A deadline that passed between the caller's check and its `deadline - now` (a loaded machine:
+        # CI once lost a run to Ray's ValueError here) is a look without waiting.
+        assert group.poll(timeout_s=-0.01) == []
         deadline = time.monotonic() + 60
         while group.calls and time.monotonic() < deadline:
             results.update((rank, value) for rank, value, _ in group.poll(timeout_s=0.2))

@@ -427,7 +427,7 @@ class Supervisor:
         """Wait, unless a stop request comes meanwhile."""
         end = time.monotonic() + seconds
         while time.monotonic() < end and not self.stop_requested_at:
-            time.sleep(min(0.1, end - time.monotonic()))
+            time.sleep(max(0.0, min(0.1, end - time.monotonic())))  # end may pass meanwhile
 
 
 def noted(event: str, verdict: Verdict) -> str:

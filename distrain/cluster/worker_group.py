@@ -198,10 +198,11 @@ class WorkerGroup:
 
     def poll(self, timeout_s: float) -> list[tuple[int, Any, RayError | None]]:
         """(rank, result, error) of every call that ended, waiting up to timeout_s for the first.
-        Waiting on the calls themselves sees a rank that raises or whose process dies at once."""
+        Waiting on the calls themselves sees a rank that raises or whose process dies at once. A deadline
+        already past (a negative timeout_s, computed as `deadline - now`) is a look without waiting."""
         if not self.calls:
             return []
-        ready, _ = ray.wait(list(self.calls), num_returns=1, timeout=timeout_s)
+        ready, _ = ray.wait(list(self.calls), num_returns=1, timeout=max(0.0, timeout_s))
         if ready:
             ready, _ = ray.wait(list(self.calls), num_returns=len(self.calls), timeout=0)
         ended = []
