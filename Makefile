@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PIP) --upgrade pip
 	$(PIP) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH)"
-	$(PIP) -e ".[dev,hf,plot,tensorboard]"
+	$(PIP) -e ".[dev,hf,plot,tensorboard,s3]"
 	touch $@
 
 train: setup

