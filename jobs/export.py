@@ -2,11 +2,13 @@
 
     python jobs/export.py run.name=NAME out=DIR [run.storage=runs] [step=N]
 
-DIR gets config.json, model.safetensors (float32) and the run's tokenizer files, which
+DIR (or a URL: s3://bucket/prefix, any fsspec URL, with the environment's credentials and endpoint) gets
+config.json, model.safetensors (float32) and the run's tokenizer files, which
 `transformers.AutoModelForCausalLM.from_pretrained(DIR)` and `AutoTokenizer.from_pretrained(DIR)` load.
 From the newest checkpoint that verifies (or step N's, if it does), whatever layout wrote it; the step
 exported is said. DIR is never overwritten: the files are written beside it and the directory renamed into
-place once whole.
+place once whole; to a URL they are written to a temporary folder and uploaded, config.json last (a model
+without it does not load), and a URL holding a config.json is never written to.
 Bad input: one line and exit status 2."""
 
 from __future__ import annotations
@@ -18,9 +20,9 @@ import sys
 import uuid
 from pathlib import Path
 
-from distrain.config import ConfigError
+from distrain.config import ConfigError, StorageConfig
 
-USAGE = "python jobs/export.py run.name=NAME out=DIR [run.storage=runs] [step=N]"
+USAGE = "python jobs/export.py run.name=NAME out=DIR|URL [run.storage=runs] [step=N]"
 
 
 def export(run_dir: str | Path, out: str | Path, step: int | None = None) -> tuple[Path, int]:
@@ -60,6 +62,21 @@ def export(run_dir: str | Path, out: str | Path, step: int | None = None) -> tup
     return out, step
 
 
+def export_to(
+    run_dir: str | Path, out: str, step: int | None = None, storage: StorageConfig | None = None
+) -> tuple[str, int]:
+    """`export` to a local directory, or to a URL through a temporary folder under `storage.cache_dir`,
+    config.json uploaded last."""
+    from distrain.storage.objectstore import is_url
+    from distrain.storage.publish import staged
+
+    if not is_url(out):
+        path, step = export(run_dir, out, step)
+        return str(path), step
+    with staged(out, storage or StorageConfig(), "config.json", "out") as local:
+        return out, export(run_dir, local, step)[1]
+
+
 def readable(path: Path) -> None:
     """safetensors writes its file 0600: give it the mode any other new file gets (0666 less the umask)."""
     umask = os.umask(0)
@@ -71,7 +88,7 @@ def main(argv: list[str]) -> None:
     from distrain.driver.jobargs import REQUIRED, run_job
 
     def work(args: dict) -> str:
-        out, step = export(Path(args["run.storage"]) / args["run.name"], args["out"], args["step"])
+        out, step = export_to(Path(args["run.storage"]) / args["run.name"], args["out"], args["step"])
         return f"distrain: exported run {args['run.name']} at step {step} to {out}"
 
     spec = {"run.name": (str, REQUIRED), "run.storage": (str, "runs"), "out": (str, REQUIRED), "step": (int, None)}

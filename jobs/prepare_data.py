@@ -3,6 +3,9 @@
     .venv/bin/python jobs/prepare_data.py data.path=DIR_OR_GLOB tokenizer=bpe data.shards=OUT
         [tokenizer.vocab_size=8192] [tokenizer.path=TOKENIZER] [data.text_field=text] [data.val_fraction=0.05]
 
+OUT is a new directory, or a URL (s3://bucket/prefix, any fsspec URL): then the shards are written to a
+temporary folder under storage.cache_dir and uploaded, their index last (distrain/storage/publish.py).
+
 The same Hydra overrides as jobs/train.py. Bad input gets one line and exit status 2; at the end it prints
 the command that trains on the shards."""
 
@@ -35,10 +38,17 @@ def main(argv: list[str]) -> None:
     if not cfg.data.shards:
         fail("data.shards is not set: give the directory to write, e.g. data.shards=shards/mycorpus")
     from distrain.data.prepare import prepare
+    from distrain.data.shards import INDEX
+    from distrain.storage.objectstore import is_url
+    from distrain.storage.publish import staged
 
-    out = os.path.abspath(cfg.data.shards)
+    out = cfg.data.shards if is_url(cfg.data.shards) else os.path.abspath(cfg.data.shards)
     try:
-        index = prepare(cfg, out, progress_s=cfg.logger.progress_interval_s)
+        if is_url(out):
+            with staged(out, cfg.storage, INDEX, "data.shards") as local:
+                index = prepare(cfg, local, progress_s=cfg.logger.progress_interval_s)
+        else:
+            index = prepare(cfg, out, progress_s=cfg.logger.progress_interval_s)
     except ConfigError as e:
         fail(str(e))
     except KeyboardInterrupt:

@@ -11,16 +11,19 @@ from typing import TYPE_CHECKING
 from distrain.config import ConfigError
 from distrain.data.shards import read_index
 from distrain.data.tokenizer import load_tokenizer
+from distrain.storage.objectstore import StorageError, is_url
 
 if TYPE_CHECKING:
     from distrain.config import TrainConfig
 
 PREPARE = "jobs/prepare_data.py data.path=... tokenizer=bpe data.shards=DIR"
+TOKENIZER = "tokenizer.json"
 
 
 def check_data(cfg: TrainConfig) -> None:
-    """Token shards that exist, are whole, come from the tokenizer the config names, fit the model's
-    vocabulary and hold a window of trainer.seq_len in each split; a BPE only through shards."""
+    """Token shards (a folder, or a URL whose index is read there) that exist, are whole, come from the
+    tokenizer the config names, fit the model's vocabulary and hold a window of trainer.seq_len in each split;
+    a BPE only through shards."""
     d, t = cfg.data, cfg.tokenizer
     if t.name not in (None, "bytes", "bpe"):
         raise ConfigError(f"tokenizer.name={t.name!r}: choose bytes or bpe (tokenizer=bytes, tokenizer=bpe)")
@@ -28,10 +31,9 @@ def check_data(cfg: TrainConfig) -> None:
         if t.name == "bpe":
             raise ConfigError(f"tokenizer=bpe trains on token shards: run {PREPARE}, then train with data.shards=DIR")
         return
-    index = read_index(d.shards)
+    index, stored = shards_index(cfg)
     where, tok = f"data.shards={d.shards!r}", index["tokenizer"]
-    stored = Path(d.shards) / "tokenizer.json"
-    if not stored.is_file() or hashlib.sha256(stored.read_bytes()).hexdigest() != tok["fingerprint"]:
+    if stored is None or hashlib.sha256(stored).hexdigest() != tok["fingerprint"]:
         raise ConfigError(f"{where} is corrupt: its tokenizer.json is missing or not the one its tokens were made with")
     if t.name is not None and t.name != tok["kind"]:
         raise ConfigError(
@@ -56,6 +58,21 @@ def check_data(cfg: TrainConfig) -> None:
                 f"{where}: no {name} shard holds more than trainer.seq_len+1={seq_len + 1} tokens; lower "
                 f"trainer.seq_len, or prepare more text (or a larger data.val_fraction)"
             )
+
+
+def shards_index(cfg: TrainConfig) -> tuple[dict, bytes | None]:
+    """data.shards' index and its tokenizer.json (None if absent), read where they are: on an object store
+    without fetching a shard (the index is checked against the store's listing)."""
+    if is_url(cfg.data.shards):
+        from distrain.data.remote import remote_index
+
+        index, listing, store = remote_index(cfg.data.shards, cfg.storage)
+        try:
+            return index, store.read_bytes(TOKENIZER) if TOKENIZER in listing else None
+        except StorageError as e:
+            raise ConfigError(f"data.shards={cfg.data.shards!r} cannot be read: {e}") from None
+    stored = Path(cfg.data.shards) / TOKENIZER
+    return read_index(cfg.data.shards), stored.read_bytes() if stored.is_file() else None
 
 
 def check_same_shards(saved: dict, current: dict) -> None:

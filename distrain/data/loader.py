@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from distrain.data.corpus import load_tokens
+from distrain.data.remote import local_shards
 from distrain.data.shards import open_split
 
 if TYPE_CHECKING:
@@ -102,11 +103,12 @@ class Prefetch:
 
 
 def run_batches(cfg: TrainConfig) -> tuple[Batches, Batches]:
-    """A run's training and validation batches: its token shards, or its byte corpus split in two; its global
-    batch and seed."""
+    """A run's training and validation batches: its token shards (from this node's cache when they are on an
+    object store), or its byte corpus split in two; its global batch and seed."""
     t = cfg.trainer
     if cfg.data.shards:
-        train, val = (open_split(cfg.data.shards, name) for name in ("train", "val"))
+        shards = local_shards(cfg)
+        train, val = (open_split(shards, name) for name in ("train", "val"))
     else:
         data = split(load_tokens(cfg.data.path), cfg.data.val_fraction, t.seq_len)
         train, val = data.train, data.val

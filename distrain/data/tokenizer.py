@@ -211,9 +211,12 @@ def config_tokenizer(cfg: TrainConfig) -> Tokenizer | None:
 
 
 def run_tokenizer(cfg: TrainConfig) -> Tokenizer:
-    """What a run trains on: the tokenizer stored with data.shards, else the one the config names."""
+    """What a run trains on: the tokenizer stored with data.shards (fetched into this node's cache from an
+    object store), else the one the config names."""
     if cfg.data.shards:
-        return load_tokenizer(cfg.data.shards, "data.shards")
+        from distrain.data.remote import local_shards
+
+        return load_tokenizer(local_shards(cfg, tokenizer_only=True), "data.shards")
     tokenizer = config_tokenizer(cfg)
     if tokenizer is None:
         raise ConfigError(

@@ -36,6 +36,7 @@ from distrain.model.hf import resolve_init_from
 from distrain.progress import ProgressLine
 from distrain.storage import checkpoint
 from distrain.storage.fsutil import exclusive_lock, make_writable_dir, remove_empty
+from distrain.storage.objectstore import is_url
 from distrain.storage.tracking import SUMMARY_FILE, read_metrics, wandb_mode, write_summary
 from distrain.strategy.layout import Layout
 from distrain.train.job import RankJob
@@ -202,10 +203,11 @@ def resolved(given: TrainConfig) -> tuple[TrainConfig, Layout]:
             f"run.storage={cfg.run.storage!r} is relative, and on a Ray cluster the job's working directory is "
             f"temporary: give an absolute path on storage every node shares"
         )
+    shards = cfg.data.shards  # a URL stays one: each node fetches it (data/remote.py)
     workers_see = replace(
         cfg,
         run=replace(cfg.run, storage=os.path.abspath(cfg.run.storage)),
-        data=replace(cfg.data, shards=cfg.data.shards and os.path.abspath(cfg.data.shards)),
+        data=replace(cfg.data, shards=shards if not shards or is_url(shards) else os.path.abspath(shards)),
         logger=replace(cfg.logger, wandb=replace(cfg.logger.wandb, mode=wandb_mode(cfg.logger.wandb.mode))),
     )
     return workers_see, layout

@@ -163,28 +163,29 @@ class Store:
         return self._retry("creating", put, name)
 
     def upload(self, local_dir: Path, names: Iterable[str], prefix: str) -> None:
-        """Copy each named file of `local_dir` to `prefix/name`."""
+        """Copy each named file of `local_dir` to `prefix/name` (to `name` with an empty prefix)."""
         for name in names:
+            where = f"{prefix}/{name}" if prefix else name
             self._retry(
-                "uploading to",
-                lambda n=name: self.fs.put_file(str(local_dir / n), self._path(f"{prefix}/{n}")),
-                f"{prefix}/{name}",
+                "uploading to", lambda n=name, w=where: self.fs.put_file(str(local_dir / n), self._path(w)), where
             )
 
     def download(self, names: Iterable[str], prefix: str, local_dir: Path) -> None:
-        """Copy each object `prefix/name` to `local_dir/name`, written under a temporary name then renamed:
-        a download cut short never leaves a whole-looking file."""
+        """Copy each object `prefix/name` (`name` with an empty prefix) to `local_dir/name`, written under a
+        temporary name then renamed: a download cut short never leaves a whole-looking file."""
         local_dir.mkdir(parents=True, exist_ok=True)
         for name in names:
             target = local_dir / name
             target.parent.mkdir(parents=True, exist_ok=True)
             part = target.with_name(f".{target.name}.part-{uuid.uuid4().hex[:8]}")
 
-            def get(n: str = name, part: Path = part, target: Path = target) -> None:
-                self.fs.get_file(self._path(f"{prefix}/{n}"), str(part))
+            where = f"{prefix}/{name}" if prefix else name
+
+            def get(where: str = where, part: Path = part, target: Path = target) -> None:
+                self.fs.get_file(self._path(where), str(part))
                 part.replace(target)
 
-            self._retry("downloading", get, f"{prefix}/{name}")
+            self._retry("downloading", get, where)
 
     def remove(self, name: str) -> None:
         """Delete `name`, and everything under it if it is a prefix; nothing if it is absent."""

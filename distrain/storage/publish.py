@@ -1,0 +1,52 @@
+"""A folder a one-process job writes (token shards, an exported model) sent to an object store when its output
+is a URL: the job writes a local folder as it always does, in a temporary place under `storage.cache_dir`, then
+every file is uploaded and one chosen file LAST. A reader takes that file as the sign the rest is there (the
+shards' index, a model's config.json), so an upload cut short never looks complete; and since a complete
+output is never overwritten, only a URL without that file is written to."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from distrain.config import ConfigError
+from distrain.storage.objectstore import StorageError, check_scheme, store_for
+
+if TYPE_CHECKING:
+    from distrain.config import StorageConfig
+
+
+@contextmanager
+def staged(url: str, storage: StorageConfig, last: str, key: str) -> Iterator[Path]:
+    """A local path (absent) to write the output to; once the block ends without error, its files are
+    uploaded to `url`, `last` after all others. A one-line ConfigError naming `key` before anything is
+    written when the URL already holds a complete output or cannot be written, and if the upload fails."""
+    check_scheme(url, key)
+    store = store_for(url, storage)
+    try:
+        if store.exists(last):
+            raise ConfigError(f"{key}={url} already holds a complete output ({last}); choose a new URL or remove it")
+        store.check_writable()
+    except StorageError as e:
+        raise ConfigError(f"{key}={url} cannot be written: {e}") from None
+    parent = Path(storage.cache_dir).expanduser() / "staging"
+    parent.mkdir(parents=True, exist_ok=True)
+    local = Path(tempfile.mkdtemp(dir=parent))
+    try:
+        yield local / "out"
+        names = sorted(str(p.relative_to(local / "out")) for p in (local / "out").rglob("*") if p.is_file())
+        if last not in names:
+            raise ConfigError(f"{key}={url}: the output has no {last}; nothing was uploaded")
+        try:
+            store.upload(local / "out", [n for n in names if n != last], "")
+            store.upload(local / "out", [last], "")
+        except StorageError as e:
+            raise ConfigError(
+                f"{key}={url}: the upload failed, {last} not written (the output is incomplete): {e}"
+            ) from None
+    finally:
+        shutil.rmtree(local, ignore_errors=True)

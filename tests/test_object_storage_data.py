@@ -1,0 +1,166 @@
+"""Token shards and exported models on an object store (issue 33), against a real S3 server (SeaweedFS, the
+`s3` fixture): jobs/prepare_data.py uploads to a URL, its index last; a run trains from `data.shards=s3://…`
+exactly as from the same shards on disk, each node fetching them once into its cache, which mends itself; a URL
+without shards is refused in one line before any worker starts; jobs/export.py writes to a URL the bytes it
+writes to a folder."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import threading
+import uuid
+import zlib
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from conftest import REPO, free_port, logged, make_config
+
+from distrain.config import ConfigError, StorageConfig
+from distrain.data.corpus import stdlib_files
+from distrain.data.remote import fetch
+from distrain.data.shards import read_index
+from distrain.driver.launch import train
+from distrain.storage.objectstore import Store
+from distrain.storage.publish import staged
+
+sys.path.append(str(REPO / "jobs"))
+from export import export, export_to  # noqa: E402
+from prepare_data import main as prepare_data  # noqa: E402
+
+STEPS = 4
+
+
+def config(tmp: Path, s3, shards: str, *overrides: str):
+    """A 2-worker byte-shards run; the workers get the store's credentials and endpoint from cluster.env_vars."""
+    env = [f"+cluster.env_vars.{k}={v}" for k, v in s3.env.items()]
+    return make_config(
+        tmp, f"data.shards={shards}", f"storage.cache_dir={tmp}/cache", "cluster.num_workers=2",
+        f"trainer.max_steps={STEPS}", "model.vocab_size=257", *env, *overrides,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def shards(s3, tmp_path_factory) -> tuple[str, Path]:
+    """Byte shards of ~200 kB of the standard library, prepared by the job straight to a URL; and a plain
+    copy of what the store holds there (fsspec's own download), to train from locally."""
+    corpus = tmp_path_factory.mktemp("corpus")
+    for i, f in enumerate(stdlib_files()[10:30]):
+        (corpus / f"{i:02d}.py").write_bytes(Path(f).read_bytes())
+    url = s3.url(f"shards-{uuid.uuid4().hex[:8]}")
+    cache = tmp_path_factory.mktemp("prepare-cache")
+    prepare_data([f"data.path={corpus}", f"data.shards={url}", f"storage.cache_dir={cache}"])
+    assert not any((cache / "staging").iterdir())  # the temporary folder is gone
+    local = tmp_path_factory.mktemp("local") / "shards"
+    store = Store(url)
+    store.fs.get(store.root + "/", str(local), recursive=True)
+    return url, local
+
+
+@pytest.fixture(scope="module")
+def runs(shards, s3, tmp_path_factory, ray_cluster) -> dict:
+    """The same run trained from the local copy and from the URL."""
+    url, local = shards
+    tmp = tmp_path_factory.mktemp("runs")
+    cfgs = {"local": config(tmp, s3, str(local), "run.name=local"), "url": config(tmp, s3, url, "run.name=url")}
+    for cfg in cfgs.values():
+        assert train(cfg)["final_step"] == STEPS
+    return cfgs
+
+
+def test_the_job_uploads_every_shard_with_its_checksum(shards, capsys):
+    url, local = shards
+    index = read_index(local)
+    files = [s for split in ("train", "val") for s in index["splits"][split]["shards"]]
+    assert files and all(s["crc32"] == zlib.crc32((local / s["file"]).read_bytes()) for s in files)
+    assert {"index.json", "tokenizer.json", "tokenizer_config.json"} <= {p.name for p in local.iterdir()}
+    failed = pytest.raises(SystemExit, prepare_data, [f"data.path={REPO}/distrain", f"data.shards={url}"])
+    assert failed.value.code == 2  # a complete output is never overwritten
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "already holds a complete output" in err, err
+
+
+def test_a_cut_upload_never_shows_its_last_file(tmp_path: Path):
+    """The upload fails on one file (a folder stands where it goes): the index, sent last, is not there."""
+    dest = tmp_path / "dest"
+    (dest / "train_000001.bin").mkdir(parents=True)
+    storage = StorageConfig(cache_dir=str(tmp_path / "cache"), retries=0)
+    with pytest.raises(ConfigError, match="the upload failed, index.json not written") as e:
+        with staged(f"file://{dest}", storage, "index.json", "data.shards") as out:
+            out.mkdir()
+            for name in ("index.json", "train_000000.bin", "train_000001.bin"):
+                (out / name).write_bytes(b"x")
+    assert "\n" not in str(e.value)
+    assert not (dest / "index.json").exists() and (dest / "train_000000.bin").is_file()
+
+
+def test_a_run_from_a_url_trains_on_the_same_tokens(runs, shards):
+    url, local = shards
+    assert logged(runs["url"]) == logged(runs["local"])  # bitwise
+    assert logged(runs["url"], "grad_norm") == logged(runs["local"], "grad_norm")
+    cache = Path(runs["url"].storage.cache_dir) / "mirror"
+    (cached,) = [p.parent for p in cache.rglob("index.json")]
+    for f in local.iterdir():
+        assert (cached / f.name).read_bytes() == f.read_bytes(), f.name
+
+
+def test_a_node_fetches_once_and_mends_a_damaged_cache(shards, tmp_path: Path):
+    url, local = shards
+    storage = StorageConfig(cache_dir=str(tmp_path))
+    fetched: list[list[str]] = []
+    ranks = [threading.Thread(target=lambda: fetched.append(fetch(url, storage)[1])) for _ in range(3)]
+    for rank in ranks:
+        rank.start()
+    for rank in ranks:
+        rank.join(timeout=60)
+    everything = sorted(p.name for p in local.iterdir() if p.name != "index.json")
+    assert sorted(sum(fetched, [])) == everything  # each file once, by one of the ranks sharing the cache
+    cache, again = fetch(url, storage)
+    assert again == []
+    with open(cache / "train_000000.bin", "r+b") as f:  # damaged in place: the same size
+        f.seek(100)
+        f.write(b"\xff\xfe")
+    with open(cache / "val_000000.bin", "r+b") as f:
+        f.truncate(7)
+    (cache / "tokenizer.json").unlink()
+    assert sorted(fetch(url, storage)[1]) == ["tokenizer.json", "train_000000.bin", "val_000000.bin"]
+    for f in local.iterdir():
+        assert (cache / f.name).read_bytes() == f.read_bytes(), f.name
+
+
+def test_a_url_without_shards_is_refused_in_one_line_before_any_worker(shards, s3, tmp_path: Path):
+    url, local = shards
+    partial = s3.url(f"partial-{uuid.uuid4().hex[:8]}")
+    Store(partial).write_bytes("index.json", (local / "index.json").read_bytes())  # an index without its shards
+    fast = {"connect_timeout": 1, "retries": {"max_attempts": 1}}  # a closed port fails at once
+    unreachable = StorageConfig(
+        options={"endpoint_url": f"http://127.0.0.1:{free_port()}", "config_kwargs": fast}, retries=0
+    )
+    cases = (
+        (s3.url("nothing-here"), None, "has no index.json: not prepared"),
+        (partial, None, "is corrupt .*train_000000.bin is missing"),
+        (url, unreachable, "cannot be read"),
+    )
+    for shards_url, storage, message in cases:
+        cfg = config(tmp_path, s3, shards_url, "run.name=refused")
+        cfg = replace(cfg, storage=storage or cfg.storage)
+        with pytest.raises(ConfigError, match=message) as e:
+            train(cfg)
+        assert "\n" not in str(e.value) and shards_url in str(e.value), str(e.value)
+    assert not (tmp_path / "refused").exists() and not (tmp_path / "cache").exists()
+
+
+def test_an_export_to_a_url_is_the_local_export(runs, s3, tmp_path: Path):
+    run_dir = runs["url"].run_dir  # its tokenizer comes from the shards' URL
+    out, step = export(run_dir, tmp_path / "local")
+    url = s3.url(f"export-{uuid.uuid4().hex[:8]}")
+    storage = StorageConfig(cache_dir=str(tmp_path / "cache"))
+    assert export_to(run_dir, url, storage=storage) == (url, step)
+    store = Store(url)
+    assert sorted(store.listing()) == sorted(p.name for p in out.iterdir())
+    for f in out.iterdir():
+        assert store.read_bytes(f.name) == f.read_bytes(), f.name
+    with pytest.raises(ConfigError, match="already holds a complete output"):
+        export_to(run_dir, url, storage=storage)
+    shutil.rmtree(out)
