@@ -6,6 +6,7 @@ writes to a folder."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import sys
 import threading
@@ -127,6 +128,20 @@ def test_a_node_fetches_once_and_mends_a_damaged_cache(shards, tmp_path: Path):
     assert sorted(fetch(url, storage)[1]) == ["tokenizer.json", "train_000000.bin", "val_000000.bin"]
     for f in local.iterdir():
         assert (cache / f.name).read_bytes() == f.read_bytes(), f.name
+
+
+def test_an_index_without_checksums_still_fetches(shards, s3, tmp_path: Path):
+    """Shards prepared before the index recorded CRC-32s: checked by size."""
+    url, local = shards
+    old = Store(s3.url(f"old-{uuid.uuid4().hex[:8]}"))
+    index = json.loads((local / "index.json").read_text())
+    for split in index["splits"].values():
+        for shard in split["shards"]:
+            del shard["crc32"]
+    old.upload(local, [p.name for p in local.iterdir() if p.name != "index.json"], "")
+    old.write_bytes("index.json", json.dumps(index).encode())
+    cache, fetched = fetch(old.url, StorageConfig(cache_dir=str(tmp_path)))
+    assert len(fetched) == 4 and read_index(cache) == index
 
 
 def test_a_url_without_shards_is_refused_in_one_line_before_any_worker(shards, s3, tmp_path: Path):

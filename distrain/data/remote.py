@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import time
 import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -68,9 +69,12 @@ def fetch(url: str, storage: StorageConfig, tokenizer_only: bool = False) -> tup
     cache.mkdir(parents=True, exist_ok=True)
     with open(cache / LOCK, "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
+        for leftover in cache.glob(".*.part-*"):  # a download a killed rank left: no one else writes here now
+            leftover.unlink()
         checked = _read_checked(cache)
         stale = [name for name, want in wanted.items() if not _whole(cache / name, want, checked)]
         if stale:
+            started = time.monotonic()
             try:
                 store.download(stale, "", cache)
             except StorageError as e:
@@ -80,6 +84,12 @@ def fetch(url: str, storage: StorageConfig, tokenizer_only: bool = False) -> tup
                     raise ConfigError(
                         f"data.shards={url!r}: {name} as fetched does not match its index; prepare the shards again"
                     )
+            size = sum(wanted[name][0] for name in stale) / 2**20
+            print(
+                f"distrain: fetched {len(stale)} files ({size:.1f} MiB) of data.shards={url} into {cache} in "
+                f"{time.monotonic() - started:.1f} s",
+                flush=True,
+            )
         (cache / f"{CHECKED}.tmp").write_text(json.dumps(checked))
         (cache / f"{CHECKED}.tmp").replace(cache / CHECKED)
         if not tokenizer_only:
