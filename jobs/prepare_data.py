@@ -52,7 +52,8 @@ def main(argv: list[str]) -> None:
     except ConfigError as e:
         fail(str(e))
     except KeyboardInterrupt:
-        fail(f"interrupted; nothing was written to {out}", code=130)
+        written = f"{out} has no {INDEX}: not usable" if is_url(out) else f"nothing was written to {out}"
+        fail(f"interrupted; {written}", code=130)
     tok, splits = index["tokenizer"], index["splits"]
     print(
         f"distrain: wrote {out}: {splits['train']['tokens']:,} train and {splits['val']['tokens']:,} validation "

@@ -156,6 +156,7 @@ def test_a_url_without_shards_is_refused_in_one_line_before_any_worker(shards, s
         (s3.url("nothing-here"), None, "has no index.json: not prepared"),
         (partial, None, "is corrupt .*train_000000.bin is missing"),
         (url, unreachable, "cannot be read"),
+        ("nosuchfs://bucket/shards", None, "no filesystem for nosuchfs://"),
     )
     for shards_url, storage, message in cases:
         cfg = config(tmp_path, s3, shards_url, "run.name=refused")

@@ -32,8 +32,8 @@ def remote_index(url: str, storage: StorageConfig) -> tuple[dict[str, Any], dict
     """The index at `url`, checked against the store's listing (every shard there, of its size), the listing,
     and the store; a one-line ConfigError naming the URL when it is unreachable, unprepared or corrupt."""
     where = f"data.shards={url!r}"
-    check_scheme(url, "data.shards")
     try:
+        check_scheme(url, "data.shards")
         store = store_for(url, storage)
         text = store.read_bytes(INDEX)
         listing = store.listing()
@@ -44,6 +44,8 @@ def remote_index(url: str, storage: StorageConfig) -> tuple[dict[str, Any], dict
         ) from None
     except StorageError as e:
         raise ConfigError(f"{where} cannot be read: {e}") from None
+    except ValueError as e:  # no filesystem for the scheme
+        raise ConfigError(str(e)) from None
     except Exception as e:  # the filesystem's own (a bad endpoint, no credentials) before any retry
         raise ConfigError(f"{where} cannot be read: {type(e).__name__}: {str(e).strip().splitlines()[0]}") from None
     return parse_index(text, where, listing), listing, store

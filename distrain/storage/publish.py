@@ -25,13 +25,18 @@ def staged(url: str, storage: StorageConfig, last: str, key: str) -> Iterator[Pa
     """A local path (absent) to write the output to; once the block ends without error, its files are
     uploaded to `url`, `last` after all others. A one-line ConfigError naming `key` before anything is
     written when the URL already holds a complete output or cannot be written, and if the upload fails."""
-    check_scheme(url, key)
+    try:
+        check_scheme(url, key)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     store = store_for(url, storage)
     try:
         if store.exists(last):
             raise ConfigError(f"{key}={url} already holds a complete output ({last}); choose a new URL or remove it")
+        if "file" in store.fs.protocol:  # a folder, which must exist to hold files (an object store has none)
+            store.fs.makedirs(store.root, exist_ok=True)
         store.check_writable()
-    except StorageError as e:
+    except (StorageError, OSError) as e:
         raise ConfigError(f"{key}={url} cannot be written: {e}") from None
     parent = Path(storage.cache_dir).expanduser() / "staging"
     parent.mkdir(parents=True, exist_ok=True)
