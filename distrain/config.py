@@ -254,6 +254,9 @@ class FaultConfig:
     # attempt that began at step 0: a kill at a known step, with no race against a fast run (jobs/bench/gpu_check.py).
     kill_at_step: int | None = None
     kill_rank: int = 0
+    # With run.storage a URL: the kill happens instead while step kill_at_step's checkpoint is being uploaded, once
+    # rank kill_rank's first object is on the store (a torn checkpoint there: storage/remote.py).
+    kill_mid_upload: bool = False
 
 
 @dataclass

@@ -63,8 +63,13 @@ class ProgressLine(_Line):
         self.last_step = -1
         self.metrics: dict = {}
         self.unprinted: str | None = None  # the newest line, held back by the interval
+        self.said: set[str] = set()
 
     def update(self, progress: dict) -> None:
+        for line in progress.get("said", ()):  # rank 0's own lines (a checkpoint not committed), each once
+            if line not in self.said:
+                self.said.add(line)
+                self.message(line)
         step = progress.get("step")
         if step is None or step == self.last_step:
             return

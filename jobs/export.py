@@ -86,9 +86,10 @@ def readable(path: Path) -> None:
 
 def main(argv: list[str]) -> None:
     from distrain.driver.jobargs import REQUIRED, run_job
+    from distrain.driver.trained import run_location
 
     def work(args: dict) -> str:
-        out, step = export_to(Path(args["run.storage"]) / args["run.name"], args["out"], args["step"])
+        out, step = export_to(run_location(args["run.storage"], args["run.name"]), args["out"], args["step"])
         return f"distrain: exported run {args['run.name']} at step {step} to {out}"
 
     spec = {"run.name": (str, REQUIRED), "run.storage": (str, "runs"), "out": (str, REQUIRED), "step": (int, None)}

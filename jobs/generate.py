@@ -10,7 +10,6 @@ Bad input: one line and exit status 2."""
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -65,12 +64,12 @@ def resolve_device(name: str) -> torch.device:
 
 def generate(args: dict) -> str:
     from distrain.data.tokenizer import run_tokenizer
-    from distrain.driver.trained import load_trained
+    from distrain.driver.trained import load_trained, run_location
 
     if args["temperature"] < 0 or args["top_k"] < 0 or args["max_new_tokens"] < 0:
         raise ConfigError("temperature, top_k and max_new_tokens must be ≥ 0 (temperature=0: greedy; top_k=0: all)")
     device = resolve_device(args["device"])
-    cfg, model = load_trained(Path(args["run.storage"]) / args["run.name"], args["step"])
+    cfg, model = load_trained(run_location(args["run.storage"], args["run.name"]), args["step"])
     tokenizer = run_tokenizer(cfg)
     ids = tokenizer.encode(args["prompt"])
     if not ids:

@@ -9,14 +9,14 @@ import pytest
 import torch
 from torch import nn
 
-from distrain.storage import checkpoint, safeload
+from distrain.storage import checkpoint, safeload, saver
 
 pytestmark = pytest.mark.usefixtures("process_group")
 
 
 def save(root: Path, step: int, model: nn.Module, keep: int = 2) -> Path:
     meta = {"step": step, "world_size": 1}
-    return checkpoint.save(root, step, {"model": model.state_dict()}, meta, {"rng": torch.get_rng_state()}, keep)
+    return saver.save(root, step, {"model": model.state_dict()}, meta, {"rng": torch.get_rng_state()}, keep)
 
 
 def test_retention_keeps_the_newest_committed_and_loads_exactly(tmp_path: Path):

@@ -33,7 +33,7 @@ def save_every_layout(rank: int, port: int, cases: dict, out: str) -> None:
     rank_env(rank, WORLD, port, CUDA_VISIBLE_DEVICES="")
     from distrain.config import from_plain
     from distrain.parallel import process_group
-    from distrain.storage import checkpoint, safeload
+    from distrain.storage import safeload, saver
     from distrain.strategy.layout import Layout
     from distrain.train.faults import Faults
     from distrain.train.learner import Learner
@@ -47,7 +47,7 @@ def save_every_layout(rank: int, port: int, cases: dict, out: str) -> None:
         learner = Learner(cfg, layout, layout.data_shard(rank), device, Faults(cfg.fault, rank, None))
         optimizer = build_optimizer(learner.module, cfg.optim, learner.parallel.zero1_group, nvme_scratch(cfg, rank))
         background = cfg.strategy.offload != "nvme"  # as the trainer chooses
-        saver = checkpoint.Saver(Path(out, name), keep=2, background=background)
+        writer = saver.Saver(Path(out, name), keep=2, background=background)
         for step in (1, 2):
             learner.forward_backward(step)
             learner.parallel.clip_grad_norm(1.0)
@@ -55,8 +55,8 @@ def save_every_layout(rank: int, port: int, cases: dict, out: str) -> None:
             optimizer.zero_grad(set_to_none=True)
             state, _ = checkpoint_state(learner, optimizer)
             found[name] = safeload.unplain_leaves(state)
-            saver.save(step, state, {"step": step, "world_size": WORLD}, {})
-        saver.close()
+            writer.save(step, state, {"step": step, "world_size": WORLD}, {})
+        writer.close()
     torch.save(found, Path(out, f"rank{rank}.pt"))
     process_group.destroy()
 

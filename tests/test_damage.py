@@ -12,7 +12,7 @@ import torch
 from conftest import DAMAGES, damage
 from torch import nn
 
-from distrain.storage import checkpoint, safeload
+from distrain.storage import checkpoint, safeload, saver
 
 pytestmark = pytest.mark.usefixtures("process_group")
 
@@ -24,7 +24,7 @@ def save_steps(root: Path, *steps: int) -> nn.Module:
         with torch.no_grad():
             model.weight.fill_(step)
         meta = {"step": step, "world_size": 1}
-        checkpoint.save(root, step, {"model": model.state_dict()}, meta, {"rng": torch.get_rng_state()}, keep=5)
+        saver.save(root, step, {"model": model.state_dict()}, meta, {"rng": torch.get_rng_state()}, keep=5)
     return model
 
 
@@ -77,7 +77,7 @@ def test_a_run_resumed_below_a_damaged_checkpoint_keeps_what_it_saves(tmp_path: 
     assert checkpoint.latest(tmp_path).name == "step_00000010"
     before = files(checkpoint.step_dir(tmp_path, 20))
     model = nn.Linear(64, 64)
-    checkpoint.save(tmp_path, 15, {"model": model.state_dict()}, {"step": 15}, {}, keep=1)
+    saver.save(tmp_path, 15, {"model": model.state_dict()}, {"step": 15}, {}, keep=1)
     assert [p.name for p in checkpoint.checkpoints(tmp_path)] == ["step_00000020", "step_00000015"]
     assert checkpoint.latest(tmp_path).name == "step_00000015"
     assert files(checkpoint.step_dir(tmp_path, 20)) == before

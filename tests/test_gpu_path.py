@@ -214,18 +214,18 @@ SLOW_WRITE_S = 5.0
 def train_rank(rank: int, port: int, job: RankJob, out: str) -> None:
     """One rank of a 2-rank run whose rank 1 takes SLOW_WRITE_S longer to write its first checkpoint."""
     rank_env(rank, 2, port, CUDA_VISIBLE_DEVICES="")
-    from distrain.storage import checkpoint
+    from distrain.storage import saver
     from distrain.train.loop import run_rank
 
     if rank == 1:
-        save = checkpoint.Saver.save
+        save = saver.Saver.save
 
         def slow_save(*args, **kwargs):
-            checkpoint.Saver.save = save
+            saver.Saver.save = save
             time.sleep(SLOW_WRITE_S)
             return save(*args, **kwargs)
 
-        checkpoint.Saver.save = slow_save
+        saver.Saver.save = slow_save
     Path(out, f"rank{rank}.json").write_text(json.dumps(run_rank(job, Channel())))
 
 

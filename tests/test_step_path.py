@@ -10,7 +10,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from distrain.data.loader import Batches, Prefetch
-from distrain.storage import checkpoint
+from distrain.storage import checkpoint, saver
 from distrain.train.metrics import Readback, memory_peaks
 from distrain.train.optim import kernels
 
@@ -36,12 +36,12 @@ def test_a_background_checkpoint_holds_the_state_at_save_time(tmp_path):
     model = nn.Linear(64, 64)
     with torch.no_grad():
         model.weight.fill_(1.0)
-    saver = checkpoint.Saver(tmp_path, keep=2, background=True)
-    saver.save(1, {"model": model.state_dict()}, {"step": 1, "world_size": 1}, {})
-    assert saver.pending is not None  # returned before the commit: the write is the thread's
+    writer = saver.Saver(tmp_path, keep=2, background=True)
+    writer.save(1, {"model": model.state_dict()}, {"step": 1, "world_size": 1}, {})
+    assert writer.pending is not None  # returned before the commit: the write is the thread's
     with torch.no_grad():
         model.weight.fill_(2.0)  # the next step
-    saver.close()
+    writer.close()
     path = checkpoint.latest(tmp_path)
     assert path is not None and path.name == "step_00000001"
     state = {"model": nn.Linear(64, 64).state_dict()}
@@ -56,14 +56,14 @@ def test_one_saver_commits_every_background_save_of_a_run(tmp_path, pin: bool):
     `pin` is the GPU's setting (host copies pinned, copied without blocking); without an accelerator
     torch pins nothing, and the same saves must still commit."""
     model = nn.Linear(16, 16)
-    saver = checkpoint.Saver(tmp_path, keep=4, background=True, pin=pin)
+    writer = saver.Saver(tmp_path, keep=4, background=True, pin=pin)
     for step in (1, 2, 3):
         with torch.no_grad():
             model.weight.fill_(step)
         # tensors and plain data, nested as an optimizer's flattened state is
         optim = {"state.weight.step": torch.tensor(float(step)), "lr": 0.1, "betas": [0.9, 0.95], "name": "adamw"}
-        saver.save(step, {"model": model.state_dict(), "optim": optim}, {"step": step, "world_size": 1}, {})
-    saver.close()
+        writer.save(step, {"model": model.state_dict(), "optim": optim}, {"step": step, "world_size": 1}, {})
+    writer.close()
     assert [p.name for p in checkpoint.checkpoints(tmp_path)] == ["step_00000003", "step_00000002", "step_00000001"]
     for step in (1, 2, 3):
         path = checkpoint.step_dir(tmp_path, step)

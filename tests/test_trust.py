@@ -25,7 +25,7 @@ from distrain.driver.launch import group_spec, train
 from distrain.driver.validation import validate
 from distrain.model.llama import Transformer
 from distrain.ps.server import SERVER_FILE, ParameterServer, load_weights
-from distrain.storage import checkpoint, safeload
+from distrain.storage import checkpoint, safeload, saver
 
 
 class Planted:
@@ -60,7 +60,7 @@ def test_a_rank_file_holding_a_callable_is_refused_not_run(process_group, tmp_pa
     """checkpoint.load torch.loads each rank's own file (its RNG state): one that holds a callable
     raises UnsafeCheckpointError, one line naming the file, and the callable never runs."""
     model, marker = nn.Linear(2, 2), tmp_path / "ran"
-    path = checkpoint.save(tmp_path / "ckpt", 1, {"model": model.state_dict()}, {"step": 1, "world_size": 1}, {}, 1)
+    path = saver.save(tmp_path / "ckpt", 1, {"model": model.state_dict()}, {"step": 1, "world_size": 1}, {}, 1)
     rank_file = path / "rank_00000.pt"
     plant(rank_file, {"cpu_rng": Planted(marker)}, fmt)
     with pytest.raises(safeload.UnsafeCheckpointError) as error:
@@ -74,7 +74,7 @@ def test_dcp_metadata_naming_a_callable_is_refused_not_run(process_group, tmp_pa
     """DCP unpickles its `.metadata` with plain pickle: there only DCP's own record classes are
     allowed, and the refusal comes out as itself, not inside DCP's wrapped errors."""
     model, marker = nn.Linear(2, 2), tmp_path / "ran"
-    path = checkpoint.save(tmp_path / "ckpt", 1, {"model": model.state_dict()}, {"step": 1, "world_size": 1}, {}, 1)
+    path = saver.save(tmp_path / "ckpt", 1, {"model": model.state_dict()}, {"step": 1, "world_size": 1}, {}, 1)
     plant(path / ".metadata", Planted(marker), "pickle")
     with pytest.raises(safeload.UnsafeCheckpointError) as error:
         checkpoint.load(path, {"model": model.state_dict()})
@@ -88,14 +88,14 @@ def test_a_non_tensor_item_holding_a_callable_is_refused_not_run(process_group, 
     callable is refused; a plain one (a dict of numbers) still loads."""
     model, marker = nn.Linear(2, 2), tmp_path / "ran"
     meta = {"step": 1, "world_size": 1}
-    plain = checkpoint.save(tmp_path / "plain", 1, {"model": model.state_dict(), "extra": {"a": 1}}, meta, {}, 1)
+    plain = saver.save(tmp_path / "plain", 1, {"model": model.state_dict(), "extra": {"a": 1}}, meta, {}, 1)
     state = {"model": model.state_dict(), "extra": {"a": 0}}
     checkpoint.load(plain, state)
     assert state["extra"] == {"a": 1}
 
     planted = {"model": model.state_dict(), "extra": Planted(marker)}
     with pytest.raises(TypeError, match="holds extra"):  # distrain never writes one
-        checkpoint.save(tmp_path / "ckpt", 1, planted, meta, {}, 1)
+        saver.save(tmp_path / "ckpt", 1, planted, meta, {}, 1)
     assert not (tmp_path / "ckpt").exists()
     path = checkpoint.prepare(tmp_path / "ckpt", 1)  # someone else's, written straight with DCP
     dcp.save(planted, checkpoint_id=str(path))

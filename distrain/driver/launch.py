@@ -34,9 +34,9 @@ from distrain.driver.stop import Stopped, stop_signals
 from distrain.driver.validation import validate
 from distrain.model.hf import resolve_init_from
 from distrain.progress import ProgressLine
-from distrain.storage import checkpoint
+from distrain.storage import checkpoint, remote
 from distrain.storage.fsutil import exclusive_lock, make_writable_dir, remove_empty
-from distrain.storage.objectstore import is_url
+from distrain.storage.objectstore import is_url, store_for
 from distrain.storage.tracking import SUMMARY_FILE, read_metrics, wandb_mode, write_summary
 from distrain.strategy.layout import Layout
 from distrain.train.job import RankJob
@@ -66,8 +66,8 @@ class AllReduceEngine:
         collectives that ranks whose peer died wait in (on NCCL they would wait out the collective timeout,
         then be killed), and a check on the device before a process is kept."""
         group.recover_with(f"{PROCESS_GROUP}:check_device", f"{PROCESS_GROUP}:abort")
-        latest = checkpoint.latest(self.run_dir / "checkpoints")
-        attempt.info["resumed_from_step"] = checkpoint.read_meta(latest)["step"] if latest else 0
+        latest, meta = newest_checkpoint(self.job.config, self.run_dir)
+        attempt.info["resumed_from_step"] = meta.get("step", 0)
         job = replace(
             self.job,
             layout=self.layouts[len(group.table)],
@@ -125,7 +125,8 @@ def group_spec(cfg: TrainConfig, layout: Layout, say: Callable[[str], None] = pr
     )
 
 
-FORWARDED = ("WANDB_", "NCCL_", "GLOO_", "TORCH_", "CUDA_")  # W&B's settings and key, the collectives', torch's
+# W&B's settings and key, the collectives', torch's, the object store's credentials and endpoint
+FORWARDED = ("WANDB_", "NCCL_", "GLOO_", "TORCH_", "CUDA_", "AWS_")
 
 
 def worker_env(c: ClusterConfig) -> tuple[tuple[str, str], ...]:
@@ -198,7 +199,7 @@ def resolved(given: TrainConfig) -> tuple[TrainConfig, Layout]:
     cfg = resolve_init_from(given)
     layout = validate(cfg)
     policy_class(cfg.cluster.policy)  # a user's policy imported, or a one-line error, before anything starts
-    if not os.path.isabs(cfg.run.storage) and attach_address(cfg.cluster.address):
+    if not cfg.run_url and not os.path.isabs(cfg.run.storage) and attach_address(cfg.cluster.address):
         raise ConfigError(
             f"run.storage={cfg.run.storage!r} is relative, and on a Ray cluster the job's working directory is "
             f"temporary: give an absolute path on storage every node shares"
@@ -206,7 +207,7 @@ def resolved(given: TrainConfig) -> tuple[TrainConfig, Layout]:
     shards = cfg.data.shards  # a URL stays one: each node fetches it (data/remote.py)
     workers_see = replace(
         cfg,
-        run=replace(cfg.run, storage=os.path.abspath(cfg.run.storage)),
+        run=replace(cfg.run, storage=cfg.run.storage if cfg.run_url else os.path.abspath(cfg.run.storage)),
         data=replace(cfg.data, shards=shards if not shards or is_url(shards) else os.path.abspath(shards)),
         logger=replace(cfg.logger, wandb=replace(cfg.logger.wandb, mode=wandb_mode(cfg.logger.wandb.mode))),
     )
@@ -219,8 +220,7 @@ def _prepare(
     """The supervisor of the run (its engine: collective training or the parameter server) and the summary
     it starts from (the run's history, its W&B id); ConfigError, before anything is written, for a
     checkpoint this config cannot resume. `started`: the driver's start."""
-    resume_from = checkpoint.latest(run_dir / "checkpoints")
-    meta = checkpoint.read_meta(resume_from) if resume_from else {}
+    resume_from, meta = newest_checkpoint(cfg, run_dir)
     if resume_from:
         check_resumable(meta.get("config"), to_plain(cfg))
         check_steps_left(meta, cfg, progress.message)
@@ -377,6 +377,17 @@ def make_run_dir(cfg: TrainConfig) -> tuple[Path, list[Path]]:
             f"run.storage={cfg.run.storage!r} cannot hold the run directory {str(run_dir)!r} "
             f"({e.strerror or e}): give a directory you can write"
         ) from None
+
+
+def newest_checkpoint(cfg: TrainConfig, run_dir: Path) -> tuple[Path | None, dict]:
+    """The checkpoint a (re)start resumes from, and its metadata: the newest that verifies in the run
+    directory; with an object store, the newest committed there (its marker and meta.json read from the
+    store, nothing downloaded: each rank fetches it into its node's mirror, where this path names it)."""
+    if cfg.run_url:
+        found = remote.latest_meta(store_for(cfg.run_url, cfg.storage))
+        return (run_dir / remote.PREFIX / found[0], found[1]) if found else (None, {})
+    path = checkpoint.latest(run_dir / "checkpoints")
+    return path, (checkpoint.read_meta(path) if path else {})
 
 
 def _previous_summaries(run_dir: Path) -> list[dict]:

@@ -9,14 +9,23 @@ from pathlib import Path
 
 from torch import nn
 
-from distrain.config import ConfigError, TrainConfig, from_plain
+from distrain.config import ConfigError, StorageConfig, TrainConfig, from_plain
 from distrain.model.registry import build_model
-from distrain.storage import checkpoint, safeload
+from distrain.storage import checkpoint, remote, safeload
+from distrain.storage.objectstore import is_url
 
 
-def checkpoint_path(run_dir: str | Path, step: int | None = None) -> Path:
+def run_location(storage: str, name: str) -> str:
+    """Where the run `name` of `run.storage` is: a directory, or a URL on an object store."""
+    return f"{storage.rstrip('/')}/{name}" if is_url(storage) else str(Path(storage) / name)
+
+
+def checkpoint_path(run_dir: str | Path, step: int | None = None, storage: StorageConfig | None = None) -> Path:
     """The newest checkpoint of the run that verifies (or `step`'s, if it does); a one-line ConfigError when
-    there is none. A newer one skipped as damaged is said in one line on stderr."""
+    there is none. A newer one skipped as damaged is said in one line on stderr. A run on an object store
+    (`run_dir` a URL) is read from there: the checkpoint is downloaded into the local mirror (`storage`)."""
+    if is_url(str(run_dir)):
+        return _fetched(str(run_dir), step, storage or StorageConfig())
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise ConfigError(f"run.name: no run at {run_dir}; give the run.name (and run.storage) of a run that trained")
@@ -43,10 +52,24 @@ def checkpoint_path(run_dir: str | Path, step: int | None = None) -> Path:
     return path
 
 
-def load_trained(run_dir: str | Path, step: int | None = None) -> tuple[TrainConfig, nn.Module]:
+def _fetched(url: str, step: int | None, storage: StorageConfig) -> Path:
+    store, mirror = remote.mirror_of(url, storage)
+    try:
+        path = remote.fetch(store, mirror, step, only=step is not None)
+    except safeload.DamagedCheckpointError as e:
+        raise ConfigError(str(e)) from None
+    if path is None:
+        which = f"of step={step}" if step is not None else "yet"
+        raise ConfigError(f"run {url} has no committed checkpoint {which} on the object store")
+    return path
+
+
+def load_trained(
+    run_dir: str | Path, step: int | None = None, storage: StorageConfig | None = None
+) -> tuple[TrainConfig, nn.Module]:
     """The run's config (as its checkpoint holds it) and its model, built with the registry and filled
     with the weights of the newest checkpoint that verifies (or `step`'s), in eval mode on the CPU."""
-    path = checkpoint_path(run_dir, step)
+    path = checkpoint_path(run_dir, step, storage)
     meta = checkpoint.read_meta(path)
     cfg = from_plain(meta["config"])
     model = build_model(cfg.model, cfg.trainer.seq_len, seed=cfg.trainer.seed)

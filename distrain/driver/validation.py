@@ -14,6 +14,7 @@ from distrain.driver.plan import rank_memory
 from distrain.model.families import shipped
 from distrain.model.registry import check_model, has_plan
 from distrain.storage import directio
+from distrain.storage.objectstore import is_url
 from distrain.strategy import PARALLELISMS
 from distrain.strategy.layout import Layout
 from distrain.strategy.pipeline import SCHEDULES
@@ -230,6 +231,16 @@ def _validate_training(cfg: TrainConfig) -> None:
         f.kill_at_step is None or (1 <= f.kill_at_step <= t.max_steps and cfg.ps.mode is None),
         f"fault.kill_at_step={f.kill_at_step}: must be a step of trainer.max_steps={t.max_steps} in collective "
         "training (or null)",
+    )
+    require(
+        not f.kill_mid_upload
+        or (
+            f.kill_at_step is not None
+            and is_url(cfg.run.storage)
+            and (f.kill_at_step == t.max_steps or f.kill_at_step % (cfg.checkpoint.interval or t.max_steps + 1) == 0)
+        ),
+        "fault.kill_mid_upload=true: needs run.storage on an object store (a URL) and fault.kill_at_step at a "
+        "step that saves a checkpoint (a multiple of checkpoint.interval, or trainer.max_steps)",
     )
     require(o.name in OPTIMIZERS, f"optim.name={o.name!r}: choose one of {', '.join(OPTIMIZERS)}")
     require(o.lr > 0, f"optim.lr={o.lr}: must be positive")

@@ -34,5 +34,15 @@ class Faults:
         """SIGKILL this process (as the OOM killer or a lost node ends one, with no chance to clean up) after
         step fault.kill_at_step on rank fault.kill_rank, in an attempt that began at step 0 (`began`): the
         attempt that resumes from a checkpoint goes on to the end."""
+        if not self.cfg.kill_mid_upload:
+            self._kill_at(step, began)
+
+    def kill_uploading(self, step: int, began: int) -> None:
+        """fault.kill_mid_upload: `kill` made instead while step fault.kill_at_step's checkpoint is being
+        uploaded to the object store, once this rank's first object is there (the others are not)."""
+        if self.cfg.kill_mid_upload:
+            self._kill_at(step, began)
+
+    def _kill_at(self, step: int, began: int) -> None:
         if self.cfg.kill_at_step == step and self.cfg.kill_rank == self.rank and began == 0:
             os.kill(os.getpid(), signal.SIGKILL)

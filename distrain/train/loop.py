@@ -26,7 +26,9 @@ from distrain.config import ClusterConfig, TrainConfig
 from distrain.data.loader import run_batches
 from distrain.model.size import flops_per_token
 from distrain.parallel import process_group
-from distrain.storage import checkpoint
+from distrain.storage import checkpoint, remote, saver
+from distrain.storage.objectstore import store_for
+from distrain.storage.safeload import DamagedCheckpointError
 from distrain.storage.tracking import Tracker, run_results
 from distrain.train.faults import Faults
 from distrain.train.finite import NonFinite
@@ -103,6 +105,7 @@ class Trainer:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         assert layout.world_size == self.world, f"{layout} does not cover the {self.world} ranks"
         self.window = [time.perf_counter(), 0]  # when this logging window's training began, and its steps
+        self.said: list[str] = []
         faults = Faults(cfg.fault, self.rank, channel)
         self.learner = Learner(cfg, layout, layout.data_shard(self.rank), device, faults)
         with self.outside_steps():  # the mesh's groups now exist: they get start-up's timeout too
@@ -110,16 +113,24 @@ class Trainer:
                 self.learner.module, cfg.optim, self.learner.parallel.zero1_group, nvme_scratch(cfg, self.rank)
             )
             self.step, self.loss = 0, math.nan
-            self.saver = checkpoint.Saver(
+            # With an object store, each rank uploads what it wrote; the store's copy is the one committed.
+            store = cfg.run_url and remote.Remote(
+                store_for(cfg.run_url, cfg.storage),
+                lambda step: faults.kill_uploading(step, self.resumed_at),
+                self.say,
+            )
+            self.saver = saver.Saver(
                 self.run_dir / "checkpoints",
                 cfg.checkpoint.keep,
                 # Staging a background save copies the state into host memory, which NVMe offload keeps it out of.
                 background=cfg.checkpoint.async_save and cfg.strategy.offload != "nvme",
                 pin=device.type == "cuda",
                 timeout_s=outside_steps_timeout_s(cfg.cluster),
+                remote=store or None,
             )
             if job.resume_from:
                 self.load(job.resume_from)
+            self.resumed_at = self.step
             self.learner.settle(self.step + 1)
             self.tracker = None
             if self.rank == 0:
@@ -169,7 +180,7 @@ class Trainer:
         gradient's own collectives: a logged step's loss and gradient norm are read back once the next step
         has been queued (`Readback`), the stop vote is counted a step after it is cast (`agree_on_stop`),
         inputs are prepared a step ahead (`Prefetch`) and checkpoints are written in the background
-        (`checkpoint.Saver`)."""
+        (`saver.Saver`)."""
         t = self.cfg.trainer
         self.fit_start = time.perf_counter()
         peak = peak_flops(self.device, self.learner.precision)  # a logged step's FLOP/s as MFU: once, here
@@ -294,6 +305,12 @@ class Trainer:
 
     # -- checkpoints ----------------------------------------------------------------------------
 
+    def say(self, line: str) -> None:
+        """A line of this rank's for the user: on its stderr, and up to the driver, which prints rank 0's."""
+        checkpoint.say(line)
+        self.said.append(line)
+        self.channel.report({"said": list(self.said)})
+
     def checkpoint(self, wait: bool) -> None:
         """Save (in the background with checkpoint.async), telling the supervisor that this rank is saving
         (slow, not hung) while the step waits for it; `wait`: until it has committed. The step's metrics
@@ -330,6 +347,11 @@ class Trainer:
 
     def load(self, path: str) -> None:
         """Restore weights, optimizer, step, data position and RNG."""
+        if self.cfg.run_url:  # the driver chose it on the store: this node's mirror gets it (or an older one)
+            store = self.saver.remote.store
+            path = remote.fetch(store, Path(path).parent, checkpoint.step_of(Path(path).name))
+            if path is None:
+                raise DamagedCheckpointError(f"{store.url}/{remote.PREFIX} no longer holds a committed checkpoint")
         state, groups = self.state()
         meta, rank_state = checkpoint.load(path, state)
         set_state_dict(
