@@ -17,13 +17,14 @@ import pytest
 import torch
 from conftest import final_weights, logged, make_config
 
+from distrain.config import StorageConfig
 from distrain.driver.launch import train
 from distrain.driver.trained import load_trained
-from distrain.storage import remote
+from distrain.storage import checkpoint, remote, saver
 from distrain.storage.checkpoint import COMMIT_MARKER
 from distrain.storage.objectstore import store_for
 
-pytestmark = pytest.mark.usefixtures("ray_cluster", "s3")
+pytestmark = pytest.mark.usefixtures("s3")
 # A fixed LR schedule (decay_steps), so that a run of 6 steps extended to 8 trains the reference's 8 steps.
 COMMON = [
     "cluster.num_workers=2",
@@ -45,8 +46,34 @@ def store_config(s3, tmp: Path, name: str, *overrides: str):
     return cfg
 
 
+@pytest.mark.usefixtures("process_group")
+def test_what_is_on_the_store_is_checked_before_it_is_loaded(s3, tmp_path: Path, capsys):
+    """In one process: saves committed on the store, retention there (a torn prefix never takes a keep
+    slot; one older than those kept goes; one newer stays, skipped); bytes overwritten in an object of the
+    newest (its size unchanged) fail its checksum once downloaded: the older one is loaded, in one line."""
+    store = store_for(s3.url("ckpt", "inproc"), StorageConfig())
+    for step in (1, 5, 9):  # dead saves'
+        store.write_bytes(f"checkpoints/step_{step:08d}/__0_0.distcp", b"torn")
+    writer = saver.Saver(tmp_path / "mirror", keep=2, background=True, remote=remote.Remote(store))
+    model = torch.nn.Linear(8, 8)
+    for step in (2, 4, 6):
+        writer.save(step, {"model": model.state_dict()}, {"step": step, "world_size": 1}, {})
+    writer.close()
+    assert list(remote.on_store(store)) == ["step_00000009", "step_00000006", "step_00000005", "step_00000004"]
+    assert remote.latest_meta(store)[0] == "step_00000006"
+    shard = "checkpoints/step_00000006/__0_0.distcp"
+    data = bytearray(store.read_bytes(shard))
+    data[-64:] = bytes(64)
+    store.write_bytes(shard, bytes(data))
+    capsys.readouterr()
+    path = remote.fetch(store, tmp_path / "elsewhere")
+    assert path == tmp_path / "elsewhere" / "step_00000004" and checkpoint.problem(path) is None
+    said = capsys.readouterr().err
+    assert f"skipping checkpoint {store.url}/checkpoints/step_00000006: __0_0.distcp no longer matches" in said
+
+
 @pytest.fixture(scope="module")
-def reference(s3, tmp_path_factory) -> dict:
+def reference(s3, ray_cluster, tmp_path_factory) -> dict:
     """The uninterrupted run on local storage, 8 steps: its losses and final weights."""
     cfg = make_config(tmp_path_factory.mktemp("local"), *COMMON, "run.name=reference", "trainer.max_steps=8")
     assert train(cfg)["restarts"] == 0
@@ -54,7 +81,7 @@ def reference(s3, tmp_path_factory) -> dict:
 
 
 @pytest.fixture(scope="module")
-def killed(s3, tmp_path_factory, reference) -> tuple:
+def killed(s3, ray_cluster, tmp_path_factory, reference) -> tuple:
     """6 steps on the store, rank 1 SIGKILLed while step 4's checkpoint is uploading (once its first object
     is there), restarted by the supervisor: its config, summary and what the driver said."""
     tmp = tmp_path_factory.mktemp("killed")
@@ -105,7 +132,7 @@ def test_a_run_resumes_from_the_url_alone_on_another_layout(s3, killed, referenc
 
 
 @pytest.mark.timeout(180)
-def test_a_store_stopped_mid_run_costs_a_checkpoint_not_the_run(s3, tmp_path, capfd):
+def test_a_store_stopped_mid_run_costs_a_checkpoint_not_the_run(s3, ray_cluster, tmp_path, capfd):
     """The store stops before step 1 (the run held there); the checkpoint of step 2 cannot be uploaded: it is
     not committed, one line says so, the steps go on. The run is held again, the store started, and the
     later checkpoints commit; the run completes with every step trained."""
