@@ -57,6 +57,16 @@ def redact(options: dict) -> dict:
     }
 
 
+def redact_override(override: str) -> str:
+    """A command-line override as it may be recorded: `+storage.options.secret=...` with its value redacted."""
+    key, eq, value = override.partition("=")
+    name = key.lstrip("+")
+    said = name if name.startswith("storage.options.") else value  # one option's name, or the whole dict
+    if eq and name.startswith("storage.options") and _SECRET.search(said):
+        return f"{key}=<redacted>"
+    return override
+
+
 def mirror_dir(url: str, cache_dir: str | Path) -> Path:
     """The local mirror of `url` under `cache_dir`: readable (scheme, then the URL's path) and unique."""
     scheme, rest = _URL.match(url).groups()
@@ -210,6 +220,20 @@ class Store:
 def _first(error: BaseException) -> str:
     text = str(error).strip().splitlines()
     return f"{type(error).__name__}: {text[0] if text else ''}"
+
+
+def quick_options(url: str, options: dict) -> dict:
+    """`options` for a check that must fail fast: a fresh client (not one cached with an older environment),
+    and for S3 short timeouts and one try (botocore's defaults take ~8 s per try against a closed port)."""
+    quick = {**options, "skip_instance_cache": True}
+    if _URL.match(url)[1] in ("s3", "s3a"):
+        quick["config_kwargs"] = {
+            "connect_timeout": 3,
+            "read_timeout": 10,
+            "retries": {"max_attempts": 1},
+            **options.get("config_kwargs", {}),
+        }
+    return quick
 
 
 def store_for(url: str, storage: Any) -> Store:
