@@ -35,12 +35,13 @@ def run(config, record) -> tuple[int, dict | None]:
     from distrain.config import ConfigError
     from distrain.driver.launch import train
     from distrain.storage.fsutil import LockedError
+    from distrain.storage.objectstore import StorageError
     from distrain.storage.safeload import DamagedCheckpointError
 
     CURRENT["config"] = config
     try:
         summary = train(config, STARTUP, record)
-    except (ConfigError, CapacityError, PlacementError, LockedError, DamagedCheckpointError) as e:
+    except (ConfigError, CapacityError, PlacementError, LockedError, DamagedCheckpointError, StorageError) as e:
         return fail(str(e)), None
     except WorkerFailure as e:
         return fail(f"training failed: {e}", code=1), None

@@ -126,7 +126,7 @@ def wait_for(what, timeout_s: float, proc: subprocess.Popen):
 
 
 @pytest.fixture(scope="module")
-def run(s3, tmp_path_factory) -> dict:
+def run(ray_cluster, s3, tmp_path_factory) -> dict:
     """A 2-worker run of 4 steps on the store through `jobs/train.py`, its credentials in the environment and,
     to check their redaction, in storage.options too; pinned before its first step (fault.hold_file) while the
     store is looked at and a second driver tries the same URL. What was seen, and a copy of every object."""
@@ -159,10 +159,9 @@ def run(s3, tmp_path_factory) -> dict:
             lambda: (names := store.listing()) and "placement.json" in names and names, timeout_s=90, proc=proc
         )
         seen["lock"] = json.loads(store.read_bytes(LOCK_OBJECT))
-        other = make_config(url, "run.name=r", f"storage.cache_dir={tmp / 'other'}")
-        with pytest.raises(LockedError) as refused, on_store(other, Path(other.run_dir), print):
-            pass
-        seen["second_driver"] = str(refused.value)
+        with pytest.raises(LockedError) as refused:  # a driver on another machine: a mirror of its own
+            train(make_config(url, "run.name=r", f"storage.cache_dir={tmp / 'other'}"))
+        seen["second_driver"], seen["second_left"] = str(refused.value), (tmp / "other").exists()
         hold.unlink()
         proc.wait(timeout=120)
     finally:
@@ -199,6 +198,7 @@ def test_a_second_driver_is_refused_while_the_run_holds_the_lock(run):
     line = run["second_driver"]
     assert run["lock"]["host"] == socket.gethostname() and str(run["lock"]["pid"]) in line
     assert line.startswith(f"{run['url']}/r is in use by pid") and "aws s3 rm" in line and "\n" not in line
+    assert not run["second_left"]  # its mirror, made before the lock was refused, removed again
 
 
 @pytest.mark.timeout(240)

@@ -165,8 +165,8 @@ def train(
             remove_empty(made)  # a refusal, or a stop, leaves nothing behind
             raise
         connected = time.time()
-        # The mirror's lock, then (a run on an object store) the run's lock there, its record pulled and synced.
-        with exclusive_lock(run_dir / LOCK_FILE), on_store(cfg, run_dir, progress.message):
+        # A run on an object store: its lock there, its record pulled and synced; then the directory's lock.
+        with on_store(cfg, run_dir, progress.message, made), exclusive_lock(run_dir / LOCK_FILE):
             supervisor, summary = stop.guard(lambda: _prepare(cfg, layout, spec, run_dir, progress, started))
             summary["startup"] = {**(startup or {}), "started_at": started, "connected_at": connected}
             if on_run_dir is not None:
