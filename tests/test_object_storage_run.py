@@ -5,6 +5,7 @@ after, a fresh machine's mirror filled from it, and the credentials written nowh
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -17,12 +18,13 @@ from pathlib import Path
 import pytest
 from conftest import REPO, TINY, make_config
 
-from distrain.config import ClusterConfig, ConfigError
+from distrain.config import ClusterConfig, ConfigError, recorded
 from distrain.driver.launch import _previous_summaries, train, worker_env
 from distrain.driver.objectrun import on_store
 from distrain.storage.fsutil import LockedError
 from distrain.storage.objectstore import Store
-from distrain.storage.record import LOCK_OBJECT, RecordSync, store_lock
+from distrain.storage.record import LOCK_OBJECT, RecordSync, record_sync, store_lock
+from distrain.storage.tracking import TRACKER_FILES, Tracker
 
 STEPS = 4
 
@@ -111,6 +113,25 @@ def test_a_sync_uploads_what_changed_and_never_checkpoints_or_hidden_files(s3, t
     fresh = RecordSync(Store(s3.url("sync")), tmp_path / "fresh")
     assert sorted(fresh.pull()) == ["hydra/t/.hydra/config.yaml", "logs/driver-1.log", "summary.json"]
     assert (tmp_path / "fresh" / "logs" / "driver-1.log").read_text() == "12" and fresh.sync() == []
+
+
+def test_rank_0s_tracker_uploads_its_files_as_it_logs_and_a_new_node_appends_to_them(s3, tmp_path: Path):
+    """Rank 0's metrics on the store while the run trains (a sync on a thread of its own when one is due: at the
+    first line, then every sync_interval_s), and at the tracker's close; rank 0 on a node new to the run (an
+    empty mirror) continues the store's file."""
+    cfg = make_config(s3.url("tracker"), "run.name=t", "storage.sync_interval_s=3600", f"storage.cache_dir={tmp_path}")
+    config, store = recorded(dataclasses.asdict(cfg)), Store(cfg.run_url)
+    tracker = Tracker(str(tmp_path / "a"), config, 0, None, record_sync(cfg, tmp_path / "a", TRACKER_FILES))
+    tracker.log(1, {"loss": 2.0})
+    tracker.record.thread.join(timeout=30)  # the due sync the log started: the step did not wait for it
+    assert json.loads(store.read_bytes("metrics.jsonl"))["step"] == 1
+    tracker.log(2, {"loss": 1.0})  # no sync due for an hour: uploaded by the close
+    tracker.close({})
+    assert [json.loads(line)["step"] for line in store.read_bytes("metrics.jsonl").splitlines()] == [1, 2]
+    elsewhere = Tracker(str(tmp_path / "b"), config, 2, None, record_sync(cfg, tmp_path / "b", TRACKER_FILES))
+    elsewhere.log(3, {"loss": 0.5})
+    elsewhere.close({})
+    assert [json.loads(line)["step"] for line in store.read_bytes("metrics.jsonl").splitlines()] == [1, 2, 3]
 
 
 def wait_for(what, timeout_s: float, proc: subprocess.Popen):

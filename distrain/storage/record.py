@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import socket
 import threading
@@ -42,7 +43,7 @@ class RecordSync:
         self.stopping = threading.Event()
         self.thread: threading.Thread | None = None
         self.failing = False  # the last sync failed, and said so
-        self.last = time.monotonic()
+        self.last = -math.inf  # when the last sync began: the first one due at once
 
     def _ours(self, name: str) -> bool:
         top = name.split("/", 1)[0]
@@ -76,6 +77,7 @@ class RecordSync:
         """Download the store's record files that the mirror lacks (a fresh machine), and the store's
         summary.json when it records more invocations than the mirror's: the names downloaded."""
         with self.lock:
+            self.run_dir.mkdir(parents=True, exist_ok=True)  # a node new to the run: its mirror starts here
             local = self.files()
             wanted = [n for n in self.store.listing() if self._ours(n) and (n not in local or n == SUMMARY)]
             if (
