@@ -23,9 +23,10 @@ def check_run_url(cfg: TrainConfig) -> None:
         Store(cfg.run_url, quick_options(cfg.run_url, cfg.storage.options), retries=0).check_writable()
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    except StorageError as e:
+    except Exception as e:  # StorageError, or the filesystem's own before any try (an option it does not take)
+        why = str(e) if isinstance(e, StorageError) else f"{type(e).__name__}: {str(e).strip().splitlines()[0]}"
         raise ConfigError(
-            f"run.storage={cfg.run.storage!r}: cannot write the run at {cfg.run_url} ({e}); check the endpoint "
+            f"run.storage={cfg.run.storage!r}: cannot write the run at {cfg.run_url} ({why}); check the endpoint "
             f"(AWS_ENDPOINT_URL or +storage.options.endpoint_url), the bucket and the credentials in the environment"
         ) from None
 

@@ -83,7 +83,9 @@ class Store:
 
         self.url, self.options = url.rstrip("/"), dict(options or {})
         self.retries, self.backoff_s = retries, backoff_s
-        self.fs, self.root = url_to_fs(self.url, **self.options)
+        # file://: a folder's files need their folders (an object store has none), made as they are written
+        local = {"auto_mkdir": True} if _URL.match(self.url)[1] in ("file", "local") else {}
+        self.fs, self.root = url_to_fs(self.url, **local, **self.options)
         self.root = self.root.rstrip("/")
 
     def __reduce__(self):  # what crosses into a Ray actor: the URL and options, never a live client
