@@ -45,7 +45,7 @@ def on_store(
     store = store_for(cfg.run_url, cfg.storage)
     with contextlib.ExitStack() as held:
         try:
-            held.enter_context(store_lock(store))
+            held.enter_context(store_lock(store, say))
         except BaseException:
             remove_empty(made or [])
             raise

@@ -141,10 +141,11 @@ def record_sync(cfg: TrainConfig, run_dir: str | Path, only: tuple[str, ...] | N
 
 
 @contextlib.contextmanager
-def store_lock(store: Store) -> Iterator[None]:
+def store_lock(store: Store, say: Callable[[str], None] = print) -> Iterator[None]:
     """The run's exclusive lock on the store: an object created by a conditional write (S3's If-None-Match),
     naming its holder's host, PID and time; removed at the end, also on failure. A lock left by a dead process
-    of this host is taken over; one held elsewhere must be removed by hand if stale (LockedError says how)."""
+    of this host is taken over; one held elsewhere must be removed by hand if stale (LockedError says how), as
+    must one this process could not remove at its end (the store unreachable then: `say` says so)."""
     me = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}
     while not store.create(LOCK_OBJECT, json.dumps(me).encode()):
         try:
@@ -165,6 +166,10 @@ def store_lock(store: Store) -> Iterator[None]:
     try:
         yield
     finally:
-        with contextlib.suppress(StorageError, FileNotFoundError):
+        try:
             if json.loads(store.read_bytes(LOCK_OBJECT)) == me:  # never another's, should it have been taken over
                 store.remove(LOCK_OBJECT)
+        except FileNotFoundError:
+            pass
+        except StorageError as e:
+            say(f"the run's lock could not be removed ({e}): delete {store.url}/{LOCK_OBJECT} before a rerun")
