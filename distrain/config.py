@@ -18,7 +18,7 @@ from typing import Any
 
 from omegaconf import MISSING, OmegaConf
 
-from distrain.storage.objectstore import is_url, mirror_dir
+from distrain.storage.objectstore import is_url, mirror_dir, redact
 
 
 class ConfigError(ValueError):
@@ -305,6 +305,12 @@ def resolve_precision(precision: str, gpu: bool) -> str:
 def to_plain(cfg: Any) -> dict:
     """A resolved plain dict: what crosses into Ray actors (no Hydra or OmegaConf there)."""
     return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+
+
+def recorded(plain: dict) -> dict:
+    """A plain config as it may be recorded (a checkpoint's meta.json, W&B, the Hydra record): storage.options
+    redacted, should a secret have been put there."""
+    return {**plain, "storage": {**plain["storage"], "options": redact(plain["storage"]["options"])}}
 
 
 def from_plain(d: dict, cls: type = TrainConfig) -> Any:

@@ -35,12 +35,13 @@ def run(config, record) -> tuple[int, dict | None]:
     from distrain.config import ConfigError
     from distrain.driver.launch import train
     from distrain.storage.fsutil import LockedError
+    from distrain.storage.objectstore import StorageError
     from distrain.storage.safeload import DamagedCheckpointError
 
     CURRENT["config"] = config
     try:
         summary = train(config, STARTUP, record)
-    except (ConfigError, CapacityError, PlacementError, LockedError, DamagedCheckpointError) as e:
+    except (ConfigError, CapacityError, PlacementError, LockedError, DamagedCheckpointError, StorageError) as e:
         return fail(str(e)), None
     except WorkerFailure as e:
         return fail(f"training failed: {e}", code=1), None
@@ -57,13 +58,20 @@ def report(config, summary: dict) -> tuple[int, dict]:
         f"distrain: {summary['status']} at step {summary['final_step']}: "
         f"loss {f'{loss:.4f}' if loss is not None else '(no step trained)'}, "
         f"{f'val loss {val:.4f}' if val is not None else 'no evaluation'}, {summary['wall_s']:.1f}s, "
-        f"{summary['restarts']} restarts; run directory {config.run_dir}"
+        f"{summary['restarts']} restarts; {where(config)}"
     )
     if summary["status"] != "stopped":
         return 0, summary
     sig = summary.get("stop_signal", signal.SIGTERM)
     print(f"distrain: stopped by {signal.Signals(sig).name}: {run_state()} (exit status {128 + sig})")
     return 128 + sig, summary
+
+
+def where(config) -> str:
+    """Where the run is kept: its directory, or its URL and this machine's mirror of it."""
+    return (
+        f"run {config.run_url} (mirrored in {config.run_dir})" if config.run_url else f"run directory {config.run_dir}"
+    )
 
 
 def run_state() -> str:
@@ -89,6 +97,7 @@ def main(cfg) -> float | None:
     from omegaconf import OmegaConf
 
     from distrain.driver.sweep import earlier_result, objective
+    from distrain.storage.objectstore import redact, redact_override
 
     STARTUP["composed_at"] = time.time()
     hydra = HydraConfig.get()
@@ -103,8 +112,10 @@ def main(cfg) -> float | None:
         LOG.open(run_dir)
         out = run_dir / "hydra" / time.strftime("%Y%m%d-%H%M%S") / ".hydra"  # Hydra's own layout
         out.mkdir(parents=True, exist_ok=True)
-        OmegaConf.save(cfg, out / "config.yaml")
-        OmegaConf.save(OmegaConf.create(list(hydra.overrides.task)), out / "overrides.yaml")
+        kept = cfg.copy()  # storage.options redacted, should a secret have been put there (objectstore.redact)
+        kept.storage.options = redact(OmegaConf.to_container(cfg.storage.options, resolve=True))
+        OmegaConf.save(kept, out / "config.yaml")
+        OmegaConf.save(OmegaConf.create([redact_override(o) for o in hydra.overrides.task]), out / "overrides.yaml")
 
     config = OmegaConf.to_object(cfg)
     earlier = earlier_result(config.run_dir, cfg) if sweeping else None
@@ -118,6 +129,7 @@ def main(cfg) -> float | None:
         code, summary = fail(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", code=1), None
     finally:
         LOG.close()
+        upload_log(config)
     if not sweeping:
         if code:
             raise SystemExit(code)
@@ -140,13 +152,34 @@ def main(cfg) -> float | None:
     return value
 
 
+def upload_log(config) -> None:
+    """A run on an object store: this invocation's driver log once more, now that it has its last lines (the
+    run's record was uploaded as the run ended, before them)."""
+    if LOG.path is None or not config.run_url or not LOG.path.is_relative_to(config.run_dir):
+        return
+    from distrain.storage.objectstore import StorageError, store_for
+
+    name = LOG.path.relative_to(config.run_dir).as_posix()
+    try:
+        store_for(config.run_url, config.storage).upload(Path(config.run_dir), [name], "")
+    except StorageError as e:
+        print(f"distrain: the driver log's last lines are only in {LOG.path}: {e}", file=sys.stderr)
+
+
 def check_sweep_storage(overrides: list[str]) -> None:
-    """Hydra makes a sweep's directory (under run.storage) before any point's config is checked: check first."""
+    """Hydra makes a sweep's directory (under run.storage) before any point's config is checked: check first.
+    A sweep's record is kept in a directory: a URL is refused (Hydra would make a local folder named 's3:')."""
     from distrain.config import RunConfig
     from distrain.storage.fsutil import make_writable_dir
+    from distrain.storage.objectstore import is_url
 
     given = [o.partition("=")[2] for o in overrides if o.lstrip("+").startswith("run.storage=")]
     storage = given[-1] if given else RunConfig.storage
+    if any(is_url(s) for s in storage.split(",")):
+        raise BadInput(
+            f"run.storage={storage!r}: a sweep (-m) keeps its record in a directory, and a URL is not one: sweep "
+            f"with run.storage on a local or shared directory, or train each point as its own run on the store"
+        )
     if "," in storage:
         return  # swept: each point checks its own
     try:

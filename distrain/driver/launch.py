@@ -29,6 +29,7 @@ from distrain.cluster.worker_group import WorkerGroup
 from distrain.config import ClusterConfig, ConfigError, TrainConfig, attach_address, to_plain
 from distrain.data.checks import check_same_shards
 from distrain.driver.fits import check_fits
+from distrain.driver.objectrun import check_run_url, on_store
 from distrain.driver.plan import describe
 from distrain.driver.stop import Stopped, stop_signals
 from distrain.driver.validation import validate
@@ -125,8 +126,9 @@ def group_spec(cfg: TrainConfig, layout: Layout, say: Callable[[str], None] = pr
     )
 
 
-# W&B's settings and key, the collectives', torch's, the object store's credentials and endpoint
-FORWARDED = ("WANDB_", "NCCL_", "GLOO_", "TORCH_", "CUDA_", "AWS_")
+# W&B's settings and key, the collectives', torch's, and the object stores' (credentials, endpoint: never in the
+# config): passed with each call to the workers, never recorded.
+FORWARDED = ("WANDB_", "NCCL_", "GLOO_", "TORCH_", "CUDA_", "AWS_", "GOOGLE_", "AZURE_")
 
 
 def worker_env(c: ClusterConfig) -> tuple[tuple[str, str], ...]:
@@ -163,7 +165,8 @@ def train(
             remove_empty(made)  # a refusal, or a stop, leaves nothing behind
             raise
         connected = time.time()
-        with exclusive_lock(run_dir / LOCK_FILE):
+        # A run on an object store: its lock there, its record pulled and synced; then the directory's lock.
+        with on_store(cfg, run_dir, progress.message, made), exclusive_lock(run_dir / LOCK_FILE):
             supervisor, summary = stop.guard(lambda: _prepare(cfg, layout, spec, run_dir, progress, started))
             summary["startup"] = {**(startup or {}), "started_at": started, "connected_at": connected}
             if on_run_dir is not None:
@@ -199,19 +202,26 @@ def resolved(given: TrainConfig) -> tuple[TrainConfig, Layout]:
     cfg = resolve_init_from(given)
     layout = validate(cfg)
     policy_class(cfg.cluster.policy)  # a user's policy imported, or a one-line error, before anything starts
-    if not cfg.run_url and not os.path.isabs(cfg.run.storage) and attach_address(cfg.cluster.address):
+    if cfg.run_url:  # an object store: its URL, never a local path; the workers keep their own mirror of it
+        check_run_url(cfg)
+    elif not os.path.isabs(cfg.run.storage) and attach_address(cfg.cluster.address):
         raise ConfigError(
             f"run.storage={cfg.run.storage!r} is relative, and on a Ray cluster the job's working directory is "
             f"temporary: give an absolute path on storage every node shares"
         )
-    shards = cfg.data.shards  # a URL stays one: each node fetches it (data/remote.py)
     workers_see = replace(
         cfg,
-        run=replace(cfg.run, storage=cfg.run.storage if cfg.run_url else os.path.abspath(cfg.run.storage)),
-        data=replace(cfg.data, shards=shards if not shards or is_url(shards) else os.path.abspath(shards)),
+        run=replace(cfg.run, storage=absolute(cfg.run.storage)),
+        data=replace(cfg.data, shards=cfg.data.shards and absolute(cfg.data.shards)),
+        storage=replace(cfg.storage, cache_dir=os.path.abspath(os.path.expanduser(cfg.storage.cache_dir))),
         logger=replace(cfg.logger, wandb=replace(cfg.logger.wandb, mode=wandb_mode(cfg.logger.wandb.mode))),
     )
     return workers_see, layout
+
+
+def absolute(path: str) -> str:
+    """A local path made absolute (the workers' working directory is not the user's); a URL as it is."""
+    return path if is_url(path) else os.path.abspath(path)
 
 
 def _prepare(
@@ -367,15 +377,16 @@ def check_steps_left(meta: dict, cfg: TrainConfig, say: Callable[[str], None] = 
 
 
 def make_run_dir(cfg: TrainConfig) -> tuple[Path, list[Path]]:
-    """The run directory, made and written to once, and the directories made for it (deepest first); or a
-    one-line ConfigError about run.storage (read-only, a file, /sys) with nothing left behind."""
+    """The run directory (a run on an object store: its local mirror), made and written to once, and the
+    directories made for it (deepest first); or a one-line ConfigError about run.storage (read-only, a file,
+    /sys), or storage.cache_dir, with nothing left behind."""
     run_dir = Path(cfg.run_dir)
     try:
         return run_dir, make_writable_dir(run_dir)
     except OSError as e:
+        key = f"storage.cache_dir={cfg.storage.cache_dir!r}" if cfg.run_url else f"run.storage={cfg.run.storage!r}"
         raise ConfigError(
-            f"run.storage={cfg.run.storage!r} cannot hold the run directory {str(run_dir)!r} "
-            f"({e.strerror or e}): give a directory you can write"
+            f"{key} cannot hold the run directory {str(run_dir)!r} ({e.strerror or e}): give a directory you can write"
         ) from None
 
 

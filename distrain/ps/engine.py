@@ -25,12 +25,13 @@ from distrain.cluster.attempt import Attempt
 from distrain.cluster.placement import GroupSpec
 from distrain.cluster.states import Work
 from distrain.cluster.worker_group import WorkerGroup
-from distrain.config import TrainConfig, to_plain
+from distrain.config import TrainConfig, recorded, to_plain
 from distrain.ps.metrics import StepLog
 from distrain.ps.server_group import ServerGroup
 from distrain.storage import checkpoint
 from distrain.storage.fsutil import write_json
-from distrain.storage.tracking import Tracker, run_results
+from distrain.storage.record import record_sync
+from distrain.storage.tracking import TRACKER_FILES, Tracker, run_results
 from distrain.strategy.layout import Layout
 
 SUSPECT_CHECK_S = 3.0  # after a worker fails: how long the servers get to show they are alive
@@ -51,6 +52,7 @@ class ParameterServerEngine:
     ):
         self.cfg, self.spec, self.run_dir, self.root = cfg, spec, run_dir, run_dir / "checkpoints"
         self.plain, self.layout = to_plain(cfg), layout
+        self.recorded = recorded(self.plain)  # what its checkpoints and W&B record of the config
         self.wandb_run_id, self.started, self.on_progress = wandb_run_id, started, on_progress
         self.log = StepLog(cfg)  # across attempts: a restore keeps what its checkpoint holds
         self.servers: ServerGroup | None = None
@@ -86,7 +88,8 @@ class ParameterServerEngine:
         where = self.servers.start()
         # The version the servers hold, as they say it: after a restore, the checkpoint's (a sync step each).
         attempt.info["servers_version"] = self.servers.drain(wait_s=self.spec.start_timeout_s)["version"]
-        self.tracker = Tracker(str(self.run_dir), self.plain, step, self.wandb_run_id)
+        record = record_sync(self.cfg, self.run_dir, TRACKER_FILES)  # a run on an object store
+        self.tracker = Tracker(str(self.run_dir), self.recorded, step, self.wandb_run_id, record)
         self.group = group
         self.worker_job = {
             "config": self.plain,
@@ -207,7 +210,7 @@ class ParameterServerEngine:
         meta = {
             "step": step,
             "world_size": self.cfg.cluster.num_workers,
-            "config": self.plain,
+            "config": self.recorded,
             "wandb_run_id": self.tracker.wandb_run_id if self.tracker else self.wandb_run_id,
             "ps": {"applied": applied, "records": self.log.held(step, applied)},
         }

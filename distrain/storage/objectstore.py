@@ -57,6 +57,16 @@ def redact(options: dict) -> dict:
     }
 
 
+def redact_override(override: str) -> str:
+    """A command-line override as it may be recorded: `+storage.options.secret=...` with its value redacted."""
+    key, eq, value = override.partition("=")
+    name = key.lstrip("+")
+    said = name if name.startswith("storage.options.") else value  # one option's name, or the whole dict
+    if eq and name.startswith("storage.options") and _SECRET.search(said):
+        return f"{key}=<redacted>"
+    return override
+
+
 def mirror_dir(url: str, cache_dir: str | Path) -> Path:
     """The local mirror of `url` under `cache_dir`: readable (scheme, then the URL's path) and unique."""
     scheme, rest = _URL.match(url).groups()
@@ -73,7 +83,9 @@ class Store:
 
         self.url, self.options = url.rstrip("/"), dict(options or {})
         self.retries, self.backoff_s = retries, backoff_s
-        self.fs, self.root = url_to_fs(self.url, **self.options)
+        # file://: a folder's files need their folders (an object store has none), made as they are written
+        local = {"auto_mkdir": True} if _URL.match(self.url)[1] in ("file", "local") else {}
+        self.fs, self.root = url_to_fs(self.url, **local, **self.options)
         self.root = self.root.rstrip("/")
 
     def __reduce__(self):  # what crosses into a Ray actor: the URL and options, never a live client
@@ -210,6 +222,20 @@ class Store:
 def _first(error: BaseException) -> str:
     text = str(error).strip().splitlines()
     return f"{type(error).__name__}: {text[0] if text else ''}"
+
+
+def quick_options(url: str, options: dict) -> dict:
+    """`options` for a check that must fail fast: a fresh client (not one cached with an older environment),
+    and for S3 short timeouts and one try (botocore's defaults take ~8 s per try against a closed port)."""
+    quick = {**options, "skip_instance_cache": True}
+    if _URL.match(url)[1] in ("s3", "s3a"):
+        quick["config_kwargs"] = {
+            "connect_timeout": 3,
+            "read_timeout": 10,
+            "retries": {"max_attempts": 1},
+            **options.get("config_kwargs", {}),
+        }
+    return quick
 
 
 def store_for(url: str, storage: Any) -> Store:

@@ -12,8 +12,10 @@ from distrain.config import TrainConfig
 from distrain.model.size import flops_per_token, num_params
 from distrain.storage.checkpoint import COMMIT_MARKER, checkpoints
 from distrain.storage.fsutil import atomic_write, write_json
+from distrain.storage.record import RecordSync
 
 METRICS_FILE = "metrics.jsonl"
+SUPERSEDED_FILE = "metrics.superseded.jsonl"
 SUMMARY_FILE = "summary.json"
 TENSORBOARD_DIR = "tensorboard"
 
@@ -24,9 +26,22 @@ def wandb_mode(mode: str | None) -> str:
     return mode or os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
 
 
+# Rank 0's files of the run record: on an object store, uploaded by rank 0 (storage/record.py), whose node's
+# mirror alone has them
+TRACKER_FILES = (METRICS_FILE, SUPERSEDED_FILE, TENSORBOARD_DIR, "wandb")
+
+
 class Tracker:
-    def __init__(self, run_dir: str, config: dict, resume_step: int, wandb_run_id: str | None):
+    """`record`: a run on an object store: the files above are pulled into a fresh mirror before they are
+    opened, and uploaded every storage.sync_interval_s (on a thread: no step waits) and at `close`."""
+
+    def __init__(
+        self, run_dir: str, config: dict, resume_step: int, wandb_run_id: str | None, record: RecordSync | None = None
+    ):
         self.run_dir = Path(run_dir)
+        self.record, self.sync_interval_s = record, config["storage"]["sync_interval_s"]
+        if record is not None:
+            record.pull()  # a rank 0 on a node new to the run appends to the run's metrics, not to nothing
         self.metrics_path = self.run_dir / METRICS_FILE
         _set_aside_lines_after(self.metrics_path, resume_step)
         self._metrics = open(self.metrics_path, "a")
@@ -75,6 +90,8 @@ class Tracker:
         if self.wandb_run is not None:
             self.log_checkpoints()
             self.wandb_run.log(metrics, step=step)
+        if self.record is not None:
+            self.record.sync_due(self.sync_interval_s, _say)
 
     def log_checkpoints(self) -> None:
         """With logger.wandb.log_checkpoints, each checkpoint committed since the last look as a W&B artifact:
@@ -107,6 +124,13 @@ class Tracker:
             # End W&B's service now: left to its atexit hook, the teardown races the service's own end when
             # Ray kills a finished job's workers, and prints a traceback into the job's log.
             wandb.teardown()
+        if self.record is not None:
+            self.record.stop()
+            self.record.try_sync(_say)
+
+
+def _say(text: str) -> None:
+    print(f"distrain: {text}", flush=True)
 
 
 def committed(run_dir: Path) -> list[Path]:
@@ -126,7 +150,7 @@ def _set_aside_lines_after(path: Path, step: int) -> None:
         except (ValueError, KeyError):
             superseded.append(line)  # a line torn by a crash mid-write
     if superseded:
-        with open(path.with_name("metrics.superseded.jsonl"), "a") as f:
+        with open(path.with_name(SUPERSEDED_FILE), "a") as f:
             f.writelines(superseded)
         atomic_write(path, "".join(kept))
 

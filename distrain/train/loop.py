@@ -22,14 +22,15 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from distrain.channel import Channel, Phase
-from distrain.config import ClusterConfig, TrainConfig
+from distrain.config import ClusterConfig, TrainConfig, recorded
 from distrain.data.loader import run_batches
 from distrain.model.size import flops_per_token
 from distrain.parallel import process_group
 from distrain.storage import checkpoint, remote, saver
 from distrain.storage.objectstore import store_for
+from distrain.storage.record import record_sync
 from distrain.storage.safeload import DamagedCheckpointError
-from distrain.storage.tracking import Tracker, run_results
+from distrain.storage.tracking import TRACKER_FILES, Tracker, run_results
 from distrain.train.faults import Faults
 from distrain.train.finite import NonFinite
 from distrain.train.job import RankJob
@@ -101,7 +102,7 @@ class Trainer:
         self.cfg, self.layout, self.device, self.channel = cfg, layout, device, channel
         self.run_dir, self.started_at = Path(job.run_dir), job.started_at
         # What checkpoints and the tracker record: config.to_plain's dict, without its OmegaConf (0.2 s here).
-        self.plain_config = dataclasses.asdict(cfg)
+        self.plain_config = recorded(dataclasses.asdict(cfg))
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         assert layout.world_size == self.world, f"{layout} does not cover the {self.world} ranks"
         self.window = [time.perf_counter(), 0]  # when this logging window's training began, and its steps
@@ -134,7 +135,8 @@ class Trainer:
             self.learner.settle(self.step + 1)
             self.tracker = None
             if self.rank == 0:
-                self.tracker = Tracker(str(self.run_dir), self.plain_config, self.step, job.wandb_run_id)
+                record = record_sync(cfg, self.run_dir, TRACKER_FILES)  # a run on an object store
+                self.tracker = Tracker(str(self.run_dir), self.plain_config, self.step, job.wandb_run_id, record)
         self.vote: tuple[dist.Work, torch.Tensor] | None = None  # the stop vote in flight (agree_on_stop)
         self.blocked_s = 0.0  # how long checkpoints held the loop up since the last logged step
         channel.report({"step": self.step, "max_steps": cfg.trainer.max_steps, "loaded_at": time.time()})

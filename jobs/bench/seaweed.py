@@ -76,6 +76,10 @@ class Seaweed:
             f"-filer.port={p['filer']}",
             f"-volume.port={p['volume']}",
             "-admin.ui=false",
+            # What it would serve on fixed ports, which a second store on the machine could not bind: off.
+            "-s3.port.iceberg=0",
+            "-s3.port.lance=0",
+            "-webdav=false",
         ]
         (self.folder / "data").mkdir(parents=True, exist_ok=True)
         env = {**os.environ, **self.env, "S3_BUCKET": BUCKET}

@@ -1,0 +1,62 @@
+"""The driver's side of a run on an object store (run.storage=s3://…, any fsspec URL): the URL checked before
+any worker starts, the run's lock on the store, and its record synced there while it trains and at its end
+(storage/record.py). Every process works in its local mirror (cfg.run_dir); the store holds the durable copy."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from distrain.config import ConfigError, TrainConfig
+from distrain.storage.fsutil import remove_empty
+from distrain.storage.objectstore import StorageError, Store, check_scheme, quick_options, store_for
+from distrain.storage.record import RecordSync, store_lock
+from distrain.storage.tracking import TRACKER_FILES
+
+
+def check_run_url(cfg: TrainConfig) -> None:
+    """One-line ConfigError unless a filesystem for run.storage's scheme is installed and an object can be
+    written, read back and deleted under the run's URL (with short timeouts: a wrong endpoint fails in seconds)."""
+    try:
+        check_scheme(cfg.run.storage, "run.storage")
+        Store(cfg.run_url, quick_options(cfg.run_url, cfg.storage.options), retries=0).check_writable()
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    except Exception as e:  # StorageError, or the filesystem's own before any try (an option it does not take)
+        why = str(e) if isinstance(e, StorageError) else f"{type(e).__name__}: {str(e).strip().splitlines()[0]}"
+        raise ConfigError(
+            f"run.storage={cfg.run.storage!r}: cannot write the run at {cfg.run_url} ({why}); check the endpoint "
+            f"(AWS_ENDPOINT_URL or +storage.options.endpoint_url), the bucket and the credentials in the environment"
+        ) from None
+
+
+@contextlib.contextmanager
+def on_store(
+    cfg: TrainConfig, run_dir: Path, say: Callable[[str], None], made: list[Path] | None = None
+) -> Iterator[RecordSync | None]:
+    """For a run on an object store: hold its lock there (refused: the directories `made` for the mirror are
+    removed again), fill a fresh mirror with its record (the history a rerun keeps), and sync the record every
+    storage.sync_interval_s and once more at the end (summary.json written), also on failure; then release
+    the lock. Nothing for a run on a plain directory."""
+    if not cfg.run_url:
+        yield None
+        return
+    store = store_for(cfg.run_url, cfg.storage)
+    with contextlib.ExitStack() as held:
+        try:
+            held.enter_context(store_lock(store, say))
+        except BaseException:
+            remove_empty(made or [])
+            raise
+        record = RecordSync(store, run_dir, skip=TRACKER_FILES)  # the tracker uploads its own
+        record.pull()
+        record.start(cfg.storage.sync_interval_s, say)
+        try:
+            yield record
+        finally:
+            record.stop()
+            try:
+                record.sync()
+            except StorageError as e:
+                say(f"the run record could not be uploaded at the end, it is complete only in {run_dir}: {e}")

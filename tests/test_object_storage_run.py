@@ -1,0 +1,246 @@
+"""A run on an object store, the driver's side (issue 33): run.storage=s3://… checked before anything starts
+and never taken for a local path, the run's lock on the store, its record there while it trains and complete
+after, a fresh machine's mirror filled from it, and the credentials written nowhere. A real S3-compatible store
+(the `s3` fixture: SeaweedFS on loopback); one 2-worker run through `jobs/train.py` shared by the tests."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import REPO, TINY, make_config
+
+from distrain.config import ClusterConfig, ConfigError, recorded
+from distrain.driver.launch import _previous_summaries, train, worker_env
+from distrain.driver.objectrun import on_store
+from distrain.storage.fsutil import LockedError
+from distrain.storage.objectstore import Store
+from distrain.storage.record import LOCK_OBJECT, RecordSync, record_sync, store_lock
+from distrain.storage.tracking import TRACKER_FILES, Tracker
+
+STEPS = 4
+
+
+def refusal(cfg) -> str:
+    """train(cfg) refused in one line; the line."""
+    started = time.monotonic()
+    with pytest.raises(ConfigError) as refused:
+        train(cfg)
+    line = str(refused.value)
+    assert "\n" not in line and time.monotonic() - started < 10, line
+    return line
+
+
+@pytest.mark.parametrize("plan", [False, True])
+def test_a_url_is_checked_before_anything_is_written(s3, tmp_path: Path, monkeypatch, plan: bool):
+    """Unknown scheme, closed endpoint, wrong secret: one line naming the URL and the error, for a run and for
+    --plan, before Ray or a worker starts; nothing local is made (no 's3:' folder, no mirror)."""
+    monkeypatch.chdir(tmp_path)
+    common = ("run.name=r", f"storage.cache_dir={tmp_path / 'cache'}", f"plan={plan}")
+    line = refusal(make_config("nosuch://bucket/runs", *common))
+    assert line.startswith("run.storage='nosuch://bucket/runs': no filesystem for nosuch:// is installed"), line
+
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))  # bound, never listening: a connection is refused at once
+    endpoint = f"http://127.0.0.1:{closed.getsockname()[1]}"
+    with closed:
+        line = refusal(make_config(s3.url("refused"), *common, f"+storage.options.endpoint_url={endpoint}"))
+    assert f"cannot write the run at {s3.url('refused', 'r')}" in line and "Could not connect" in line, line
+
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+    line = refusal(make_config(s3.url("refused"), *common))
+    assert f"cannot write the run at {s3.url('refused', 'r')}" in line and "signature" in line, line
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_sweep_on_a_url_is_refused_in_one_line():
+    """Hydra would make the sweep's directory, ${run.storage}/sweeps/…, as a local folder named 's3:'."""
+    spec = importlib.util.spec_from_file_location("train_job", REPO / "jobs" / "train.py")
+    job = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(job)
+    with pytest.raises(job.BadInput, match=r"^run.storage='s3://runs/x': a sweep \(-m\) keeps its record in a dir"):
+        job.check_sweep_storage(["optim.lr=1e-3,2e-3", "run.storage=s3://runs/x"])
+
+
+def test_workers_get_the_stores_credentials_from_the_drivers_environment(monkeypatch):
+    """Passed with each call (GroupSpec.env, never in its repr, the config or a record)."""
+    from distrain.cluster.placement import GroupSpec
+
+    given = {"AWS_SECRET_ACCESS_KEY": "a", "GOOGLE_APPLICATION_CREDENTIALS": "/g.json", "AZURE_STORAGE_KEY": "z"}
+    for key, value in given.items():
+        monkeypatch.setenv(key, value)
+    env = dict(worker_env(ClusterConfig()))
+    assert {k: env.get(k) for k in given} == given
+    spec = GroupSpec(num_workers=1, cpus_per_worker=1, gpus_per_worker=0, threads_per_worker=1, env=tuple(env.items()))
+    assert "AWS_SECRET" not in repr(spec)
+
+
+def test_the_store_lock_refuses_a_second_holder_and_is_released(s3):
+    store = Store(s3.url("lock"))
+    with store_lock(store):
+        holder = json.loads(store.read_bytes(LOCK_OBJECT))
+        assert holder["pid"] == os.getpid() and holder["host"] == socket.gethostname()
+        with pytest.raises(LockedError, match=rf"in use by pid {os.getpid()} .*aws s3 rm {store.url}/\.lock"):
+            with store_lock(store):
+                pass
+    assert not store.exists(LOCK_OBJECT)
+    with pytest.raises(RuntimeError, match="a failure"), store_lock(store):
+        raise RuntimeError("a failure")
+    assert not store.exists(LOCK_OBJECT)  # released on failure too
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    store.write_bytes(LOCK_OBJECT, json.dumps({"host": socket.gethostname(), "pid": int(dead.stdout)}).encode())
+    with store_lock(store):  # its holder died without releasing it: taken over
+        assert json.loads(store.read_bytes(LOCK_OBJECT))["pid"] == os.getpid()
+
+
+def test_a_sync_uploads_what_changed_and_never_checkpoints_or_hidden_files(s3, tmp_path: Path):
+    for name in ("summary.json", "logs/driver-1.log", "hydra/t/.hydra/config.yaml", "checkpoints/x", ".lock"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("1")
+    record = RecordSync(Store(s3.url("sync")), tmp_path)
+    assert record.sync() == ["hydra/t/.hydra/config.yaml", "logs/driver-1.log", "summary.json"]
+    assert record.sync() == []
+    (tmp_path / "logs" / "driver-1.log").write_text("12")
+    assert record.sync() == ["logs/driver-1.log"]
+    fresh = RecordSync(Store(s3.url("sync")), tmp_path / "fresh")
+    assert sorted(fresh.pull()) == ["hydra/t/.hydra/config.yaml", "logs/driver-1.log", "summary.json"]
+    assert (tmp_path / "fresh" / "logs" / "driver-1.log").read_text() == "12" and fresh.sync() == []
+
+
+def test_rank_0s_tracker_uploads_its_files_as_it_logs_and_a_new_node_appends_to_them(s3, tmp_path: Path):
+    """Rank 0's metrics on the store while the run trains (a sync on a thread of its own when one is due: at the
+    first line, then every sync_interval_s), and at the tracker's close; rank 0 on a node new to the run (an
+    empty mirror) continues the store's file."""
+    cfg = make_config(s3.url("tracker"), "run.name=t", "storage.sync_interval_s=3600", f"storage.cache_dir={tmp_path}")
+    config, store = recorded(dataclasses.asdict(cfg)), Store(cfg.run_url)
+    tracker = Tracker(str(tmp_path / "a"), config, 0, None, record_sync(cfg, tmp_path / "a", TRACKER_FILES))
+    tracker.log(1, {"loss": 2.0})
+    tracker.record.thread.join(timeout=30)  # the due sync the log started: the step did not wait for it
+    assert json.loads(store.read_bytes("metrics.jsonl"))["step"] == 1
+    tracker.log(2, {"loss": 1.0})  # no sync due for an hour: uploaded by the close
+    tracker.close({})
+    assert [json.loads(line)["step"] for line in store.read_bytes("metrics.jsonl").splitlines()] == [1, 2]
+    elsewhere = Tracker(str(tmp_path / "b"), config, 2, None, record_sync(cfg, tmp_path / "b", TRACKER_FILES))
+    elsewhere.log(3, {"loss": 0.5})
+    elsewhere.close({})
+    assert [json.loads(line)["step"] for line in store.read_bytes("metrics.jsonl").splitlines()] == [1, 2, 3]
+
+
+def wait_for(what, timeout_s: float, proc: subprocess.Popen):
+    """what() once truthy, polled while the run lives; AssertionError after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = what()
+        if found:
+            return found
+        assert proc.poll() is None, "the run ended first"
+        time.sleep(0.2)
+    raise AssertionError(f"not within {timeout_s} s")
+
+
+@pytest.fixture(scope="module")
+def run(ray_cluster, s3, tmp_path_factory) -> dict:
+    """A 2-worker run of 4 steps on the store through `jobs/train.py`, its credentials in the environment and,
+    to check their redaction, in storage.options too; pinned before its first step (fault.hold_file) while the
+    store is looked at and a second driver tries the same URL. What was seen, and a copy of every object."""
+    cwd, tmp = tmp_path_factory.mktemp("cwd"), tmp_path_factory.mktemp("record")
+    hold = tmp / "hold"
+    hold.touch()
+    url = s3.url("record")
+    overrides = [
+        *TINY,
+        f"trainer.max_steps={STEPS}",
+        "cluster.num_workers=2",
+        "cluster.local_cpus=2",
+        "cluster.local_gpus=0",
+        f"run.storage={url}",
+        "run.name=r",
+        f"storage.cache_dir={tmp / 'cache'}",
+        "storage.sync_interval_s=0.2",
+        f"fault.hold_file={hold}",
+        "+storage.options.key=distrain-test",
+        f"+storage.options.secret={s3.secret}",
+    ]
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")}
+    out = open(tmp / "console.txt", "w")  # noqa: SIM115  (closed below)
+    proc = subprocess.Popen(
+        [sys.executable, str(REPO / "jobs" / "train.py"), *overrides], cwd=cwd, env=env, stdout=out, stderr=out
+    )
+    store, seen = Store(f"{url}/r"), {}
+    try:
+        seen["during"] = wait_for(
+            lambda: (names := store.listing()) and "placement.json" in names and names, timeout_s=90, proc=proc
+        )
+        seen["lock"] = json.loads(store.read_bytes(LOCK_OBJECT))
+        with pytest.raises(LockedError) as refused:  # a driver on another machine: a mirror of its own
+            train(make_config(url, "run.name=r", f"storage.cache_dir={tmp / 'other'}"))
+        seen["second_driver"], seen["second_left"] = str(refused.value), (tmp / "other").exists()
+        hold.unlink()
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        out.close()
+    seen["code"], seen["console"] = proc.returncode, (tmp / "console.txt").read_text()
+    seen["after"] = store.listing()
+    store.download(seen["after"], "", tmp / "store")
+    seen.update(cwd=cwd, tmp=tmp, url=url, store=tmp / "store", mirror=Path(make_config(url, *overrides).run_dir))
+    return seen
+
+
+@pytest.mark.timeout(240)
+def test_the_record_is_on_the_store_while_the_run_trains_and_complete_after(run):
+    assert run["code"] == 0, run["console"][-3000:]
+    during = run["during"]
+    assert any(n.startswith("logs/driver-") for n in during) and any(n.endswith(".hydra/config.yaml") for n in during)
+    assert "summary.json" not in during and "metrics.jsonl" not in during  # pinned before its first step
+    after, store = run["after"], run["store"]
+    assert {"summary.json", "metrics.jsonl", "placement.json", "attempts/001-placement.json"} <= after.keys()
+    assert LOCK_OBJECT not in after and not any(n.startswith("checkpoints/") for n in after)
+    summary = json.loads((store / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["final_step"] == STEPS
+    assert [json.loads(line)["step"] for line in (store / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+    (log,) = [n for n in after if n.startswith("logs/driver-")]
+    assert f"completed at step {STEPS}" in (store / log).read_text()  # its last line, after the run's end
+    assert list(run["cwd"].iterdir()) == []  # no local 's3:' folder: the run lives in the mirror and on the store
+
+
+@pytest.mark.timeout(240)
+def test_a_second_driver_is_refused_while_the_run_holds_the_lock(run):
+    line = run["second_driver"]
+    assert run["lock"]["host"] == socket.gethostname() and str(run["lock"]["pid"]) in line
+    assert line.startswith(f"{run['url']}/r is in use by pid") and "aws s3 rm" in line and "\n" not in line
+    assert not run["second_left"]  # its mirror, made before the lock was refused, removed again
+
+
+@pytest.mark.timeout(240)
+def test_the_secret_is_in_no_file_the_run_wrote(run, s3):
+    """Given in the environment and storage.options, it reached the workers (rank 0 uploaded metrics.jsonl with
+    it) and is in no file of the mirror, the store, or the console; the Hydra record says it was redacted."""
+    assert "metrics.jsonl" in run["after"]
+    files = [p for root in (run["tmp"], run["cwd"]) for p in root.rglob("*") if p.is_file()]
+    assert len([p for p in files if run["store"] in p.parents]) == len(run["after"])
+    assert [str(p) for p in files if s3.secret.encode() in p.read_bytes()] == []
+    (config,) = run["store"].glob("hydra/*/.hydra/config.yaml")
+    assert "secret: <redacted>" in config.read_text()
+    assert "+storage.options.secret=<redacted>" in next(run["store"].glob("hydra/*/.hydra/overrides.yaml")).read_text()
+    (meta,) = run["mirror"].glob("checkpoints/*/meta.json")
+    assert json.loads(meta.read_text())["config"]["storage"]["options"]["secret"] == "<redacted>"
+
+
+@pytest.mark.timeout(240)
+def test_a_fresh_mirror_is_filled_from_the_store_before_the_run_is_read(run, tmp_path: Path):
+    """A rerun on another machine (an empty cache) sees the earlier invocation: summary.json's history."""
+    cfg = make_config(run["url"], "run.name=r", f"storage.cache_dir={tmp_path}")
+    with on_store(cfg, Path(cfg.run_dir), print):
+        history = _previous_summaries(Path(cfg.run_dir))
+    assert [h["status"] for h in history] == ["completed"] and history[0]["final_step"] == STEPS
