@@ -101,6 +101,14 @@ class RecordSync:
                 on_error(f"the run record could not be uploaded (retried at the next sync): {e}")
             self.failing = True
 
+    def try_pull(self, on_error: Callable[[str], None]) -> None:
+        """Pull; a failure is said and the caller goes on with the mirror it has (rank 0 starting while the
+        store is down: its metrics go on locally and are uploaded once it is back)."""
+        try:
+            self.pull()
+        except StorageError as e:
+            on_error(f"the run record could not be read from the store (going on with this node's copy): {e}")
+
     def start(self, interval_s: float, on_error: Callable[[str], None]) -> None:
         """Sync every `interval_s` on a thread of its own until `stop` (the driver)."""
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,8 @@ class Remote:
         say: Callable[[str], None] = checkpoint.say,
     ):
         self.store, self.after_upload, self.say = store, after_upload, say
+        self.on_commit: Callable[[int], None] | None = None  # rank 0, after each commit (the run record's sync)
+        self.upload_s: float | None = None  # rank 0: the last commit's slowest rank's upload seconds, until read
 
     def commit(self, path: Path, step: int, keep: int, group: Any = None) -> None:
         """Collective, after every rank's local write of `path` (the step's directory in the mirror): upload,
@@ -52,15 +55,20 @@ class Remote:
         dist.barrier(group=group)
         written = {n: s for n, s in checkpoint.listing(path).items() if _writer(n) == rank}
         sums = integrity.checksums(path, written)
+        start = time.perf_counter()
         if error is None:
             error = _attempt(lambda: self._upload(path, sorted(written), prefix, step))
         views: list[Any] = [None] * world
-        dist.all_gather_object(views, (written, sums, error), group=group)
-        manifest = [self._commit_on_store(prefix, step, views, keep) if rank == 0 else None]
+        dist.all_gather_object(views, (written, sums, error, time.perf_counter() - start), group=group)
+        manifest = [self._commit_on_store(prefix, step, [v[:3] for v in views], keep) if rank == 0 else None]
         dist.broadcast_object_list(manifest, src=dist.get_global_rank(group, 0) if group else 0, group=group)
         if manifest[0] is not None:
             write_json(path / COMMIT_MARKER, manifest[0])
             checkpoint.prune(path.parent, keep, step)
+            if rank == 0:
+                self.upload_s = max(v[3] for v in views)
+                if self.on_commit is not None:
+                    self.on_commit(step)
 
     def _upload(self, path: Path, names: list[str], prefix: str, step: int) -> None:
         for name in names:

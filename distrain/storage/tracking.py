@@ -41,7 +41,7 @@ class Tracker:
         self.run_dir = Path(run_dir)
         self.record, self.sync_interval_s = record, config["storage"]["sync_interval_s"]
         if record is not None:
-            record.pull()  # a rank 0 on a node new to the run appends to the run's metrics, not to nothing
+            record.try_pull(_say)  # a rank 0 on a node new to the run appends to the run's metrics, not to nothing
         self.metrics_path = self.run_dir / METRICS_FILE
         _set_aside_lines_after(self.metrics_path, resume_step)
         self._metrics = open(self.metrics_path, "a")

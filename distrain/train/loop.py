@@ -137,6 +137,8 @@ class Trainer:
             if self.rank == 0:
                 record = record_sync(cfg, self.run_dir, TRACKER_FILES)  # a run on an object store
                 self.tracker = Tracker(str(self.run_dir), self.plain_config, self.step, job.wandb_run_id, record)
+                if store and record is not None:  # the record on the store at least at every commit
+                    store.on_commit = lambda step: record.try_sync(self.say)
         self.vote: tuple[dist.Work, torch.Tensor] | None = None  # the stop vote in flight (agree_on_stop)
         self.blocked_s = 0.0  # how long checkpoints held the loop up since the last logged step
         channel.report({"step": self.step, "max_steps": cfg.trainer.max_steps, "loaded_at": time.time()})
@@ -250,6 +252,9 @@ class Trainer:
             metrics["mfu"] = self.flops_to_mfu * tokens_per_s
         if self.blocked_s:  # logged with the next step: the saving step's line is written before its save
             metrics["checkpoint_block_s"], self.blocked_s = self.blocked_s, 0.0
+        store = self.saver.remote
+        if store is not None and store.upload_s is not None:  # a commit on the store since the last line
+            metrics["checkpoint_upload_s"], store.upload_s = store.upload_s, None
         self.unread = (self.step, metrics, Readback(loss_sum, grad_norm))
         self.window = [time.perf_counter(), 0]
 

