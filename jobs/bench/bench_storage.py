@@ -155,8 +155,7 @@ def body(args, trials: list[harness.Trial]) -> str:
             "",
             *harness.table(HEAD, rows),
             "",
-            f"The upload {verdict}. The final losses match: where the checkpoints go changes nothing of the "
-            "training.",
+            f"The upload {verdict}. The final losses match: where the checkpoints go changes nothing of the training.",
         ]
     )
 
