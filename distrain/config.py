@@ -229,7 +229,7 @@ class RunConfig:
 
 @dataclass
 class StorageConfig:
-    """How runs reach an object store (run.storage=s3://…, data.shards=s3://…; docs/storage.md). Credentials
+    """How runs reach an object store (run.storage=s3://…, data.shards=s3://…; docs/object-storage.md). Credentials
     are never here: the filesystem reads them from the environment or its config files."""
 
     # fsspec's options for the filesystem (s3fs: endpoint_url, client_kwargs...); redacted wherever a config is

@@ -221,3 +221,57 @@ def test_a_lost_host_shrinks_the_run_and_a_new_host_grows_it_back(bed, one_worke
     # The newest checkpoint committed when the host went, or one committed a moment later (in the background).
     assert resumed % CHECKPOINT_EVERY == 0 and committed <= resumed <= lost_step, (committed, resumed, lost_step)
     assert_losses(run_dir, one_worker, RESHARDED)
+
+
+@pytest.mark.timeout(480)
+def test_on_an_object_store_a_lost_host_shrinks_the_run_which_resumes_from_the_store(bed, one_worker, tmp_path: Path):
+    """Each host keeps the run only in its own cache (its Ray node's DISTRAIN_CACHE_DIR) and on the object store
+    (SeaweedFS on the bed's bridge, reachable from every host): no folder is shared between them. A host is lost
+    mid-run; the run goes on, on the head's 2 workers, from the newest checkpoint committed on the store, which
+    holds files only the lost host's ranks wrote: the resume fetched them from the store."""
+    from seaweed import Seaweed
+
+    from distrain.storage.checkpoint import writer_of
+    from distrain.storage.objectstore import mirror_dir
+
+    other = next(h for h in bed.hosts[1:] if h.ray is not None)
+    store = Seaweed(tmp_path / "seaweed", host=bed.service_address(), namespace=bed.bridge).start()
+    hold = tmp_path / "hold"
+    try:
+        url = store.url("bed")
+        args = [*TINY, f"run.storage={url}", "run.name=lost", *COMMON, "cluster.num_workers=4", "cluster.min_workers=2"]
+        args += ["cluster.placement_timeout_s=3", "cluster.restart_backoff_s=0", "checkpoint.keep=100"]
+        args += ["storage.sync_interval_s=1", f"fault.hold_file={hold}"]
+        submit(bed, "store-lost", args, wait=False, runtime_env={"env_vars": store.env})
+        mirrors = {h.address: mirror_dir(f"{url}/lost", h.cache_dir) for h in (bed.head, other)}
+        run_dir = mirrors[bed.head.address]  # the driver's (the job runs on the head's host), and rank 0's after
+        context = lambda: explain(bed, "store-lost", run_dir)  # noqa: E731
+        wait_for("step 8", lambda: max(logged_step(m) for m in mirrors.values()) >= 8, context=context)
+        hold.write_text("")
+        before = {m: {p.name for p in (m / "checkpoints").glob("step_*")} for m in mirrors.values()}
+        bed.kill_host(other)
+        wait_for("the shrunk attempt", lambda: attempt_placement(run_dir, 2), context=context)
+        hold.unlink()
+        wait_for("the end", lambda: any(w in status(bed, "store-lost") for w in ("succeeded", "failed")), 120, context)
+    finally:
+        hold.unlink(missing_ok=True)
+        store.stop()
+    assert "succeeded" in status(bed, "store-lost"), explain(bed, "store-lost", run_dir)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    attempts = summary["attempts"]
+    assert [(a["world_size"], a["outcome"]) for a in attempts] == [(4, "failed"), (2, "completed")]
+    assert {e["node_ip"] for e in attempt_placement(run_dir, 1)} == {bed.head.address, other.address}
+
+    def writers(mirror: Path, step: str) -> set[int]:
+        return {w for p in (mirror / "checkpoints" / step).iterdir() if (w := writer_of(p.name)) is not None}
+
+    # Before the loss, each host's cache held only what its own ranks wrote: ranks 0-1 on one, 2-3 on the other.
+    head_ranks = {e["rank"] for e in attempt_placement(run_dir, 1) if e["node_ip"] == bed.head.address}
+    for address, mirror in mirrors.items():
+        mine = head_ranks if address == bed.head.address else {0, 1, 2, 3} - head_ranks
+        for step in before[mirror]:
+            assert writers(mirror, step) <= mine, (address, step, writers(mirror, step))
+    # The step it resumed from now holds every rank's files on the head: the lost host's came from the store.
+    resumed = f"step_{attempts[1]['info']['resumed_from_step']:08d}"
+    assert writers(run_dir, resumed) == {0, 1, 2, 3}
+    assert_losses(run_dir, one_worker, RESHARDED)

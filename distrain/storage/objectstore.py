@@ -15,6 +15,7 @@ endpoint), and is redacted wherever a config is recorded.
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import time
 import uuid
@@ -67,11 +68,17 @@ def redact_override(override: str) -> str:
     return override
 
 
+NODE_CACHE_ENV = "DISTRAIN_CACHE_DIR"  # a node's own cache folder, over storage.cache_dir (set where Ray starts)
+
+
 def mirror_dir(url: str, cache_dir: str | Path) -> Path:
-    """The local mirror of `url` under `cache_dir`: readable (scheme, then the URL's path) and unique."""
+    """The local mirror of `url` under this node's cache folder (DISTRAIN_CACHE_DIR in this process's
+    environment, else `cache_dir`): readable (scheme, then the URL's path) and unique. Computed where it is
+    used: each node's mirror is its own, never assumed shared."""
     scheme, rest = _URL.match(url).groups()
     tag = hashlib.sha1(url.encode()).hexdigest()[:8]
-    return Path(cache_dir).expanduser() / "mirror" / scheme / f"{rest.strip('/')}-{tag}"
+    root = Path(os.environ.get(NODE_CACHE_ENV) or cache_dir).expanduser()
+    return root / "mirror" / scheme / f"{rest.strip('/')}-{tag}"
 
 
 class Store:

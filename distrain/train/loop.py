@@ -100,7 +100,8 @@ class Trainer:
     def __init__(self, job: RankJob, device: torch.device, channel: Channel):
         cfg, layout = job.config, job.layout
         self.cfg, self.layout, self.device, self.channel = cfg, layout, device, channel
-        self.run_dir, self.started_at = Path(job.run_dir), job.started_at
+        # On an object store, this node's own mirror of the run (the driver's is on its node).
+        self.run_dir, self.started_at = Path(cfg.run_dir if cfg.run_url else job.run_dir), job.started_at
         # What checkpoints and the tracker record: config.to_plain's dict, without its OmegaConf (0.2 s here).
         self.plain_config = recorded(dataclasses.asdict(cfg))
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -356,7 +357,7 @@ class Trainer:
         """Restore weights, optimizer, step, data position and RNG."""
         if self.cfg.run_url:  # the driver chose it on the store: this node's mirror gets it (or an older one)
             store = self.saver.remote.store
-            path = remote.fetch(store, Path(path).parent, checkpoint.step_of(Path(path).name))
+            path = remote.fetch(store, self.run_dir / remote.PREFIX, checkpoint.step_of(Path(path).name))
             if path is None:
                 raise DamagedCheckpointError(f"{store.url}/{remote.PREFIX} no longer holds a committed checkpoint")
         state, groups = self.state()

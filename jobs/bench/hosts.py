@@ -88,6 +88,12 @@ class Host:
     temp_dir: str
     ray: subprocess.Popen | None = None
 
+    @property
+    def cache_dir(self) -> str:
+        """The host's own local disk for distrain's caches (DISTRAIN_CACHE_DIR of its Ray node): a run on an
+        object store keeps its mirror there, never in a folder another host reads."""
+        return f"{self.temp_dir}/cache"
+
 
 class Bed:
     """Hosts on a bridge; the first to start is the Ray head. `env` is what every Ray process and client
@@ -166,7 +172,8 @@ class Bed:
             f"--node-ip-address={host.address}", f"--num-cpus={self.cpus_per_host:g}", "--num-gpus=0",
             f"--temp-dir={host.temp_dir}", "--disable-usage-stats",
         ]  # fmt: skip
-        host.ray = subprocess.Popen(cmd, env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        env = {**self.env, "DISTRAIN_CACHE_DIR": host.cache_dir}
+        host.ray = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.wait_for_nodes(sum(h.ray is not None and h.ray.poll() is None for h in self.hosts))
 
     def client(
@@ -174,7 +181,7 @@ class Bed:
     ) -> subprocess.CompletedProcess:
         """A command in the head's namespace (in the repository), with the bed's token and a Ray address:
         `address`, else the dashboard's (for `ray job`)."""
-        env = {**self.env, "RAY_ADDRESS": address or self.dashboard}
+        env = {**self.env, "RAY_ADDRESS": address or self.dashboard, "DISTRAIN_CACHE_DIR": self.head.cache_dir}
         full = ["ip", "netns", "exec", self.head.namespace, *cmd]
         out = subprocess.run(full, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
         if check and out.returncode:
@@ -220,6 +227,14 @@ class Bed:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{n} Ray nodes were not up within {timeout_s:g} s")
             time.sleep(0.5)
+
+    def service_address(self) -> str:
+        """An address on the bridge itself, reachable from every host, for a service the hosts share (an
+        object store): processes run in the bridge's namespace (`bridge`) bind it."""
+        address = f"{SUBNET}.254"
+        if address not in self._in(self.bridge, "ip", "-o", "addr", "show", "br0"):
+            self._in(self.bridge, "ip", "addr", "add", f"{address}/24", "dev", "br0")
+        return address
 
     def kill_host(self, host: Host) -> None:
         """Every process of the host at once (raylet, workers, all): a machine that died."""
