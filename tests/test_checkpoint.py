@@ -45,9 +45,12 @@ def test_a_torn_newer_directory_is_skipped_then_replaced(tmp_path: Path, capsys)
     (torn / "__0_0.distcp").write_bytes(b"partial")
     assert checkpoint.latest(tmp_path).name == "step_00000010"
     assert "step_00000020: no commit marker" in capsys.readouterr().err
+    (torn / "__3_0.distcp").write_bytes(b"a rank the resumed run no longer has")
     save(tmp_path, 20, model)  # the resumed run reaches step 20 again
     assert checkpoint.latest(tmp_path).name == "step_00000020"
-    assert not (torn / "__0_0.distcp").exists() or (torn / checkpoint.COMMIT_MARKER).exists()
+    manifest = json.loads((torn / checkpoint.COMMIT_MARKER).read_text())
+    on_disk = {p.name for p in torn.iterdir()} - {checkpoint.COMMIT_MARKER}
+    assert "__3_0.distcp" not in on_disk and set(manifest["files"]) == on_disk  # emptied before the save
 
 
 def test_a_lone_torn_directory_says_that_nothing_is_loaded(tmp_path: Path, capsys):
@@ -64,3 +67,32 @@ def test_an_unreadable_marker_is_damage(tmp_path: Path):
     (path / checkpoint.COMMIT_MARKER).write_text("{not json")
     with pytest.raises(safeload.DamagedCheckpointError, match="step_00000005: unreadable commit marker"):
         checkpoint.latest(tmp_path)
+
+
+def test_a_torn_directory_never_takes_a_kept_slot(tmp_path: Path):
+    """keep=2 keeps two checkpoints that load: a torn one between them is no commit, and one older than
+    the kept ones is deleted with them."""
+    model = nn.Linear(2, 2)
+    save(tmp_path, 10, model)
+    save(tmp_path, 20, model)
+    for step in (15, 25):
+        checkpoint.step_dir(tmp_path, step).mkdir()
+        (checkpoint.step_dir(tmp_path, step) / "__0_0.distcp").write_bytes(b"partial")
+    save(tmp_path, 30, model)
+    assert [p.name for p in checkpoint.checkpoints(tmp_path)] == ["step_00000030", "step_00000025", "step_00000020"]
+    assert checkpoint.problem(checkpoint.step_dir(tmp_path, 20)) is None  # the older good one is kept
+
+
+def test_a_file_rank_0_cannot_see_leaves_the_checkpoint_uncommitted(tmp_path: Path):
+    """What a node-local run.storage looks like at commit: rank 1 wrote a shard that rank 0 does not see
+    (or sees at another size). Nothing is committed and nothing older is pruned."""
+    model = nn.Linear(2, 2)
+    save(tmp_path, 10, model, keep=1)
+    path = checkpoint.prepare(tmp_path, 20)
+    (path / "__0_0.distcp").write_bytes(b"rank 0's shard")
+    seen = {"__0_0.distcp": len(b"rank 0's shard")}
+    for other, match in (({"__1_0.distcp": 9}, "sees no such file"), ({"__0_0.distcp": 99}, "sees 14 bytes")):
+        with pytest.raises(checkpoint.CheckpointNotSharedError, match=f"rank 1 wrote .* but rank 0 {match}"):
+            checkpoint.commit(tmp_path, 20, {"rank 0": seen, "rank 1": other}, 1, "rank 0")
+        assert not (path / checkpoint.COMMIT_MARKER).exists()
+        assert checkpoint.latest(tmp_path) == checkpoint.step_dir(tmp_path, 10)
