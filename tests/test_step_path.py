@@ -3,11 +3,14 @@ step late, checkpoints staged then written in the background, memory peaks per l
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
 from distrain.data.loader import Batches, Prefetch
 from distrain.storage import checkpoint, saver
@@ -50,11 +53,22 @@ def test_a_background_checkpoint_holds_the_state_at_save_time(tmp_path):
 
 
 @pytest.mark.parametrize("pin", [False, True], ids=["plain", "pinned"])
-def test_one_saver_commits_every_background_save_of_a_run(tmp_path, pin: bool):
+def test_one_saver_commits_every_background_save_of_a_run(tmp_path, monkeypatch, pin: bool):
     """A run's Saver makes every background save through one stager. torch 2.11's stager emptied itself
     after each stage, so from the second save on staging raised `KeyError: <class 'type'>` (issue 30).
     `pin` is the GPU's setting (host copies pinned, copied without blocking); without an accelerator
-    torch pins nothing, and the same saves must still commit."""
+    torch pins nothing, and the same saves must still commit. The disk is made slow: each `save` returns
+    while its write is still going, and the next one, staging into the same host copies, must wait for it
+    (else a checkpoint would hold the next step's values)."""
+    written, write = [], FileSystemWriter.write_data
+
+    def slow_write(self, plan, planner):
+        time.sleep(0.3)
+        done = write(self, plan, planner)
+        written.append(self.path)
+        return done
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", slow_write)
     model = nn.Linear(16, 16)
     writer = saver.Saver(tmp_path, keep=4, background=True, pin=pin)
     for step in (1, 2, 3):
@@ -63,7 +77,10 @@ def test_one_saver_commits_every_background_save_of_a_run(tmp_path, pin: bool):
         # tensors and plain data, nested as an optimizer's flattened state is
         optim = {"state.weight.step": torch.tensor(float(step)), "lr": 0.1, "betas": [0.9, 0.95], "name": "adamw"}
         writer.save(step, {"model": model.state_dict(), "optim": optim}, {"step": step, "world_size": 1}, {})
+        # returned before its own write finished, and after the one before it
+        assert len(written) == step - 1, f"save {step} returned with {len(written)} writes finished"
     writer.close()
+    assert len(written) == 3
     assert [p.name for p in checkpoint.checkpoints(tmp_path)] == ["step_00000003", "step_00000002", "step_00000001"]
     for step in (1, 2, 3):
         path = checkpoint.step_dir(tmp_path, step)
@@ -72,6 +89,18 @@ def test_one_saver_commits_every_background_save_of_a_run(tmp_path, pin: bool):
         dcp.load(state, checkpoint_id=str(path))
         assert torch.equal(state["model"]["weight"], torch.full((16, 16), float(step)))  # its own step's copy
         assert state["optim"]["state.weight.step"].item() == step
+
+
+@pytest.mark.filterwarnings("ignore:Ignoring pin_memory")
+def test_a_saver_on_a_gpu_asks_for_pinned_host_copies(tmp_path, monkeypatch):
+    """What the trainer's `pin=device.type == "cuda"` turns into where there is an accelerator: pinned
+    host copies, filled without blocking (torch itself pins only when CUDA is there)."""
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    for pin in (True, False):
+        writer = saver.Saver(tmp_path, keep=1, background=True, pin=pin)
+        options = writer.stager._config
+        assert (options.use_pinned_memory, options.use_non_blocking_copy) == (pin, pin)
+        writer.close()
 
 
 def test_memory_peaks_start_again_after_a_reset():
