@@ -5,6 +5,7 @@ and resuming, exactly."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -72,6 +73,40 @@ def test_a_directory_in_byte_shards_is_its_files_dealt_out_by_document(tmp_path:
     assert index["dtype"] == "uint16"
     assert index["splits"]["val"]["documents"] == round(len(units) * 0.2)
     assert load_tokenizer(out).kind == "bytes" and index["source"]["files"] == len(files) == 30
+
+
+def dealt_out(files: bytes, train: bytes, val: bytes) -> None:
+    """`files` is `train` and `val` interleaved, each in order: every byte in exactly one split. Every line
+    is unique, so at each point the split that holds what comes next matches the most; a match is taken up
+    to its last newline (past it, the split's next piece may share a few bytes with the other's)."""
+    p, at = 0, {"train": 0, "val": 0}
+    splits = {"train": train, "val": val}
+    while p < len(files):
+        match = {s: os.path.commonprefix([files[p:], splits[s][at[s] :]]) for s in splits}
+        split = max(match, key=lambda s: len(match[s]))
+        assert match[split], f"byte {p} of the files ({files[p : p + 40]!r}) is in neither split"
+        taken = match[split].rfind(b"\n") + 1 or len(match[split])
+        p, at[split] = p + taken, at[split] + taken
+    assert at == {s: len(b) for s, b in splits.items()}, "a split holds bytes beyond the files'"
+
+
+def test_byte_shards_hold_every_byte_of_every_file_once(tmp_path: Path):
+    """Checked against the files themselves: the end of a file longer than a piece, a file without a
+    final newline, a line longer than a piece, a file of one line."""
+    corpus = tmp_path / "corpus"
+    (corpus / "sub").mkdir(parents=True)
+    texts = {
+        "a.txt": "".join(f"a {n}: {'x' * (n % 70)}\n" for n in range(300)) + "a, its end without a newline",
+        "b.txt": "b: a file of one line\n",
+        "sub/c.txt": "c 0\n" + "".join(f"{n:05d}" for n in range(1000)) + "\nc 2, after a long line\n",
+    }
+    for name, text in texts.items():
+        (corpus / name).write_text(text)
+    out, _ = shards_of(tmp_path, "bytes", f"data.path={corpus}", "data.val_fraction=0.2", piece_bytes=1024)
+    train, val = (split_tokens(out, split) for split in ("train", "val"))
+    assert train.max() < 256 and val.max() < 256 and len(val) > 1024
+    files = "".join(texts[name] for name in sorted(texts)).encode()
+    dealt_out(files, train.astype(np.uint8).tobytes(), val.astype(np.uint8).tobytes())
 
 
 def test_a_glob_of_jsonl_in_bpe_shards_decodes_to_its_records(tmp_path: Path, bpe_shards: Path):
