@@ -230,7 +230,16 @@ def test_bad_shards_are_refused_in_one_line_before_any_worker(tmp_path: Path, bp
     bytes_shards, _ = shards_of(tmp_path, "bytes", f"data.path={corpus}")
     other, _ = shards_of(tmp_path, "other", f"data.path={corpus}/sub", "tokenizer=bpe", "tokenizer.vocab_size=300")
     (tmp_path / "empty").mkdir()
+    swapped, lost = tmp_path / "swapped", tmp_path / "lost"  # whole tokens, another tokenizer.json or none
+    shutil.copytree(bpe_shards, swapped)
+    shutil.copy(other / "tokenizer.json", swapped / "tokenizer.json")
+    shutil.copytree(bpe_shards, lost)
+    (lost / "tokenizer.json").unlink()
     cases = (
+        *(
+            ([f"data.shards={d}", "tokenizer=bpe", "model.vocab_size=512"], "not the one its tokens were made with")
+            for d in (swapped, lost)
+        ),
         ([f"data.shards={tmp_path}/missing"], "does not exist"),
         ([f"data.shards={tmp_path}/empty", "tokenizer=bpe"], "not prepared"),
         ([f"data.shards={broken}", "tokenizer=bpe"], "is corrupt"),
