@@ -46,10 +46,18 @@ HF_MODELS = {
 }  # fmt: skip
 
 
-def save_hf_model(name: str, directory: Path) -> transformers.PreTrainedModel:
+def save_hf_model(name: str, directory: Path, files: str = "sharded") -> transformers.PreTrainedModel:
+    """`files`: sharded (several files and their index, as large models are saved), single (one
+    model.safetensors: most small models, and distrain's export) or bare (one file of the base model's
+    names, without `transformer.`: GPT-2's original checkpoints)."""
+    from safetensors.torch import load_file, save_file
+
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(HF_MODELS[name]()).eval()
-    model.save_pretrained(directory, max_shard_size="40KB")  # several files and their index, as large models are saved
+    model.save_pretrained(directory, max_shard_size="40KB" if files == "sharded" else "1GB")
+    if files == "bare":
+        weights = load_file(directory / "model.safetensors")
+        save_file({k.removeprefix("transformer."): v for k, v in weights.items()}, directory / "model.safetensors")
     return model
 
 
@@ -57,10 +65,14 @@ def tokens(vocab: int = 256, seq_len: int = 32) -> torch.Tensor:
     return torch.randint(0, vocab, (2, seq_len), generator=torch.Generator().manual_seed(1))
 
 
-@pytest.mark.parametrize("name", HF_MODELS)
-def test_import_matches_transformers(name: str, tmp_path: Path):
-    reference = save_hf_model(name, tmp_path / "hf")
-    assert len(list((tmp_path / "hf").glob("*.safetensors"))) > 1
+@pytest.mark.parametrize(
+    ("name", "files"),
+    [*((name, "sharded") for name in HF_MODELS), ("llama_gqa", "single"), ("gpt2", "single"), ("gpt2", "bare")],
+)
+def test_import_matches_transformers(name: str, files: str, tmp_path: Path):
+    reference = save_hf_model(name, tmp_path / "hf", files)
+    found = sorted(p.name for p in (tmp_path / "hf").glob("model*.safetensors*"))
+    assert len(found) > 2 if files == "sharded" else found == ["model.safetensors"]
     cfg = resolve_init_from(make_config(tmp_path, f"model.init_from={tmp_path / 'hf'}"), say=lambda line: None)
     assert (cfg.model.dim, cfg.model.vocab_size) == (reference.config.hidden_size, 256)
     assert cfg.model.tie_embeddings == reference.config.tie_word_embeddings
