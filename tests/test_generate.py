@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import DAMAGES, REPO, damage, make_config
+from torch import nn
 
 from distrain.data.tokenizer import run_tokenizer
 from distrain.driver.launch import train
@@ -67,6 +69,74 @@ def test_sampling_is_seeded_and_top_k_1_is_greedy(run):
     assert draw(0) == draw(0) and draw(0) != draw(1)
     assert draw(0, top_k=1) == sample(model, ids, 40, context)
     assert len(sample(model, ids, 40, context)) == len(ids) + 40  # beyond trainer.seq_len: the window slides
+
+
+class Fixed(nn.Module):
+    """Logits that do not depend on the tokens: every draw is from one known distribution."""
+
+    def __init__(self, logits: torch.Tensor):
+        super().__init__()
+        self.logits = nn.Parameter(logits)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.logits.expand(*x.shape, -1)
+
+
+class Counting(nn.Module):
+    """Greedy picks (the window's first token + its length) mod 256; like a model, it has positions for
+    `context` tokens only."""
+
+    def __init__(self, context: int):
+        super().__init__()
+        self.context, self.weight = context, nn.Parameter(torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        assert x.shape[1] <= self.context, f"{x.shape[1]} tokens, more than the model's {self.context} positions"
+        return F.one_hot((x[:, :1] + x.shape[1]) % 256, 256).float().expand(*x.shape, -1)
+
+
+def test_past_the_context_the_window_slides():
+    """A prompt longer than the context and a continuation of three windows: each token comes from the last
+    `context` tokens."""
+    context, ids = 8, list(range(100, 111))
+    want = list(ids)
+    for _ in range(3 * context):
+        want.append((want[-context] + context) % 256)
+    assert sample(Counting(context), ids, 3 * context, context) == want
+
+
+@pytest.mark.parametrize(("temperature", "top_k"), [(0.5, 0), (2.0, 0), (0.7, 3), (1.5, 5)])
+def test_sampling_draws_from_the_tempered_top_k_distribution(temperature: float, top_k: int):
+    """4000 draws: each token's frequency within 0.03 of softmax(logits / temperature) over the top_k
+    tokens (±4 standard deviations at most), and no token outside them."""
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, 1.5, -2.0])
+    draws = sample(Fixed(logits), [0], 4000, 8, temperature, top_k, torch.Generator().manual_seed(0))[1:]
+    kept = logits.topk(top_k or len(logits)).indices
+    want = torch.zeros_like(logits)
+    want[kept] = (logits[kept] / temperature).softmax(-1)
+    got = torch.bincount(torch.tensor(draws), minlength=len(logits)) / len(draws)
+    assert (got - want).abs().max() < 0.03, (got, want)
+    assert got[want == 0].sum() == 0
+
+
+def test_generation_ends_at_the_end_of_text_token(run, monkeypatch, capsys):
+    """A tokenizer whose end-of-text token is the first one greedy decoding picks: the continuation is that
+    token alone (the run's byte tokenizer has none, so the run's tokenizer is given one here)."""
+    from distrain.data import tokenizer as tokenizers
+
+    cfg, model = load_trained(run.run_dir)
+    ids = run_tokenizer(cfg).encode(PROMPT)
+    first = sample(model, ids, 1, cfg.trainer.seq_len)[-1]
+    assert sample(model, ids, 20, cfg.trainer.seq_len, stop=first) == [*ids, first]
+
+    def with_eos(cfg):
+        tokenizer = run_tokenizer(cfg)
+        tokenizer.eos_id = first
+        return tokenizer
+
+    monkeypatch.setattr(tokenizers, "run_tokenizer", with_eos)
+    generate_job.main([f"run.storage={run.run.storage}", "run.name=gen", f"prompt={PROMPT}", "temperature=0"])
+    assert capsys.readouterr().out == with_eos(cfg).decode([*ids, first]) + "\n"
 
 
 @pytest.mark.parametrize(
