@@ -167,8 +167,15 @@ def sticky_error_on_rank_one() -> bool:
     return True
 
 
-def test_the_device_check_passes_on_the_cpu():
+def test_the_device_check_runs_work_on_the_device(monkeypatch):
+    """A usable device passes (the CPU, or a GPU where there is one). Where CUDA is said to be but no kernel
+    can run (here: torch built without CUDA), the check raises, as on a GPU with a sticky error: it does
+    run work on the device rather than trust that it is there."""
     assert process_group.check_device() is True
+    if not torch.cuda.is_available():
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        with pytest.raises((AssertionError, RuntimeError), match="CUDA"):
+            process_group.check_device()
 
 
 @pytest.mark.usefixtures("ray_cluster")
