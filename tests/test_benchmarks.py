@@ -155,6 +155,13 @@ def test_mfu(tmp_path: Path) -> None:
         assert not page.exists() and not page.parent.exists()
 
 
+def test_gpu_check_walks_the_journey_by_default() -> None:
+    """The checkpoint, SIGKILL → resume, export and generate parts (the journey, held in CPU mode below) are
+    among the parts a plain `gpu_check.py` runs on a GPU, not an option to remember."""
+    gpu_check = importlib.import_module("gpu_check")
+    assert "journey" in gpu_check.parse_args([]).parts
+
+
 @pytest.mark.timeout(420)
 def test_gpu_check_cpu_mode(tmp_path: Path) -> None:
     """Without a GPU (hidden where there is one), jobs/bench/gpu_check.py runs every part at tiny sizes, one worker
@@ -167,7 +174,7 @@ def test_gpu_check_cpu_mode(tmp_path: Path) -> None:
     docs = {name: REPO / "docs" / name for name in ("gpu.md", "mfu.md", "collectives.md")}
     before = {name: path.stat().st_mtime_ns if path.exists() else None for name, path in docs.items()}
     cmd = [sys.executable, "jobs/bench/gpu_check.py", "--storage", str(tmp_path)]
-    cmd += ["--parts", "strategies,journey,ps,sticky,mfu,collectives"]  # the benchmarks are optional parts
+    cmd += ["--parts", ",".join(importlib.import_module("gpu_check").PARTS)]  # every one, the optional benchmarks too
     done = processes.run_command(cmd, tmp_path / "gpu_check.log", 360, env={"CUDA_VISIBLE_DEVICES": ""})
     log = done.log.read_text()
     assert done.rc == 0, done.tail(60)
