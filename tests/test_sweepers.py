@@ -122,6 +122,35 @@ def test_a_sweep_with_an_impossible_point_is_refused_before_any_trains(tmp_path:
     assert "Launching" not in said.out + said.err and list(tmp_path.iterdir()) == []  # nothing trained, nothing made
 
 
+def sweep_runs(tmp_path: Path, *overrides: str) -> dict[str, dict]:
+    """A sweep of one-step points in this process; each run directory's summary, by name."""
+    argv = ["-m", *TINY, "trainer.max_steps=1", f"run.storage={tmp_path}", *overrides]
+    try:
+        assert entrypoint.entry(argv) == 0
+    finally:
+        GlobalHydra.instance().clear()
+    return {p.name: json.loads((p / "summary.json").read_text()) for p in tmp_path.iterdir() if p.name != "sweeps"}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.usefixtures("ray_cluster", "fresh_entrypoint")
+def test_a_sweep_over_run_name_trains_a_run_of_each_name(tmp_path: Path):
+    runs = sweep_runs(tmp_path, "run.name=first,second")
+    assert sorted(runs) == ["first", "second"]
+    assert all(s["status"] == "completed" and s["final_step"] == 1 for s in runs.values()), runs
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.usefixtures("ray_cluster", "fresh_entrypoint")
+def test_a_sweep_without_run_name_names_its_points_from_one_start(tmp_path: Path):
+    """The default name's timestamp is the sweep's, not each point's: its points' names differ only by
+    their values, and each is a run of its own (none extends another)."""
+    runs = sweep_runs(tmp_path, "optim.lr=0.001,0.003")
+    stamps = {re.fullmatch(r"nano-ddp-(\d{8}-\d{6})-optim.lr_0.00[13]", name)[1] for name in runs}
+    assert len(runs) == 2 and len(stamps) == 1, sorted(runs)
+    assert all(s["status"] == "completed" and s["final_step"] == 1 for s in runs.values()), runs
+
+
 def test_points_compose_as_hydra_composes_them(tmp_path: Path):
     """The fast path of the up-front check (one defaults list per set of group choices) gives Hydra's config."""
     from hydra import compose, initialize_config_dir
