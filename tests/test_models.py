@@ -63,6 +63,55 @@ def without_tp_plan(cfg, max_seq_len: int, seed: int):  # noqa: ANN001, ANN201
     return model
 
 
+BROKEN = {"part": None}  # what `broken` leaves out, set by the test
+
+
+def broken(cfg, max_seq_len: int, seed: int):  # noqa: ANN001, ANN201
+    """A target returning the user's Decoder without one part of the contract (BROKEN["part"])."""
+    from torch import nn
+    from user_model.decoder import Decoder
+
+    from distrain.model.contract import ATTRIBUTES, METHODS
+
+    model, part = Decoder(cfg, max_seq_len, seed), BROKEN["part"]
+    blocks = list(model.layers.values())
+    if part == "module":
+        return 3
+    if part == "layers":
+        model.layers = nn.ModuleList(blocks)
+    elif part == "layer_keys":
+        model.layers = nn.ModuleDict({str(i + 1): block for i, block in enumerate(blocks)})
+    elif part in METHODS:
+        setattr(model, part, None)
+    elif part in ATTRIBUTES:
+        model.__class__ = type("Lacking", (Decoder,), {part: property(lambda self: self.no_such)})
+    elif part == "named_module":
+        model.output_modules = ("final_norm", "lm_head")
+    return model
+
+
+@pytest.mark.parametrize(
+    ("part", "lacks"),
+    [
+        ("module", "it returned a int, not a torch.nn.Module"),
+        ("layers", "lacks `layers` (an nn.ModuleDict of the blocks keyed '0'..'n-1')"),
+        ("layer_keys", "lacks `layers` keyed '0'..'1' in order (has ['1', '2']...)"),
+        *(
+            (name, f"lacks the method `{name}`")
+            for name in ("init_weights", "tp_plan", "grid_tp_plan", "flops_per_token")
+        ),
+        *((name, f"lacks the attribute `{name}`") for name in ("input_modules", "output_modules", "tied_parameters")),
+        ("named_module", "lacks the module `lm_head` its input_modules/output_modules name"),
+    ],
+    ids=lambda value: value if " " not in value else "",
+)
+def test_each_part_of_the_contract_is_checked_before_workers(tmp_path: Path, monkeypatch, part: str, lacks: str):
+    monkeypatch.setitem(BROKEN, "part", part)
+    with pytest.raises(ConfigError) as err:
+        validate(make_config(tmp_path, "run.name=bad", "model._target_=test_models.broken", "model.n_layers=2"))
+    assert lacks in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
 @pytest.fixture(scope="module")
 def references(ray_cluster, tmp_path_factory) -> dict:
     """Per family: the one-process run's losses, gradient norms and final weights."""
