@@ -156,9 +156,13 @@ def test_ranks_that_cannot_reach_each_other_end_the_run_at_the_first_repeat_nami
 
 
 @pytest.mark.timeout(400)
-def test_ray_job_stop_across_hosts_checkpoints_and_a_resubmission_resumes(bed, tmp_path: Path):
+def test_ray_job_stop_across_hosts_checkpoints_and_a_resubmission_resumes(bed, ray_cluster, tmp_path: Path):
+    """Stopped at whatever step the stop finds it, resumed 3 steps further: every loss, before the stop and
+    after the resume, is a one-process run's of the same steps (the schedule's length is fixed, so that
+    the resubmission's trainer.max_steps leaves it as it was)."""
     run_dir = tmp_path / "stopped"
-    args = overrides(tmp_path, "stopped", "cluster.num_workers=4", "trainer.max_steps=5000", "checkpoint.interval=0")
+    schedule = ("trainer.max_steps=5000", "checkpoint.interval=0", "optim.decay_steps=5000")
+    args = overrides(tmp_path, "stopped", "cluster.num_workers=4", *schedule)
     submit(bed, "stop", args, wait=False, runtime_env={"env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": "60"}})
     wait_for("5 steps", lambda: logged_step(run_dir) >= 5)
     bed.client("ray", "job", "stop", "stop", timeout=120, check=False)
@@ -175,6 +179,10 @@ def test_ray_job_stop_across_hosts_checkpoints_and_a_resubmission_resumes(bed, t
     assert summary["status"] == "completed" and summary["final_step"] == step + 3
     assert summary["resumed_from"].endswith(f"step_{step:08d}")
     assert logged_step(run_dir) == step + 3
+    same = [a for a in more if not a.startswith(("run.storage=", "run.name=", "cluster.num_workers="))]
+    one = make_config(tmp_path / "one", "run.name=one", "cluster.num_workers=1", *same)
+    assert train(one)["status"] == "completed"
+    assert_losses(run_dir, logged(one), SAME_DATA)
 
 
 @pytest.mark.timeout(480)
