@@ -38,8 +38,10 @@ def parse_args(argv: list[str] | None = None):
     p = harness.parser(__doc__, "docs/storage.md", repeats=2)
     p.add_argument("--model", default="llama_124m", help="a conf/model/*.yaml name (default llama_124m)")
     p.add_argument("--workers", type=int, default=2, help="DDP workers on CPU (default 2)")
-    p.add_argument("--steps", type=int, default=8, help="steps per run (default 8)")
-    p.add_argument("--interval", type=int, default=2, help="steps between checkpoints (default 2)")
+    p.add_argument("--steps", type=int, default=12, help="steps per run (default 12)")
+    p.add_argument(
+        "--interval", type=int, default=4, help="steps between checkpoints (default 4: longer than an upload takes)"
+    )
     args = harness.parse(p, argv)
     if args.smoke:
         args.model, args.steps, args.interval = "nano", 4, 2
@@ -147,7 +149,9 @@ def body(args, trials: list[harness.Trial]) -> str:
             f"checkpoint every {args.interval} steps in the background (`checkpoint.async=true`), then one more "
             f"step resumed from the last; {args.repeats} repeat(s), the order alternating. The store is SeaweedFS "
             "`weed mini` on this machine: the upload competes with the training and the store for the same cores.",
-            "- Step blocked per save: the median of `checkpoint_block_s`. Upload: a checkpoint's bytes ÷ the "
+            "- Step blocked per save: the median of `checkpoint_block_s`. One save is in flight at a time: a save "
+            "that comes before the previous one has committed (its upload included) waits for it, so the interval "
+            "is chosen longer than an upload takes, as a run's would be. Upload: a checkpoint's bytes ÷ the "
             "median over its saves of `checkpoint_upload_s` (the slowest rank's seconds uploading its files); "
             "plain s3fs: the same files put one after another with `s3fs` to the same server, right after the "
             "run. Resume: the resumed attempt's `checkpoint_load_s` (the store's: its local mirror deleted first, "
