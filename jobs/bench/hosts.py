@@ -233,6 +233,7 @@ class Bed:
         object store): processes run in the bridge's namespace (`bridge`) bind it."""
         address = f"{SUBNET}.254"
         if address not in self._in(self.bridge, "ip", "-o", "addr", "show", "br0"):
+            self._in(self.bridge, "ip", "link", "set", "lo", "up")  # a namespace's own addresses route through lo
             self._in(self.bridge, "ip", "addr", "add", f"{address}/24", "dev", "br0")
         return address
 
