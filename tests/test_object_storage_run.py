@@ -205,7 +205,12 @@ def test_the_record_is_on_the_store_while_the_run_trains_and_complete_after(run)
     assert "summary.json" not in during and "metrics.jsonl" not in during  # pinned before its first step
     after, store = run["after"], run["store"]
     assert {"summary.json", "metrics.jsonl", "placement.json", "attempts/001-placement.json"} <= after.keys()
-    assert LOCK_OBJECT not in after and not any(n.startswith("checkpoints/") for n in after)
+    assert LOCK_OBJECT not in after
+    # The record holds no checkpoint: the only one there is the final one, uploaded and committed by the ranks.
+    saved = {n for n in after if n.startswith("checkpoints/")}
+    assert {n.split("/")[1] for n in saved} == {
+        f"step_{STEPS:08d}"
+    } and f"checkpoints/step_{STEPS:08d}/COMMITTED" in saved
     summary = json.loads((store / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["final_step"] == STEPS
     assert [json.loads(line)["step"] for line in (store / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
