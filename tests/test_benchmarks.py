@@ -77,7 +77,7 @@ SMOKES = [
     # three tiers trained the same, NVMe under its memory bound, the disk measured beside the step
     ("bench_offload", 180, False, ["| `strategy=nvme` |", "within it", "identical step for step", "| overlapped |"]),
     # both storages trained the same, the store's resumed from its URL alone, a plain s3fs upload timed beside it
-    ("bench_storage", 180, False, ["| the object store (SeaweedFS, loopback) |", "| the local disk |", "The upload "]),
+    ("bench_storage", 180, False, ["| the object store (SeaweedFS, loopback) |", "| the local disk |", "The upload: "]),
     # the checksum a commit reads files with, and every candidate it was chosen from
     ("bench_checksum", 60, False, ["| `integrity.checksum`: read + CRC-32 |", "| `hashlib.blake2b` |", "s per GB"]),
 ]
