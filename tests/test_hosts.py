@@ -182,7 +182,9 @@ def test_ray_job_stop_across_hosts_checkpoints_and_a_resubmission_resumes(bed, r
     same = [a for a in more if not a.startswith(("run.storage=", "run.name=", "cluster.num_workers="))]
     one = make_config(tmp_path / "one", "run.name=one", "cluster.num_workers=1", *same)
     assert train(one)["status"] == "completed"
-    assert_losses(run_dir, logged(one), SAME_DATA)
+    # The stop lands anywhere, tens of steps in: the sums' order drifts the fp32 losses past SAME_DATA over that
+    # many steps (CI: 1.1e-5 relative at step 58); a lost step or optimizer state moves them by 1e-2 or more.
+    assert_losses(run_dir, logged(one), RESHARDED)
 
 
 @pytest.mark.timeout(480)
