@@ -13,12 +13,13 @@ from __future__ import annotations
 import fcntl
 import json
 import time
-import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from distrain.config import ConfigError
 from distrain.data.shards import INDEX, SPLITS, parse_index, shard_sizes
+from distrain.storage.fsutil import atomic_write
+from distrain.storage.integrity import checksum
 from distrain.storage.objectstore import StorageError, Store, check_scheme, is_url, mirror_dir, store_for
 
 if TYPE_CHECKING:
@@ -92,11 +93,9 @@ def fetch(url: str, storage: StorageConfig, tokenizer_only: bool = False) -> tup
                 f"{time.monotonic() - started:.1f} s",
                 flush=True,
             )
-        (cache / f"{CHECKED}.tmp").write_text(json.dumps(checked))
-        (cache / f"{CHECKED}.tmp").replace(cache / CHECKED)
+        atomic_write(cache / CHECKED, json.dumps(checked))
         if not tokenizer_only:
-            (cache / f"{INDEX}.tmp").write_text(json.dumps(index, indent=1))
-            (cache / f"{INDEX}.tmp").replace(cache / INDEX)
+            atomic_write(cache / INDEX, json.dumps(index, indent=1))
     return cache, stale
 
 
@@ -120,16 +119,8 @@ def _whole(path: Path, want: tuple[int, int | None], checked: dict[str, list[int
     seen = checked.get(path.name)
     if seen is not None and seen[:2] == [stat.st_size, stat.st_mtime_ns] and (crc is None or seen[2] == crc):
         return True
-    actual = _crc32(path) if crc is not None else None
+    actual = checksum(path) if crc is not None else None
     if actual != crc:
         return False
     checked[path.name] = [stat.st_size, stat.st_mtime_ns, actual]
     return True
-
-
-def _crc32(path: Path) -> int:
-    crc = 0
-    with open(path, "rb") as f:
-        while block := f.read(1 << 24):
-            crc = zlib.crc32(block, crc)
-    return crc
