@@ -161,6 +161,10 @@ class ClusterConfig:
     placement_timeout_s: float = 120.0  # to place the workers; after a node loss, to place all of them again
     # Fault tolerance (distrain/cluster/supervisor.py; docs/fault-tolerance.md).
     spares: int = 0  # hot spares: started with the group, imports warm, each ready to take a dead rank
+    # After a failure, the ranks start again from the state a surviving data-parallel replica keeps in memory,
+    # not from the last checkpoint, when one holds every shard (docs/fault-tolerance.md): only the step in
+    # flight is done again. false: always from the checkpoint.
+    peer_recovery: bool = True
     # Keep a run's workers (placement group and warm processes), and its parameter servers, for this
     # driver's next run of the same shape, e.g. a sweep in one process; they hold their resources until
     # then or until room is needed.
@@ -257,6 +261,8 @@ class FaultConfig:
     # With run.storage a URL: the kill happens instead while step kill_at_step's checkpoint is being uploaded, once
     # rank kill_rank's first object is on the store (a torn checkpoint there: storage/remote.py).
     kill_mid_upload: bool = False
+    # Rank kill_rank SIGKILLs itself halfway through the state transfer of the run's first recovery from replicas.
+    kill_mid_transfer: bool = False
 
 
 @dataclass

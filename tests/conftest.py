@@ -3,10 +3,14 @@ composed as `jobs/train.py` composes them."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import socket
+import threading
+import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -281,3 +285,34 @@ def fake_table(n: int, per_node: int, gpus: bool) -> list[dict]:
         }
         for r in range(n)
     ]
+
+
+# -- a run under fire: what a test does beside train() ------------------------------------------------
+
+
+def when(condition: Callable[[], bool], timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting for the run"
+        time.sleep(0.002)
+
+
+def workers(run_dir: Path) -> list[dict]:
+    """The ranks of the current attempt (placement.json also lists hot spares and servers)."""
+    return [e for e in json.loads((run_dir / "placement.json").read_text()) if "rank" in e]
+
+
+def in_background(fn: Callable[[], None]) -> threading.Thread:
+    """The helper runs beside train(), which keeps the main thread (it takes SIGTERM there)."""
+    errors = []
+
+    def guarded() -> None:
+        try:
+            fn()
+        except BaseException as e:  # reported by the test, not lost in a thread
+            errors.append(e)
+
+    thread = threading.Thread(target=guarded, daemon=True)
+    thread.errors = errors
+    thread.start()
+    return thread

@@ -9,14 +9,12 @@ import os
 import random
 import re
 import signal
-import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, assert_recovery_in_order, final_weights, logged, make_config
+from conftest import REPO, assert_recovery_in_order, final_weights, in_background, logged, make_config, when, workers
 
 from distrain.cluster.placement import WorkerFailure
 from distrain.driver.launch import train
@@ -24,7 +22,15 @@ from distrain.storage.checkpoint import COMMIT_MARKER
 from distrain.storage.tracking import SUMMARY_FILE, read_metrics
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
-COMMON = ["cluster.num_workers=4", "trainer.max_steps=30", "checkpoint.interval=3", "cluster.restart_backoff_s=0"]
+# The restart from the checkpoint: recovery from the live replicas' memory, which a DDP run would take instead, is
+# tests/test_peer_recovery.py's.
+COMMON = [
+    "cluster.num_workers=4",
+    "trainer.max_steps=30",
+    "checkpoint.interval=3",
+    "cluster.restart_backoff_s=0",
+    "cluster.peer_recovery=false",
+]
 
 
 @pytest.fixture(scope="module")
@@ -55,34 +61,6 @@ def attempt_started(run_dir: Path, number: int) -> float:
     path = run_dir / "attempts" / f"{number:03d}-placement.json"
     when(path.exists)
     return path.stat().st_mtime
-
-
-def when(condition: Callable[[], bool], timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "timed out waiting for the run"
-        time.sleep(0.002)
-
-
-def workers(run_dir: Path) -> list[dict]:
-    """The ranks of the current attempt (placement.json also lists hot spares and servers)."""
-    return [e for e in json.loads((run_dir / "placement.json").read_text()) if "rank" in e]
-
-
-def in_background(fn: Callable[[], None]) -> threading.Thread:
-    """The helper runs beside train(), which keeps the main thread (it takes SIGTERM there)."""
-    errors = []
-
-    def guarded() -> None:
-        try:
-            fn()
-        except BaseException as e:  # reported by the test, not lost in a thread
-            errors.append(e)
-
-    thread = threading.Thread(target=guarded, daemon=True)
-    thread.errors = errors
-    thread.start()
-    return thread
 
 
 @pytest.mark.timeout(300)

@@ -14,7 +14,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, TINY, attempt_placement, committed_step, logged, logged_step, make_config
+import torch
+from conftest import REPO, TINY, attempt_placement, committed_step, final_weights, logged, logged_step, make_config
 
 from distrain.driver.launch import train
 
@@ -187,6 +188,43 @@ def test_ray_job_stop_across_hosts_checkpoints_and_a_resubmission_resumes(bed, r
     assert_losses(run_dir, logged(one), RESHARDED)
 
 
+@pytest.mark.timeout(420)
+def test_a_lost_host_costs_only_the_step_in_flight_when_the_other_holds_a_whole_replica(bed, ray_cluster, tmp_path):
+    """HSDP over the two hosts: one replica (2 shards) on each. Every process of the second host is killed
+    mid-run; a new host joins, and its two new workers take the lost ranks and their state from the first
+    host's replica, over the network. No checkpoint is read: the run saves none before its end, so a restart
+    from one would begin at step 0. Every logged loss and the final weights equal to the bit those of the same
+    training without a failure. Runs before the lost-host tests below, and leaves the bed as they do."""
+    hsdp = ["strategy.zero=3", "strategy.dp_replicate=2", "strategy.dp_shard=2", "cluster.num_workers=4"]
+    one_run = ["checkpoint.interval=0", "cluster.placement_timeout_s=120", "cluster.restart_backoff_s=0"]
+    reference = make_config(tmp_path, "run.name=reference", *COMMON, *hsdp, *one_run)
+    assert train(reference)["restarts"] == 0  # on the session's loopback cluster: the same arithmetic
+    run_dir = tmp_path / "replicas"
+    slow = ["fault.straggler=0", "fault.straggler_slowdown=20"]  # steps long enough to lose a host in the middle
+    submit(bed, "replicas", overrides(tmp_path, "replicas", *hsdp, *one_run, *slow), wait=False)
+    context = lambda: explain(bed, "replicas", run_dir)  # noqa: E731
+    wait_for("step 8", lambda: logged_step(run_dir) >= 8, context=context)
+    lost = next(h for h in bed.hosts[1:] if h.ray is not None)
+    bed.kill_host(lost)
+    new = bed.add_host()
+    wait_for("the end", lambda: any(w in status(bed, "replicas") for w in ("succeeded", "failed")), 240, context)
+    assert "succeeded" in status(bed, "replicas"), explain(bed, "replicas", run_dir)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    attempts = summary["attempts"]
+    assert [(a["world_size"], a["outcome"]) for a in attempts] == [(4, "failed"), (4, "completed")], context()
+    assert lost.address in attempts[0]["cause"]
+    first, second = attempt_placement(run_dir, 1), attempt_placement(run_dir, 2)
+    moved = [e["rank"] for e in first if e["node_ip"] == lost.address]
+    assert {second[r]["node_ip"] for r in moved} == {new.address}  # the lost ranks, on the new host
+    # Their state came from the other replica's memory: the step the failure found, with only it redone.
+    assert attempts[1]["info"] == {"resumed_from": "replicas", "resumed_from_step": attempts[0]["step_reached"]}
+    assert attempts[0]["step_reached"] >= 8 and summary["steps_executed"] <= STEPS + 1
+    weights = final_weights(reference)
+    got = final_weights(make_config(tmp_path, "run.name=replicas", *COMMON, *hsdp))
+    assert [k for k in weights if not torch.equal(got[k], weights[k])] == []
+    assert logged(make_config(tmp_path, "run.name=replicas")) == logged(reference)
+
+
 @pytest.mark.timeout(480)
 def test_a_lost_host_shrinks_the_run_and_a_new_host_grows_it_back(bed, one_worker, tmp_path: Path):
     """Every process of the second host is killed mid-run (raylet, workers, all): the run goes on from
@@ -205,11 +243,12 @@ def test_a_lost_host_shrinks_the_run_and_a_new_host_grows_it_back(bed, one_worke
     )
     submit(bed, "lost", args, wait=False)
     context = lambda: explain(bed, "lost", run_dir)  # noqa: E731
+    lost = next(h for h in bed.hosts[1:] if h.ray is not None)  # the second host (a later one if it was lost)
     try:
         wait_for("step 8", lambda: logged_step(run_dir) >= 8, context=context)
         hold.write_text("")  # from here on, each attempt waits at its first step until the test lets it go
         lost_step, lost_at, committed = logged_step(run_dir), time.time(), committed_step(run_dir)
-        bed.kill_host(bed.hosts[1])
+        bed.kill_host(lost)
         wait_for("the shrunk attempt", lambda: attempt_placement(run_dir, 2), context=context)
         new = bed.add_host()
         grown = wait_for("the grown attempt", lambda: attempt_placement(run_dir, 3), context=context)
@@ -222,7 +261,7 @@ def test_a_lost_host_shrinks_the_run_and_a_new_host_grows_it_back(bed, one_worke
     attempts = summary["attempts"]
     assert [(a["world_size"], a["outcome"]) for a in attempts] == [(4, "failed"), (2, "resized"), (4, "completed")]
     assert summary["status"] == "completed" and summary["final_step"] == STEPS
-    lost_ip = bed.hosts[1].address
+    lost_ip = lost.address
     assert lost_ip in attempts[0]["cause"], attempts[0]["cause"]
     assert attempts[0]["timings"]["ended_at"] - lost_at < 30
     assert {e["node_ip"] for e in attempt_placement(run_dir, 2)} == {bed.head.address}

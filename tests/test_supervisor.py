@@ -27,6 +27,7 @@ from distrain.cluster.states import (
     InvalidTransition,
     Placing,
     Recovering,
+    Rejoining,
     Resizing,
     Running,
     Stopping,
@@ -49,8 +50,12 @@ def default(max_failures: int = 3) -> DefaultPolicy:
 class Steps:
     """An engine whose ranks run a plain function: fn(attempt number, folder, channel)."""
 
-    def __init__(self, fn, folder: Path, replaces_workers: bool = False):
-        self.fn, self.folder, self.replaces_workers = fn, str(folder), replaces_workers
+    def __init__(self, fn, folder: Path, replaces_workers: bool = False, replicas: bool = False):
+        """`replicas`: after a failure, say the kept workers hold the state (recovery from replicas)."""
+        self.fn, self.folder, self.replaces_workers, self.replicas = fn, str(folder), replaces_workers, replicas
+
+    def from_replicas(self, group) -> tuple[bool, str]:
+        return self.replicas, "from the kept workers' memory" if self.replicas else ""
 
     def warm_up(self):
         return _nothing, ()
@@ -81,7 +86,7 @@ def _nothing() -> None:
 def supervisor(tmp_path: Path, fn, n: int = 3, policy: FailurePolicy | None = None, **options) -> Supervisor:
     spares, replaces, reuse = options.get("spares", 0), options.get("replaces", False), options.get("reuse", False)
     spec = GroupSpec(num_workers=n, cpus_per_worker=0.25, gpus_per_worker=0, threads_per_worker=1, spares=spares)
-    engine, timeouts = Steps(fn, tmp_path, replaces), options.get("timeouts", FAST)
+    engine, timeouts = Steps(fn, tmp_path, replaces, options.get("replicas", False)), options.get("timeouts", FAST)
     on_progress = options.get("on_progress", lambda progress: None)
     return Supervisor(spec, policy or default(), timeouts, engine, [n], tmp_path, on_progress, reuse_workers=reuse)
 
@@ -104,6 +109,7 @@ def sample_states() -> dict[type, object]:
     running = Running(attempt, beats)
     return {
         Placing: Placing(since=0.0),
+        Rejoining: Rejoining(since=0.0),
         Running: running,
         Stopping: Stopping(attempt, beats, deadline=1.0),
         Resizing: Resizing(attempt, beats, why="draining"),
@@ -128,6 +134,7 @@ def test_the_table_has_the_runs_paths_and_final_states_lead_nowhere():
     for path in [
         (Placing, Running, Finished),  # a run that completes
         (Placing, Running, Recovering, Placing, Running, Finished),  # a restart
+        (Placing, Running, Recovering, Rejoining, Running, Finished),  # a restart from the live replicas
         (Placing, Running, Recovering, Running, Finished),  # one worker replaced
         (Placing, Running, Resizing, Placing, Running, Finished),  # a drain or growing back
         (Placing, Running, Stopping, Finished),  # SIGTERM
@@ -228,23 +235,30 @@ def test_a_rank_that_stops_progressing_is_detected_with_stacks_and_the_run_recov
 
 def dies_once(attempt: int, folder: str, channel) -> dict:
     def stall(rank: int, step: int) -> None:
-        if attempt == 1 and rank == 2 and step == 2:
+        if attempt == 1 and rank == 1 and step == 2:
             os._exit(1)
 
     return steps(attempt, folder, channel, stall=stall)
 
 
 @pytest.mark.timeout(120)
-def test_healthy_workers_are_kept_and_only_the_dead_one_is_replaced(tmp_path: Path):
-    sup = supervisor(tmp_path, dies_once)
+@pytest.mark.parametrize("replicas", [False, True], ids=["from the checkpoint", "from the live replicas"])
+def test_healthy_workers_are_kept_under_their_ranks_and_only_the_dead_one_is_replaced(tmp_path: Path, replicas):
+    sup = supervisor(tmp_path, dies_once, replicas=replicas)
+    states = []
+    enter = sup._enter
+    sup._enter = lambda state: (states.append(type(state)), enter(state))
     results = sup.run().results["ranks"]
     first, second = sup.attempts
-    assert first.outcome == Outcome.FAILED and "rank 2" in first.cause and "ActorDiedError" in first.cause
+    assert first.outcome == Outcome.FAILED and "rank 1" in first.cause and "ActorDiedError" in first.cause
     before, after = _placement(tmp_path, 1), _placement(tmp_path, 2)
-    dead = before[2]["pid"]
-    assert {e["pid"] for e in before} - {dead} < {e["pid"] for e in after}  # the two survivors, warm
+    dead = before[1]["pid"]
+    # The survivors, warm, under the ranks they had: a process whose rank changed would find its new device
+    # mesh resolving to its old groups' names (torch's caches), and it holds its own rank's state.
+    assert [before[r]["pid"] for r in (0, 2)] == [after[r]["pid"] for r in (0, 2)]
     assert dead not in {r["pid"] for r in results} and len({r["pid"] for r in results}) == 3
     assert {"teardown_s", "placement_s"} <= set(second.record()["recovery"])
+    assert states[:3] == [Running, Recovering, Rejoining if replicas else Placing]
 
 
 def dies_then_waits(attempt: int, folder: str, channel) -> dict:

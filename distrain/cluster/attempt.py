@@ -81,6 +81,7 @@ class Attempt:
     cause: str | None = None
     error: str | None = None  # the failing rank's error, with its traceback
     step_reached: int = 0
+    step_begun: int = 0  # the last step any rank began: with a failure, the one in flight
 
     def end(self, outcome: Outcome, failure: Failure | None = None) -> None:
         self.outcome = outcome
@@ -93,15 +94,22 @@ class Attempt:
         report (rank 0's; after a failure that killed rank 0, the lowest living rank's: the marks of ranks
         that share a process group lie fractions of a second apart)."""
         self.step_reached = max([self.step_reached, *(p.get("step") or 0 for p in progress)])
+        self.step_begun = max([self.step_begun, self.step_reached, *(p.get("began") or 0 for p in progress)])
         for mark in RANK_MARKS:
             if progress and progress[0].get(mark, 0) >= self.timings[Mark.PLACED]:  # not the previous attempt's
                 self.timings.setdefault(mark, progress[0][mark])
+
+    @property
+    def steps_run(self) -> int:
+        """The steps this attempt began (finished or not) after the one it resumed from."""
+        return max(0, self.step_begun - self.info.get("resumed_from_step", 0))
 
     def record(self) -> dict:
         t = self.timings
         recovery = {k: round(t[b] - t[a], 3) for k, (a, b) in RECOVERY.items() if a in t and b in t}
         out = {k: v for k, v in vars(self).items() if v is not None}
-        return {**out, "timings": {str(k): v for k, v in t.items()}, "recovery": recovery}
+        timings = {str(k): v for k, v in t.items()}
+        return {**out, "steps_run": self.steps_run, "timings": timings, "recovery": recovery}
 
 
 class Heartbeats:

@@ -5,7 +5,8 @@
                  │  ▲ ╲──▶ Stopping ──▶ Finished
                  │  │  ╲─▶ Resizing ──▶ Placing | Stopping | Recovering | Finished
                  ▼  │
-               Recovering ──▶ Placing | Running, Resizing (one worker replaced) | Finished | Failed
+               Recovering ──▶ Placing | Rejoining | Running, Resizing (one worker replaced) | Finished | Failed
+                                         └──▶ Running (from the live replicas' memory)
 
 Any state but the two final ones may also end in Failed (an error the run cannot survive).
 """
@@ -29,6 +30,7 @@ class Work:
     fn: Fn
     args: tuple
     others: list[dict] = field(default_factory=list)
+    note: str = ""  # a line for the user as the attempt starts (where its state comes from, when not as planned)
 
 
 class AttemptLost(RuntimeError):
@@ -49,6 +51,11 @@ class Engine(Protocol):
     def begin(self, group: WorkerGroup, attempt: Attempt) -> Work:
         """Prepare an attempt on a placed group: what else it needs (parameter servers); note in
         attempt.info where it resumes from. Returns what the ranks run (the supervisor launches it)."""
+
+    def from_replicas(self, group: WorkerGroup) -> tuple[bool, str]:
+        """After a failure, the failed ranks' workers let go and the others kept: whether the next attempt can
+        start from the state the kept ones hold in memory (every shard of it at one step) rather than from the
+        checkpoint, and the line that says which and why ("" when the engine never recovers so)."""
 
     def tick(self, suspect: bool) -> None:
         """Work between the supervisor's looks (a parameter server's metrics and checkpoints); AttemptLost
@@ -79,6 +86,14 @@ class Placing:
     refill: bool = False
     patient: bool = False  # wait for the full size up to placement_timeout_s even if nodes are missing now
     shrink: bool = True
+
+
+@dataclass
+class Rejoining(Placing):
+    """The failed ranks' places refilled (hot spares first) while the other workers keep their processes and
+    the training state in their memory, which the next attempt starts from instead of a checkpoint."""
+
+    refill: bool = True
 
 
 @dataclass
@@ -127,14 +142,15 @@ class Failed:
     error: BaseException
 
 
-State = Placing | Running | Stopping | Resizing | Recovering | Finished | Failed
+State = Placing | Rejoining | Running | Stopping | Resizing | Recovering | Finished | Failed
 FINAL = (Finished, Failed)
 TRANSITIONS: dict[type, set[type]] = {
     Placing: {Running, Failed},
+    Rejoining: {Running, Failed},
     Running: {Running, Stopping, Resizing, Recovering, Finished, Failed},
     Stopping: {Stopping, Finished, Failed},
     Resizing: {Resizing, Placing, Stopping, Recovering, Finished, Failed},
-    Recovering: {Placing, Running, Resizing, Finished, Failed},
+    Recovering: {Placing, Rejoining, Running, Resizing, Finished, Failed},
     Finished: set(),
     Failed: set(),
 }

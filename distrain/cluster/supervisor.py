@@ -43,6 +43,7 @@ from distrain.cluster.states import (
     Finished,
     Placing,
     Recovering,
+    Rejoining,
     Resizing,
     Running,
     State,
@@ -120,7 +121,7 @@ class Supervisor:
 
     def _step(self) -> State:
         match self.state:
-            case Placing():
+            case Rejoining() | Placing():
                 return self._place(self.state)
             case Running():
                 return self._run(self.state)
@@ -152,6 +153,8 @@ class Supervisor:
         self.work = self.engine.begin(self.group, attempt)
         timings[Mark.LAUNCHED] = time.time()  # before the calls go: a warm rank may begin before the last is sent
         self.group.launch(self.work.fn, *self.work.args)
+        if self.work.note:
+            self.on_event(self.work.note)
         self._write_placement(attempt)
         return Running(attempt, Heartbeats(len(table), self.step_times), next_node_check=self._next_node_check())
 
@@ -276,7 +279,7 @@ class Supervisor:
         if errors:
             failures = self._failed(errors)
             alive = group.final_progress(timeout_s=0.5)  # polls lag: the last reports, of those alive
-            attempt.note([alive[min(alive)]] if alive else [])  # rank 0's, or the lowest living rank's
+            attempt.note([alive[r] for r in sorted(alive)])  # marks from rank 0's, or the lowest living rank's
             return failures
         s.beats.update(progress)
         hung = [
@@ -368,7 +371,9 @@ class Supervisor:
 
     def _recover(self, s: Recovering) -> State:
         """The policy's verdict on each failure, carried out: the run ends at the first GIVE_UP; the failed
-        workers are replaced when every verdict says REPLACE and the engine can; else a new attempt."""
+        workers are replaced when every verdict says REPLACE and the engine can; else a new attempt, which
+        starts from the kept workers' memory when the engine says it holds every shard (no back-off: the
+        failure lost no step), or else from the last checkpoint."""
         verdicts: list[tuple[Failure, Verdict]] = []
         for failure in s.failures:
             verdict = self.policy.decide(failure, tuple(self.failures), self.engine.replaces_workers)
@@ -393,15 +398,22 @@ class Supervisor:
         if self.stop_requested_at:
             return Finished(None, stopped=True)
         self.on_event(noted(f"{failure.cause}; recovering", verdict))
+        since = attempt.timings[Mark.ENDED]
+        shrunk = attempt.world_size < self.world_sizes[0]
+        if not shrunk:
+            if failure.kind == FailureKind.HUNG:
+                self.group.returned.clear()  # all are stuck, in the step or in a collective: none is reused
+            self.group.release_unhealthy()
+            replicas, why = self.engine.from_replicas(self.group)
+            if why:
+                self.on_event(f"recovering {why}" if replicas else f"restarting from the last checkpoint: {why}")
+            if replicas:
+                return Rejoining(since=since, torn_down_at=time.time())
         self._sleep(self.timeouts.backoff([a.step_reached for a in self.attempts]))
         if self.stop_requested_at:
             return Finished(None, stopped=True)
-        since = attempt.timings[Mark.ENDED]
-        if attempt.world_size < self.world_sizes[0]:  # shrunk: try the full size again
+        if shrunk:  # try the full size again
             return Placing(since=since, patient=True)
-        if failure.kind == FailureKind.HUNG:
-            self.group.returned.clear()  # all are stuck, in the step or in a collective: none is reused
-        self.group.release_unhealthy()
         return Placing(since=since, torn_down_at=time.time(), refill=True)
 
     def _replace(self, watching: Watching, failure: Failure, verdict: Verdict) -> None:

@@ -18,6 +18,7 @@ from distrain.cluster.placement import (
     PlacementError,
     WorkerFailure,
     blocks_that_fit,
+    check_blocks,
     number_nodes,
     rank_table,
 )
@@ -161,14 +162,24 @@ class WorkerGroup:
         on a fresh rendezvous port; `poll` collects the results."""
         if ranks is None:  # a new rendezvous; ranks started beside running ones keep the last one's port
             ranks, self.calls = list(range(len(self.workers))), {}
-            self.port = ray.get(self.workers[0].free_port.remote())
-        ray.get([self.workers[r].reset.remote() for r in ranks])
+            self.port = self._free_port()
+        for ref in [self.workers[r].reset.remote() for r in ranks]:
+            with contextlib.suppress(RayActorError):  # died since it was placed: its call below fails at once
+                ray.get(ref)
         envs = self.environments(self.port)
         for r in ranks:
             self.calls[self.workers[r].run.remote(fn, envs[r], *args)] = r
             self.returned.discard(r)
             self._asked.pop(r, None)
             self._progress.pop(r, None)
+
+    def _free_port(self) -> int:
+        """A port free on rank 0's node, for the rendezvous; if rank 0 died since it was placed, any live worker's
+        (the attempt fails with rank 0's call, seen as its death)."""
+        for worker in self.workers:
+            with contextlib.suppress(RayActorError):
+                return ray.get(worker.free_port.remote())
+        raise WorkerFailure("every worker of the group died before its attempt began")
 
     def run(self, fn: Fn, *args: Any, ranks: list[int] | None = None) -> list[Any]:
         """Run fn(*args, channel) on every rank (or on `ranks`) once, with no recovery (the
@@ -242,14 +253,13 @@ class WorkerGroup:
     def final_progress(self, ranks: list[int] | None = None, timeout_s: float = 2.0) -> dict[int, dict]:
         """The final reports of those of `ranks` (default all) that answer within timeout_s, asked at once."""
         ranks = list(range(len(self.workers))) if ranks is None else ranks
-        refs = {rank: self.workers[rank].progress.remote() for rank in ranks}
-        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
-        answers = {}
-        for rank, ref in refs.items():
-            if ref in ready:
-                with contextlib.suppress(RayError):
-                    answers[rank] = ray.get(ref)
-        return answers
+        return answers({rank: self.workers[rank].progress.remote() for rank in ranks}, timeout_s)
+
+    def ask(self, fn: Fn, ranks: list[int] | None = None, timeout_s: float = 5.0) -> dict[int, Any]:
+        """fn() in the processes of `ranks` (default all), beside their calls: the answers of those that give
+        one within timeout_s (what a kept worker holds from the failed attempt, for recovery from replicas)."""
+        ranks = list(range(len(self.workers))) if ranks is None else ranks
+        return answers({rank: self.workers[rank].call.remote(fn) for rank in ranks}, timeout_s)
 
     def silent(self, longer_than_s: float) -> list[int]:
         """The ranks that have left a progress question unanswered for longer_than_s."""
@@ -320,47 +330,46 @@ class WorkerGroup:
                 ray.kill(self.workers[entry["rank"]], no_restart=True)
 
     def refill(self) -> list[dict]:
-        """Put workers in place of those `release_unhealthy` let go, hot spares first, and rank the
-        group again. PlacementError if new ones are needed and the placement group is not whole again
-        within placement_timeout_s (a node of it is gone and nothing took its place)."""
-        kept = [entry for entry in self.table if entry["rank"] in self.returned]
-        lost = [entry for entry in self.table if entry["rank"] not in self.returned]
-        actors, infos = [self.workers[e["rank"]] for e in kept], list(kept)
+        """Put workers in place of those `release_unhealthy` let go, hot spares first, each under the rank it
+        takes: the kept workers keep theirs. (A process whose rank changes between two process groups trips
+        torch's device-mesh caches: its new mesh's collectives resolve to the old group names, "Could not
+        resolve the process group"; and a kept worker holds its own rank's state for recovery from replicas.)
+        PlacementError if new ones are needed and the placement group is not whole again within
+        placement_timeout_s (a node of it is gone and nothing took its place), or if a replacement landed where
+        a block of node_group ranks would span two nodes."""
         self.calls = {}
-        for actor, info in self._fill(lost):
-            actors.append(actor)
-            infos.append(info)
-        return self._rank(actors, infos)
+        self._fill([entry["rank"] for entry in self.table if entry["rank"] not in self.returned])
+        check_blocks(self.table, self.spec.node_group)
+        return self.table
 
     def replace(self, rank: int) -> dict:
         """Kill the actor of `rank` and put another (a hot spare if one is warm) under the same rank:
         for work that goes on without it meanwhile (a parameter server's other workers)."""
-        entry = self.table[rank]
         ray.kill(self.workers[rank], no_restart=True)
         self.calls = {ref: r for ref, r in self.calls.items() if r != rank}
-        ((actor, info),) = self._fill([entry])
-        self.workers[rank] = actor
-        self.table[rank] = {**entry, **info}
-        number_nodes(self.table)  # it may have come back on another node or GPU
+        self._fill([rank])
         return self.table[rank]
 
-    def _fill(self, lost: list[dict]) -> list[tuple[Any, dict]]:
-        """An actor and where it runs for each lost rank's entry: a warm spare where one can take it
-        (on the rank's node when its block must share one), else a new actor in the rank's bundle."""
-        filled, new = [], []
-        for entry in lost:
+    def _fill(self, ranks: list[int]) -> None:
+        """An actor under each of `ranks` (lost): a warm spare where one can take it (on the rank's node when
+        its block must share one), else a new actor in the rank's bundle; the table updated where they run."""
+        new = []
+        for rank in ranks:
+            entry = self.table[rank]
             taken = warm.take_spare(self.spares, entry["node_id"] if self.spec.node_group > 1 else None)
             if taken is None:
-                new.append(entry)
+                new.append(rank)
                 continue
             spare, info = taken
-            filled.append((spare.actor, info))
+            self.workers[rank], self.table[rank] = spare.actor, {**entry, **info}
             self.free_bundles.append(entry["bundle"])  # where the next spare goes
         if new:
             self._wait_whole(f"could not restart {len(new)} workers")
-            actors = [self._actor(e["bundle"]) for e in new]
-            filled += zip(actors, self._started(actors, [e["bundle"] for e in new]), strict=True)
-        return filled
+            bundles = [self.table[r]["bundle"] for r in new]
+            actors = [self._actor(b) for b in bundles]
+            for rank, actor, info in zip(new, actors, self._started(actors, bundles), strict=True):
+                self.workers[rank], self.table[rank] = actor, {**self.table[rank], **info}
+        number_nodes(self.table)  # they may have come up on other nodes or GPUs
 
     def restock(self) -> None:
         """Start a spare in each free spare bundle: at first, and where a spare left when it took a rank
@@ -409,6 +418,17 @@ class WorkerGroup:
         if self.pg is not None:
             remove_placement_group(self.pg)
             self.pg = None
+
+
+def answers(refs: dict[int, Any], timeout_s: float) -> dict[int, Any]:
+    """rank → the value of its call, for the calls that return within timeout_s (all waited for at once)."""
+    ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
+    out = {}
+    for rank, ref in refs.items():
+        if ref in ready:
+            with contextlib.suppress(RayError):
+                out[rank] = ray.get(ref)
+    return out
 
 
 def first_line(error: Exception, limit: int = 160) -> str:

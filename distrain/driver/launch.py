@@ -30,6 +30,7 @@ from distrain.config import ClusterConfig, ConfigError, TrainConfig, attach_addr
 from distrain.data.checks import check_same_shards
 from distrain.driver.fits import check_fits
 from distrain.driver.objectrun import check_run_url, on_store
+from distrain.driver.peers import HELD, plan_recovery
 from distrain.driver.plan import describe
 from distrain.driver.stop import Stopped, stop_signals
 from distrain.driver.validation import validate
@@ -52,12 +53,24 @@ TRAINER, PROCESS_GROUP = "distrain.train.loop", "distrain.parallel.process_group
 
 class AllReduceEngine:
     """Collective training: every rank runs `train.loop.run_rank` in one process group; a failure
-    restarts the group from the newest committed checkpoint, on the layout of its size."""
+    restarts the group from the state its live replicas keep in memory (driver/peers.py), or else from the
+    newest committed checkpoint, on the layout of its size."""
 
     replaces_workers = False
 
     def __init__(self, job: RankJob, layouts: dict[int, Layout]):
         self.job, self.layouts, self.run_dir = job, layouts, Path(job.run_dir)
+        self.recoveries = 0  # from replicas, so far
+        self.replicas_offered = False  # from_replicas found every shard held: the next `begin` plans from them
+
+    def from_replicas(self, group: WorkerGroup) -> tuple[bool, str]:
+        if not self.job.config.cluster.peer_recovery:
+            return False, ""
+        layout = self.layouts[len(group.table)]
+        held = group.ask(HELD, sorted(group.returned), timeout_s=2.0)
+        plan, why = plan_recovery(layout, held, self.job.run_id, self.recoveries + 1)
+        self.replicas_offered = plan is not None
+        return plan is not None, why
 
     def warm_up(self) -> tuple[str, tuple]:
         return f"{TRAINER}:warm_up", (self.job.config,)
@@ -67,15 +80,21 @@ class AllReduceEngine:
         collectives that ranks whose peer died wait in (on NCCL they would wait out the collective timeout,
         then be killed), and a check on the device before a process is kept."""
         group.recover_with(f"{PROCESS_GROUP}:check_device", f"{PROCESS_GROUP}:abort")
-        latest, meta = newest_checkpoint(self.job.config, self.run_dir)
-        attempt.info["resumed_from_step"] = meta.get("step", 0)
-        job = replace(
-            self.job,
-            layout=self.layouts[len(group.table)],
-            resume_from=latest and str(latest),
-            use_gpu=group.spec.gpus_per_worker > 0,  # Ray gave each rank a GPU: it must train on it
-        )
-        return Work(f"{TRAINER}:run_rank", (job,))
+        layout, plan, note = self.layouts[len(group.table)], None, ""
+        if self.replicas_offered:  # asked again: the group was refilled and ranked anew
+            self.replicas_offered = False
+            plan, why = plan_recovery(layout, group.ask(HELD), self.job.run_id, self.recoveries + 1)
+            note = "" if plan else f"restarting from the last checkpoint after all: {why}"
+        job = replace(self.job, layout=layout, use_gpu=group.spec.gpus_per_worker > 0)  # a GPU given is used
+        if plan is not None:
+            self.recoveries += 1
+            attempt.info.update(resumed_from_step=plan.step, resumed_from="replicas")
+            job = replace(job, peers=plan)
+        else:
+            latest, meta = newest_checkpoint(self.job.config, self.run_dir)
+            attempt.info["resumed_from_step"] = meta.get("step", 0)
+            job = replace(job, resume_from=latest and str(latest))
+        return Work(f"{TRAINER}:run_rank", (job,), note=note)
 
     def tick(self, suspect: bool) -> None:
         pass
@@ -188,6 +207,7 @@ def train(
                 summary["attempts"] = [a.record() for a in supervisor.attempts]
                 summary["replacements"] = supervisor.replacements
                 summary["restarts"] = supervisor.restarts
+                summary["steps_executed"] = sum(a.steps_run for a in supervisor.attempts)
                 summary["wall_s"] = time.time() - started
                 if summary["status"] == "stopped" and stop.received:
                     summary["stop_signal"] = stop.received[0]
@@ -254,7 +274,7 @@ def _prepare(
         on_rank_progress, sizes = lambda p: None, [layout.world_size]
     else:
         layouts = {layout.world_size: layout, **layout.smaller(cfg)}
-        job = RankJob(cfg, layout, str(run_dir), started, wandb_run_id)
+        job = RankJob(cfg, layout, str(run_dir), started, wandb_run_id, run_id=uuid.uuid4().hex)
         engine, on_rank_progress, sizes = AllReduceEngine(job, layouts), progress.update, list(layouts)
     c = cfg.cluster
     supervisor = Supervisor(

@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, replace
 
 from distrain.config import TrainConfig, resolve_precision
+from distrain.driver.peers import survivable
 from distrain.model.size import num_params, parts
 from distrain.strategy import PARALLELISMS
 from distrain.strategy.layout import MESH_DIMS, Layout
@@ -209,5 +210,6 @@ def describe(cfg: TrainConfig, layout: Layout, table: list[dict]) -> str:
         *(["process groups:", *group_lines(layout)] if cfg.ps.mode is None else server_lines(cfg)),
         *(line for p in reversed(PARALLELISMS) for line in p.plan(cfg, layout)),
         *memory_lines(cfg, layout, precision),
+        *(survivable(layout, table, cfg.cluster.peer_recovery) if cfg.ps.mode is None else []),
     ]
     return "\n".join(lines)

@@ -106,6 +106,9 @@ class ParameterServerEngine:
         self._write(self.log.lines())
         self._commit_if_written()
 
+    def from_replicas(self, group: WorkerGroup) -> tuple[bool, str]:
+        return False, ""  # a worker holds no state of its own: the servers do
+
     def replaced(self, rank: int) -> None:
         self.servers.forget(rank)
 

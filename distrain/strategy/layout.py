@@ -106,6 +106,11 @@ class Layout:
         c = self.coordinate(rank)
         return c["dp_replicate"] * self.dp_shard + c["dp_shard"], self.dp
 
+    def shard_of(self, rank: int) -> tuple[int, ...]:
+        """Which part of the training state a rank holds: its coordinate on every dim but dp_replicate, whose
+        ranks hold the same weights and optimizer state (the replicas a failed rank's state is taken from)."""
+        return tuple(v for k, v in self.coordinate(rank).items() if k != "dp_replicate")
+
     def mesh_coordinate(self, rank: int) -> dict[str, int]:
         """Rank → its position on each device-mesh dim (`mesh_sizes`); row-major, so a dim laid out as a
         grid has its coordinate reshaped."""

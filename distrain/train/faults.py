@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Callable
 
 from distrain.channel import Channel, Phase
 from distrain.config import FaultConfig
@@ -30,19 +31,27 @@ class Faults:
         if self.cfg.straggler == self.rank:
             time.sleep((self.cfg.straggler_slowdown - 1) * compute_s)
 
-    def kill(self, step: int, began: int) -> None:
+    def kill(self, step: int, began: int, settle: Callable[[], object]) -> None:
         """SIGKILL this process (as the OOM killer or a lost node ends one, with no chance to clean up) after
         step fault.kill_at_step on rank fault.kill_rank, in an attempt that began at step 0 (`began`): the
-        attempt that resumes from a checkpoint goes on to the end."""
-        if not self.cfg.kill_mid_upload:
-            self._kill_at(step, began)
+        attempt that resumes from a checkpoint goes on to the end. `settle` runs first: it finishes the step's
+        logged loss on its way to the other ranks, which a kill in that very instant would take with it (a
+        kill at a known step is for tests that compare every logged line)."""
+        if not self.cfg.kill_mid_upload and self._due(step, began):
+            settle()
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def kill_uploading(self, step: int, began: int) -> None:
         """fault.kill_mid_upload: `kill` made instead while step fault.kill_at_step's checkpoint is being
         uploaded to the object store, once this rank's first object is there (the others are not)."""
-        if self.cfg.kill_mid_upload:
-            self._kill_at(step, began)
-
-    def _kill_at(self, step: int, began: int) -> None:
-        if self.cfg.kill_at_step == step and self.cfg.kill_rank == self.rank and began == 0:
+        if self.cfg.kill_mid_upload and self._due(step, began):
             os.kill(os.getpid(), signal.SIGKILL)
+
+    def kill_mid_transfer(self, recovery: int) -> None:
+        """fault.kill_mid_transfer: rank fault.kill_rank SIGKILLs itself halfway through the state transfer of
+        the run's first recovery from replicas (its first message sent or received, the tensors not)."""
+        if self.cfg.kill_mid_transfer and recovery == 1 and self.cfg.kill_rank == self.rank:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def _due(self, step: int, began: int) -> bool:
+        return self.cfg.kill_at_step == step and self.cfg.kill_rank == self.rank and began == 0

@@ -11,6 +11,20 @@ from distrain.strategy.layout import Layout
 
 
 @dataclass(frozen=True)
+class PeerPlan:
+    """An attempt that starts from the state its ranks' live replicas kept in memory, not from a checkpoint:
+    `sources[r]` is the rank whose memory holds rank r's shard at `step` (r itself, or a rank of another
+    data-parallel replica that sends it). `line`: the metrics of step `step` if its line may not have been
+    written (logged lines are read back a step late, and rank 0 may be the one that died)."""
+
+    run: str  # the run whose state the ranks hold (a kept worker of another run offers none)
+    step: int
+    sources: tuple[int, ...]
+    number: int  # this run's recoveries from replicas so far, this one included (fault.kill_mid_transfer)
+    line: dict | None = None
+
+
+@dataclass(frozen=True)
 class RankJob:
     config: TrainConfig  # validated, with what the workers must see resolved (launch.resolved)
     layout: Layout  # the attempt's: the size of its group decides it
@@ -19,3 +33,5 @@ class RankJob:
     wandb_run_id: str | None = None  # one W&B run across every attempt
     resume_from: str | None = None  # the committed checkpoint the attempt starts from
     use_gpu: bool | None = None  # Ray gave the rank a GPU, which it must train on; None: whatever torch sees
+    peers: PeerPlan | None = None  # the attempt starts from its live replicas' memory (resume_from is unused)
+    run_id: str = ""  # one run of the driver: what a rank's kept state is matched against

@@ -30,10 +30,11 @@ from distrain.storage import checkpoint, remote, saver
 from distrain.storage.objectstore import store_for
 from distrain.storage.record import record_sync
 from distrain.storage.safeload import DamagedCheckpointError
-from distrain.storage.tracking import TRACKER_FILES, Tracker, run_results
+from distrain.storage.tracking import TRACKER_FILES, Tracker, read_metrics, run_results
+from distrain.train import peers
 from distrain.train.faults import Faults
 from distrain.train.finite import NonFinite
-from distrain.train.job import RankJob
+from distrain.train.job import PeerPlan, RankJob
 from distrain.train.learner import Learner
 from distrain.train.metrics import Readback, memory_peaks, peak_flops
 from distrain.train.nvme import NVMeAdamW, Scratch
@@ -46,15 +47,35 @@ def run_rank(job: RankJob, channel: Channel) -> dict:
     """Train this rank's part of the run `job` describes; rank 0 returns the run's results, the others an
     empty dict. The results say `stopped` when a stop request ended the run before max_steps."""
     channel.report({"phase": Phase.JOIN})
+    if job.peers is None:
+        peers.keep(None)  # what an earlier attempt kept here is not needed: let its memory go
     device = process_group.init_from_env(outside_steps_timeout_s(job.config.cluster), job.use_gpu)
     channel.report({"phase": Phase.SETUP, "joined_at": time.time()})
+    trainer = None
     try:
-        results = Trainer(job, device, channel).fit()
+        trainer = Trainer(job, device, channel)
+        results = trainer.fit()
     except BaseException:
+        if trainer is not None:  # before the abort: what a live replica recovers from (nothing unless whole)
+            peers.keep(trainer.held())
         process_group.abort()  # a graceful destroy would wait for collectives its peers may never join
         raise
     process_group.destroy()
     return results
+
+
+def rng_states(device: torch.device) -> dict:
+    """This process's random number generators' states: a checkpoint's per-rank state, a replica's."""
+    states = {"cpu_rng": torch.get_rng_state()}
+    if device.type == "cuda":
+        states["cuda_rng"] = torch.cuda.get_rng_state(device)
+    return states
+
+
+def set_rng_states(states: dict, device: torch.device) -> None:
+    torch.set_rng_state(states["cpu_rng"])
+    if "cuda_rng" in states and device.type == "cuda":
+        torch.cuda.set_rng_state(states["cuda_rng"], device)
 
 
 def outside_steps_timeout_s(c: ClusterConfig) -> float:
@@ -130,9 +151,13 @@ class Trainer:
                 timeout_s=outside_steps_timeout_s(cfg.cluster),
                 remote=store or None,
             )
-            if job.resume_from:
+            self.job = job
+            if job.peers is not None:
+                self.load_from_peers(job.peers)
+            elif job.resume_from:
                 self.load(job.resume_from)
-            self.resumed_at = self.step
+            self.resumed_at = self.done = self.step  # `done`: the last step whose optimizer update finished
+            self.rng = rng_states(device)  # as they were when step `done` ended
             self.learner.settle(self.step + 1)
             self.tracker = None
             if self.rank == 0:
@@ -140,8 +165,14 @@ class Trainer:
                 self.tracker = Tracker(str(self.run_dir), self.plain_config, self.step, job.wandb_run_id, record)
                 if store and record is not None:  # the record on the store at least at every commit
                     store.on_commit = lambda step: record.try_sync(self.say)
+                line = job.peers and job.peers.line
+                if line and not any(m["step"] == self.step for m in read_metrics(str(self.run_dir))):
+                    self.tracker.log(self.step, line)  # read back by a survivor: the rank that would have died
         self.vote: tuple[dist.Work, torch.Tensor] | None = None  # the stop vote in flight (agree_on_stop)
         self.blocked_s = 0.0  # how long checkpoints held the loop up since the last logged step
+        # Under way: what a recovery from replicas started from is in this attempt's model now. (Kept until here,
+        # untouched: if this attempt fails before it gets here, a kill mid-transfer, the next starts from it again.)
+        peers.keep(None)
         channel.report({"step": self.step, "max_steps": cfg.trainer.max_steps, "loaded_at": time.time()})
 
     # -- reductions over the ranks ----------------------------------------------------------------
@@ -199,19 +230,24 @@ class Trainer:
 
         while self.step < t.max_steps:
             self.step += 1
+            self.channel.report({"began": self.step})
             # Forward and backward over this rank's micro-batches, the gradient all-reduced on the way;
             # the summed micro-batch losses (local) and the norm before clipping; one optimizer step.
             set_lr(self.optimizer, lr_at(self.step, self.cfg.optim, t.max_steps))
             loss_sum = self.learner.forward_backward(self.step)
             grad_norm = self.learner.parallel.clip_grad_norm(self.cfg.optim.grad_clip)
             self.nonfinite.watch(self.step, loss_sum, grad_norm)
+            # The last logged step's line, read back now (its sum over the ranks has had this step's compute to
+            # arrive) and before this update: a rank that dies once the update is done cannot take it with it.
+            self.log_read()
+            self.done = None  # inside the update: a failure now leaves no whole state
             self.optimizer.step()
+            self.done, self.rng = self.step, rng_states(self.device)
             self.optimizer.zero_grad(set_to_none=True)
             self.window[1] += 1
             if self.first_step_s is None:
                 self.first_step_s = time.time() - self.started_at
                 self.channel.report({"first_step_at": time.time()})
-            self.log_read()
             last = self.step == t.max_steps
             evaluate_now = (t.eval_interval > 0 and self.step % t.eval_interval == 0) or last
             if self.step % t.log_interval == 0 or evaluate_now:
@@ -226,7 +262,7 @@ class Trainer:
                 self.checkpoint(wait=last or stopped)
             elif stopped and save_fits:
                 self.checkpoint(wait=True)
-            self.learner.faults.kill(self.step, began)
+            self.learner.faults.kill(self.step, began, settle=lambda: self.unread and self.unread[2].read())
             if stopped:
                 break
         if self.vote is not None:
@@ -348,10 +384,7 @@ class Trainer:
             "config": self.plain_config,  # what a resume is checked against
             "wandb_run_id": self.tracker.wandb_run_id if self.tracker is not None else None,
         }
-        rank_state = {"cpu_rng": torch.get_rng_state()}
-        if self.device.type == "cuda":
-            rank_state["cuda_rng"] = torch.cuda.get_rng_state(self.device)
-        self.saver.save(self.step, self.state()[0], meta, rank_state)
+        self.saver.save(self.step, self.state()[0], meta, rng_states(self.device))
 
     def load(self, path: str) -> None:
         """Restore weights, optimizer, step, data position and RNG."""
@@ -362,6 +395,13 @@ class Trainer:
                 raise DamagedCheckpointError(f"{store.url}/{remote.PREFIX} no longer holds a committed checkpoint")
         state, groups = self.state()
         meta, rank_state = checkpoint.load(path, state)
+        self.apply(state, groups)
+        self.step, self.loss = meta["step"], meta["loss"]
+        if rank_state is not None:
+            set_rng_states(rank_state, self.device)
+
+    def apply(self, state: dict, groups: dict) -> None:
+        """Set the model and optimizer from `state` (as `state()` made it, then filled) and the hyperparameters."""
         set_state_dict(
             self.learner.module,
             local_optimizer(self.optimizer),
@@ -369,8 +409,40 @@ class Trainer:
             optim_state_dict={**self.learner.parallel.checkpoint_names(state["optim"], saving=False), **groups},
             options=STATE_OPTIONS,
         )
-        self.step, self.loss = meta["step"], meta["loss"]
-        if rank_state is not None:
-            torch.set_rng_state(rank_state["cpu_rng"])
-            if "cuda_rng" in rank_state and self.device.type == "cuda":
-                torch.cuda.set_rng_state(rank_state["cuda_rng"], self.device)
+
+    # -- recovery from live replicas (train/peers.py) ------------------------------------------------
+
+    def held(self) -> peers.Held | None:
+        """What this rank keeps in memory when its attempt fails, for the next one to start from: its state,
+        if whole (the failure came between optimizer updates) and the layout has replicas to share it; and the
+        last logged step's line if it was still being read back."""
+        c, optimizer = self.cfg.cluster, local_optimizer(self.optimizer)
+        if self.done is None or not c.peer_recovery or self.layout.dp_replicate < 2 or not optimizer.state:
+            return None  # torn, not asked for, no replica, or nothing trained yet (a fresh start loses no step)
+        if isinstance(self.optimizer, NVMeAdamW):
+            return None  # its state is in scratch files this process no longer owns once it fails
+        line = None
+        if self.unread is not None and self.unread[0] == self.done and self.unread[2].ready():
+            with contextlib.suppress(Exception):
+                total, norm = self.unread[2].read()
+                line = {"loss": self.mean_of(total), "grad_norm": norm, **self.unread[1]}
+        return peers.Held(
+            self.job.run_id,
+            self.rank,
+            self.world,
+            self.done,
+            {key: peers.local(t) for key, t in peers.flatten(self.state()[0]).items()},
+            {"rng": self.rng, "loss": self.loss},
+            line,
+        )
+
+    def load_from_peers(self, plan: PeerPlan) -> None:
+        """Restore weights, optimizer, step and RNG from this rank's own memory of the failed attempt, or from
+        the rank of another replica the plan names; then check that every shard's replicas hold the same bits."""
+        state, groups = self.state()
+        midway = lambda: self.learner.faults.kill_mid_transfer(plan.number)  # noqa: E731
+        extras = peers.fill(peers.flatten(state), plan.sources, self.rank, peers.kept(plan.run, plan.step), midway)
+        self.apply(state, groups)
+        self.step, self.loss = plan.step, extras["loss"]
+        set_rng_states(extras["rng"], self.device)
+        peers.check_replicas(peers.flatten(self.state()[0]), self.layout.shard_of(self.rank), plan.step)

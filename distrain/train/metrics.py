@@ -67,6 +67,10 @@ class Readback:
             self.values = torch.stack([total, norm])
             self.done = dist.all_reduce(self.values[:1], async_op=True)
 
+    def ready(self) -> bool:
+        """Whether `read` would return without waiting (after a failure: never wait on a dead peer)."""
+        return self.done.query() if isinstance(self.done, torch.cuda.Event) else self.done.is_completed()
+
     def read(self) -> tuple[float, float]:
         """(the loss summed over the ranks, the gradient norm)."""
         if isinstance(self.done, torch.cuda.Event):

@@ -122,6 +122,7 @@ RUN += ["logger.wandb.mode=disabled", "logger.progress_interval_s=600", "optim.w
 JOURNEY_STEPS, INTERVAL, KILL_AT = 12, 4, 10
 JOURNEY_RUN = ["checkpoint.async=true", f"checkpoint.interval={INTERVAL}", "checkpoint.keep=1"]
 JOURNEY_RUN += [f"fault.kill_at_step={KILL_AT}", "cluster.restart_backoff_s=0"]
+JOURNEY_RUN += ["cluster.peer_recovery=false"]  # the checkpoint restart (from replicas: test_peer_recovery)
 RESUME_TOLERANCE = {"cpu": 0.0, "cuda": 0.01}  # the resumed run's loss at each step against the uninterrupted one's
 LOGITS_TOLERANCE = 1e-5  # the export's logits against distrain's, in fp32, times the largest logit (at least 1)
 MEMORY_SHARE = 0.8  # of a GPU's memory, at most, that plan's estimate of a preset's training may take

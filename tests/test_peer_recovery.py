@@ -1,0 +1,203 @@
+"""Recovery from live replicas (issue 34): a failed rank's replacement takes its state from a rank of another
+data-parallel replica, the survivors keep theirs in memory, and no checkpoint is read. Shown against an
+uninterrupted run of the same config: every step's loss and the final weights equal to the last bit, and the
+steps executed over all attempts at most max_steps plus one per failure (only the step in flight redone)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import fake_table, final_weights, in_background, logged, logged_step, make_config, when, workers
+
+from distrain.driver.launch import train
+from distrain.driver.peers import plan_recovery, survivable
+from distrain.storage.tracking import SUMMARY_FILE
+from distrain.strategy.layout import Layout
+
+pytestmark = pytest.mark.usefixtures("ray_cluster")
+STEPS = 16
+COMMON = ["cluster.num_workers=4", f"trainer.max_steps={STEPS}", "checkpoint.interval=0", "cluster.restart_backoff_s=0"]
+LAYOUTS = {"ddp": [], "hsdp": ["strategy.zero=3", "strategy.dp_replicate=2", "strategy.dp_shard=2"]}
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory) -> dict[str, tuple[dict, dict]]:
+    """Each layout's uninterrupted run: its final weights and its losses."""
+    out = {}
+    for name, layout in LAYOUTS.items():
+        cfg = make_config(tmp_path_factory.mktemp(name), f"run.name=ref-{name}", *COMMON, *layout)
+        assert train(cfg)["restarts"] == 0
+        out[name] = final_weights(cfg), logged(cfg)
+    return out
+
+
+def summary(cfg) -> dict:
+    return json.loads((Path(cfg.run_dir) / SUMMARY_FILE).read_text())
+
+
+def assert_bitwise(cfg, reference: tuple[dict, dict], unlogged: bool = False) -> None:
+    """Final weights and every logged loss equal to the last bit. `unlogged`: a kill at a random moment may
+    land while the step before it has its loss summed over the ranks (read back a step late), which then no
+    rank can know: that step's line may be missing, only a step a recovery resumed from, once per failure."""
+    weights, losses = reference
+    got = final_weights(cfg)
+    assert [k for k in weights if not torch.equal(got[k], weights[k])] == []
+    lines = logged(cfg)
+    if unlogged:
+        resumed = [a["info"]["resumed_from_step"] for a in summary(cfg)["attempts"][1:]]
+        assert set(losses) - set(lines) <= set(resumed), (sorted(set(losses) - set(lines)), resumed)
+        losses = {step: loss for step, loss in losses.items() if step in lines}
+    assert lines == losses  # every step logged once, with the same loss to the last bit
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_killed_rank_costs_only_the_step_in_flight(tmp_path: Path, references, layout: str):
+    kill = ["fault.kill_at_step=7", "fault.kill_rank=1", "cluster.spares=1"]
+    cfg = make_config(tmp_path, f"run.name=kill-{layout}", *COMMON, *LAYOUTS[layout], *kill)
+    result = train(cfg)
+    s = summary(cfg)
+    assert result["restarts"] == 1
+    second = s["attempts"][1]
+    assert second["info"] == {"resumed_from_step": 7, "resumed_from": "replicas"}
+    assert s["steps_executed"] <= STEPS + 1
+    assert_bitwise(cfg, references[layout])
+
+
+@pytest.mark.timeout(240)
+def test_a_kill_in_the_middle_of_the_transfer_is_recovered_from_the_replicas_again(tmp_path: Path, references):
+    # Rank 1 dies after step 7; its replacement dies again halfway through receiving its state from rank 3's
+    # memory. The survivors still hold theirs, untouched: the next attempt takes it from them again.
+    faults = ["fault.kill_at_step=7", "fault.kill_rank=1", "fault.kill_mid_transfer=true", "cluster.spares=1"]
+    cfg = make_config(tmp_path, "run.name=mid", *COMMON, *LAYOUTS["hsdp"], *faults)
+    assert train(cfg)["restarts"] == 2
+    s = summary(cfg)
+    assert [a["outcome"] for a in s["attempts"]] == ["failed", "failed", "completed"]
+    assert "rank 1" in s["attempts"][1]["cause"]
+    assert [a["info"].get("resumed_from") for a in s["attempts"]] == [None, "replicas", "replicas"]
+    assert s["attempts"][2]["info"]["resumed_from_step"] == 7
+    assert s["steps_executed"] <= STEPS + 2
+    assert_bitwise(cfg, references["hsdp"])
+
+
+@pytest.mark.timeout(240)
+def test_two_kills_in_quick_succession_are_recovered_from_the_last_replicas(tmp_path: Path, references):
+    # DDP over 4: every rank a replica. Ranks 1 and 2 are killed 0.2 s apart, the second while the first
+    # failure is being recovered from (or just after); the two survivors' memory still holds every shard. (A
+    # second death that finds the survivors joining the new process group, where nothing can interrupt them,
+    # costs their processes: that recovery falls back to the checkpoint, here step 0, still bitwise.)
+    cfg = make_config(tmp_path, "run.name=two", *COMMON, "cluster.spares=1", "cluster.max_failures=-1")
+    run_dir = Path(cfg.run_dir)
+
+    def two_kills() -> None:
+        when(lambda: logged_step(run_dir) >= 5)
+        victims = workers(run_dir)
+        os.kill(victims[1]["pid"], signal.SIGKILL)
+        time.sleep(0.2)
+        os.kill(victims[2]["pid"], signal.SIGKILL)
+
+    helper = in_background(two_kills)
+    result = train(cfg)
+    helper.join(timeout=10)
+    assert not helper.errors, helper.errors
+    s = summary(cfg)
+    assert 1 <= result["restarts"] <= 2 and s["attempts"][-1]["outcome"] == "completed"
+    froms = [a["info"].get("resumed_from") for a in s["attempts"][1:]]
+    assert froms[0] == "replicas", froms  # the first failure found every shard alive
+    if froms == ["replicas"] * len(froms):
+        assert s["steps_executed"] <= STEPS + result["restarts"]
+    assert_bitwise(cfg, references["ddp"], unlogged=True)
+
+
+CHAOS_STEPS, KILLS = 40, 20
+
+
+@pytest.mark.timeout(420)
+def test_twenty_kills_at_random_ranks_and_moments_lose_no_step(tmp_path: Path, references):
+    reference_cfg = make_config(tmp_path, "run.name=chaos-ref", *COMMON, f"trainer.max_steps={CHAOS_STEPS}")
+    train(reference_cfg)
+    common = [*COMMON, f"trainer.max_steps={CHAOS_STEPS}", "cluster.spares=1", "cluster.max_failures=-1"]
+    cfg = make_config(tmp_path, "run.name=chaos", *common)
+    run_dir = Path(cfg.run_dir)
+    seed = random.randrange(10**6)
+    rng = random.Random(seed)
+    kills: list[int] = []
+
+    def chaos() -> None:
+        # Each kill after the attempt before it has logged a new step, at a random moment of the next one.
+        for number in range(1, KILLS + 1):
+            when(lambda n=number: (run_dir / "attempts" / f"{n:03d}-placement.json").exists())
+            begun = logged_step(run_dir)
+            when(lambda b=begun: logged_step(run_dir) > b)
+            time.sleep(rng.uniform(0.0, 0.05))
+            victim = rng.choice(workers(run_dir))
+            os.kill(victim["pid"], signal.SIGKILL)
+            kills.append(victim["rank"])
+
+    helper = in_background(chaos)
+    result = train(cfg)
+    helper.join(timeout=10)
+    context = f"seed {seed}, ranks killed {kills}"
+    assert not helper.errors, (helper.errors, context)
+    s = summary(cfg)
+    assert result["restarts"] == KILLS and len(kills) == KILLS, context
+    froms = [a["info"].get("resumed_from") for a in s["attempts"][1:]]
+    assert froms == ["replicas"] * KILLS, (froms, context)
+    assert s["steps_executed"] <= CHAOS_STEPS + KILLS, context
+    assert_bitwise(cfg, (final_weights(reference_cfg), logged(reference_cfg)), unlogged=True)
+
+
+# -- the plan, without Ray or torch ------------------------------------------------------------------
+
+HSDP = Layout(pp=1, dp_replicate=2, dp_shard=2, tp=1)  # shards: ranks 0 and 2 hold one, 1 and 3 the other
+
+
+def held(rank: int, step: int = 9, run: str = "r", world: int = 4) -> dict:
+    return {"run": run, "rank": rank, "world": world, "step": step, "line": None}
+
+
+def test_the_plan_takes_each_rank_from_itself_or_a_replica_of_its_shard_at_the_newest_step():
+    plan, why = plan_recovery(HSDP, {0: held(0), 2: held(2), 3: held(3)}, "r", 1)
+    assert plan.sources == (0, 3, 2, 3) and plan.step == 9  # rank 1's shard from rank 3, the others their own
+    assert "rank 1 from rank 3" in why and "no checkpoint read" in why
+    # A survivor behind the others (its update of step 9 never finished) takes the newer state too.
+    plan, _ = plan_recovery(HSDP, {0: held(0), 1: held(1, step=8), 2: held(2), 3: held(3)}, "r", 1)
+    assert plan.sources == (0, 3, 2, 3)
+    # Sending is spread: in DDP over 4, two replacements take theirs from two different survivors.
+    ddp = Layout(pp=1, dp_replicate=4, dp_shard=1, tp=1)
+    plan, _ = plan_recovery(ddp, {0: held(0), 3: held(3)}, "r", 1)
+    assert plan.sources[0] == 0 and plan.sources[3] == 3 and sorted(plan.sources[1:3]) == [0, 3]
+
+
+@pytest.mark.parametrize(
+    ("kept", "said"),
+    [
+        ({0: held(0), 2: held(2)}, "no surviving rank holds rank 1's shard (pp 0, dp_shard 1, tp 0) at step 9"),
+        ({0: held(0), 1: held(1, step=8), 2: held(2)}, "rank 1's shard"),  # its only copy is behind
+        ({0: held(0, run="other"), 1: None}, "no surviving rank kept a whole training state"),
+        ({0: held(0, world=2), 1: held(1, world=2)}, "no surviving rank kept a whole training state"),
+    ],
+    ids=["every copy of a shard lost", "a copy behind", "another run's workers", "another world size"],
+)
+def test_no_plan_without_every_shard_at_one_step_of_this_run(kept: dict, said: str):
+    plan, why = plan_recovery(HSDP, kept, "r", 1)
+    assert plan is None and said in why
+
+
+def test_the_plan_says_which_lost_hosts_a_layout_survives_without_a_checkpoint():
+    two_hosts = fake_table(4, 2, gpus=False)  # ranks 0-1 on one host, 2-3 on the other
+    lines = survivable(HSDP, two_hosts)
+    assert "any 1 rank lost cost only the step in flight" in lines[0] and "replica 1: ranks 2-3" in lines[0]
+    assert [line.endswith("the step in flight") for line in lines[1:]] == [True, True]  # a replica per host
+    # dp_shard outermost of the two would put a shard's both copies on one host: then a host is not survivable.
+    across = Layout(pp=1, dp_replicate=2, dp_shard=2, tp=1)
+    lines = survivable(across, [dict(e, rank=r) for r, e in zip([0, 2, 1, 3], two_hosts, strict=True)])
+    assert all(line.endswith("a restart from the last checkpoint") for line in lines[1:])
+    assert "no data-parallel replica" in survivable(Layout(pp=1, dp_replicate=1, dp_shard=4, tp=1), two_hosts)[0]
