@@ -140,9 +140,9 @@ def test_every_parallelism_the_driver_knows_is_applied_in_torchtitans_order():
     from distrain.strategy import PARALLELISMS
     from distrain.strategy.layout import MESH_DIMS
 
-    assert MESH_DIMS == ("pp", "dp_replicate", "dp_shard", "tp")
+    assert MESH_DIMS == ("pp", "dp_replicate", "dp_shard", "cp", "tp")
     assert {p.name for p in PARALLELISMS} - STEPS.keys() == {"pp"}
-    assert list(STEPS) == ["tp", "activation_checkpoint", "compile", "dp"]
+    assert list(STEPS) == ["cp", "tp", "activation_checkpoint", "compile", "dp"]
 
 
 WORLD = 4
