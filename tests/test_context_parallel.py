@@ -30,6 +30,11 @@ CASES = {
     "cp2_tp2_alltoall_gpt2": (GPT2, ("strategy=tp", "strategy.cp=2", "strategy.cp_mode=alltoall")),
     "cp2_pp2_ring_gpt2": (GPT2, ("strategy=pp", "strategy.cp=2")),
 }
+# Activation memory at a longer sequence: one micro-batch of 512 tokens, held whole, by 2 and by 4.
+LONG = ("model.n_heads=4", "trainer.seq_len=512", "trainer.micro_batch_size=1", "trainer.global_batch_size=4")
+MEMORY = {cp: (*LONG, f"strategy.cp={cp}") for cp in (1, 2, 4)}
+# One layer's attention, for the bytes a rank sends: micro-batch 2, 4 heads of 8, 64 tokens in all.
+B, H, D, T = 2, 4, 8, 64
 
 
 def batches(cfg) -> list[torch.Tensor]:
@@ -52,7 +57,7 @@ def train_steps(parallel, layout, data, shard: tuple[int, int]) -> tuple[list[to
     return losses, norms
 
 
-def rank_main(rank: int, port: int, cases: dict, out: str) -> None:
+def rank_main(rank: int, port: int, cases: dict, memory: dict, out: str) -> None:
     rank_env(rank, WORLD, port, CUDA_VISIBLE_DEVICES="")
     import torch.distributed as dist
 
@@ -74,9 +79,48 @@ def rank_main(rank: int, port: int, cases: dict, out: str) -> None:
         total = torch.stack(losses)
         dist.all_reduce(total)  # the loop's global mean: every loss holder's local means, summed
         results[name] = {"loss": (total / (layout.micro_batches * layout.loss_holders)).tolist(), "grad_norm": norms}
+    results |= measure(rank, device, memory)
     if rank == 0:
         torch.save(results, Path(out, "results.pt"))
     process_group.destroy()
+
+
+def measure(rank: int, device: torch.device, memory: dict) -> dict:
+    """What a rank keeps for the backward inside the blocks on a real step (MEMORY's layouts), and what it
+    sends for one layer's attention, forward and backward, in each mode at cp 2 and 4."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from distrain.config import from_plain
+    from distrain.model.registry import build_model
+    from distrain.parallel.context_parallel import ContextParallelAttention, SequenceSplit
+    from distrain.parallel.parallelize import ParallelModel
+    from distrain.parallel.traffic import Traffic, saved_activations
+    from distrain.strategy.context_parallel import CP_MODES
+    from distrain.strategy.layout import Layout
+    from distrain.train.learner import cross_entropy
+
+    results = {}
+    for cp, (plain, layout_dict) in memory.items():
+        cfg, layout = from_plain(plain), Layout.from_dict(layout_dict)
+        with torch.device("meta"):
+            model = build_model(cfg.model, cfg.trainer.seq_len, seed=cfg.trainer.seed)
+        parallel = ParallelModel(model, cfg.strategy, layout, device, False, cross_entropy)
+        rows = batches(cfg)[0][:1]
+        x, y = parallel.local_tokens(rows[:, :-1], rows[:, 1:])
+        blocks = getattr(parallel.module, "module", parallel.module).layers.values()  # inside DDP
+        with saved_activations(parallel.module, inside=list(blocks)) as held:
+            cross_entropy(parallel.module(x), y).backward()
+        results[f"memory/cp{cp}"] = held["inside"]
+    for cp in (2, 4):
+        mesh = init_device_mesh("cpu", (WORLD // cp, cp), mesh_dim_names=("rest", "cp"))
+        split = SequenceSplit(cp, mesh.get_local_rank("cp"))
+        for mode in CP_MODES:
+            attention = ContextParallelAttention(mesh.get_group("cp"), mode, split)
+            q, k, v = (torch.randn(B, H, T // cp, D, requires_grad=True) for _ in range(3))
+            with Traffic() as traffic:
+                attention(q, k, v).sum().backward()
+            results[f"sent/{mode}/cp{cp}"] = traffic.total("sent")
+    return results
 
 
 def reference(cfg) -> dict[str, list[float]]:
@@ -105,9 +149,15 @@ def runs(tmp_path_factory) -> dict:
         cases[name] = (to_plain(cfg), validate(cfg).as_dict())
         if model not in refs:
             refs[model] = reference(make_config(tmp, "cluster.num_workers=1", *model))
-    mp.spawn(rank_main, args=(free_port(), cases, str(tmp)), nprocs=WORLD)
+    memory = {}
+    for cp, overrides in MEMORY.items():
+        cfg = make_config(tmp, f"cluster.num_workers={WORLD}", *overrides)
+        memory[cp] = (to_plain(cfg), validate(cfg).as_dict())
+    mp.spawn(rank_main, args=(free_port(), cases, memory, str(tmp)), nprocs=WORLD)
     got = torch.load(tmp / "results.pt")
-    return {name: (got[name], refs[CASES[name][0]]) for name in CASES}
+    return {name: (got[name], refs[CASES[name][0]]) for name in CASES} | {
+        key: value for key, value in got.items() if "/" in key
+    }
 
 
 @pytest.mark.timeout(300)
@@ -117,3 +167,28 @@ def test_context_parallel_matches_one_process(case: str, runs):
     for key in ("loss", "grad_norm"):
         for step, (a, b) in enumerate(zip(got[key], want[key], strict=True), 1):
             assert a == pytest.approx(b, rel=TOL, abs=TOL), f"{case}: {key} at step {step}: {a} vs {b}"
+
+
+def test_a_rank_sends_what_theory_says_per_layer(runs):
+    """Counted as docs/tensor-parallel.md counts (distrain/parallel/traffic.py): exactly the theory's bytes."""
+    from distrain.strategy.context_parallel import CP_MODES, attention_traffic
+
+    for cp in (2, 4):
+        for mode in CP_MODES:
+            want = attention_traffic(mode, cp, B * T // cp, H, H, D, 4)
+            assert runs[f"sent/{mode}/cp{cp}"] == want, f"{mode} cp {cp}"
+
+
+def test_activation_memory_falls_as_one_over_cp(runs, tmp_path: Path):
+    """What a rank keeps for the backward inside the blocks, on a real step, falls as 1/cp, as the plan's
+    estimate does, and stays within the estimate's reach."""
+    from distrain.driver.plan import layer_activations
+    from distrain.strategy.layout import Layout
+
+    measured = {cp: runs[f"memory/cp{cp}"] for cp in MEMORY}
+    for cp in MEMORY:
+        cfg = make_config(tmp_path, f"cluster.num_workers={WORLD}", *MEMORY[cp])
+        estimate = cfg.model.n_layers * layer_activations(cfg, Layout.resolve(cfg), "fp32", scores=False)[0]
+        print(f"cp {cp}: measured {measured[cp]} B, plan {estimate} B")
+        assert measured[1] / measured[cp] == pytest.approx(cp, rel=0.05), measured
+        assert 0.5 < measured[cp] / estimate < 1.5, (cp, measured[cp], estimate)

@@ -76,7 +76,8 @@ def _sequence_to_heads(x: torch.Tensor, group: dist.ProcessGroup, order: torch.T
     b, hg, s, d = x.shape
     send = x.index_select(2, order).reshape(b, hg, cp, s // cp, d).permute(2, 0, 1, 3, 4).contiguous()
     got = all_to_all_single(torch.empty_like(send), send, group=group)  # (source head group, b, h/cp, t, d)
-    return got.transpose(0, 1).reshape(b, cp * hg, s // cp, d)
+    # laid out (b, t, heads, d) as the fused kernels lay theirs: the model's transpose back is then a view
+    return got.permute(1, 3, 0, 2, 4).reshape(b, s // cp, cp * hg, d).transpose(1, 2)
 
 
 class ContextParallelAttention(nn.Module):

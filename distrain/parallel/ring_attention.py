@@ -71,18 +71,16 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def _forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
         rank, cp = dist.get_rank(group), dist.get_world_size(group)
-        dtype, heads = q.dtype, q.shape[1]
-        q, k, v = q.float(), k.float(), v.float()
-        scale = 1.0 / math.sqrt(q.shape[-1])
-        qs = q.chunk(2, dim=2)
+        heads, scale = q.shape[1], 1.0 / math.sqrt(q.shape[-1])
+        qs = q.float().chunk(2, dim=2)
         out = [torch.zeros_like(c) for c in qs]
         lse = [torch.full(c.shape[:-1], float("-inf"), device=q.device) for c in qs]
-        held = [k, v]
+        held = [k, v]  # travel as they came (bf16 under autocast); each block's math in fp32
         for step in range(cp):
             requests = []
             if step < cp - 1:
                 incoming, requests = pass_on(held, group)
-            ks, vs = (_expand(t, heads).chunk(2, dim=2) for t in held)
+            ks, vs = (_expand(t.float(), heads).chunk(2, dim=2) for t in held)
             for a, b, causal in pairs(rank, (rank - step) % cp, cp):
                 s = _scores(qs[a], ks[b], causal, scale)
                 block_lse = s.logsumexp(-1)
@@ -93,10 +91,11 @@ class RingAttention(torch.autograd.Function):
             _wait(requests)
             if step < cp - 1:
                 held = incoming
-        out_all, lse_all = torch.cat(out, dim=2), torch.cat(lse, dim=2)
-        ctx.save_for_backward(q, k, v, out_all, lse_all)
-        ctx.group, ctx.scale, ctx.dtype = group, scale, dtype
-        return out_all.to(dtype)
+        # laid out (b, t, heads, d) as the fused kernels lay theirs: the model's transpose back is then a view
+        out_all = torch.cat(out, dim=2).to(q.dtype).transpose(1, 2).contiguous().transpose(1, 2)
+        ctx.save_for_backward(q, k, v, out_all, torch.cat(lse, dim=2))
+        ctx.group, ctx.scale = group, scale
+        return out_all
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor) -> tuple:
@@ -110,16 +109,17 @@ class RingAttention(torch.autograd.Function):
         rank, cp = dist.get_rank(group), dist.get_world_size(group)
         heads = q.shape[1]
         grad_out = grad_out.float()
-        delta = (grad_out * out).sum(-1)  # D = rowsum(dO ∘ O)
-        qs, dos, lses, deltas = (t.chunk(2, dim=2) for t in (q, grad_out, lse, delta))
+        delta = (grad_out * out.float()).sum(-1)  # D = rowsum(dO ∘ O)
+        qs, dos, lses, deltas = (t.chunk(2, dim=2) for t in (q.float(), grad_out, lse, delta))
         dq = [torch.zeros_like(c) for c in qs]
-        held, grads = [k, v], [torch.zeros_like(k), torch.zeros_like(v)]
+        held = [k, v]
+        grads = [torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)]
         for step in range(cp):
             requests = []
             if step < cp - 1:
                 incoming, requests = pass_on(held, group)
-            ks, vs = (_expand(t, heads).chunk(2, dim=2) for t in held)
-            dk, dv = (torch.zeros_like(_expand(t, heads)).chunk(2, dim=2) for t in held)
+            ks, vs = (_expand(t.float(), heads).chunk(2, dim=2) for t in held)
+            dk, dv = (torch.zeros_like(_expand(g, heads)).chunk(2, dim=2) for g in grads)
             for a, b, causal in pairs(rank, (rank - step) % cp, cp):
                 p = (_scores(qs[a], ks[b], causal, scale) - lses[a][..., None]).exp()
                 dv[b].add_(p.transpose(-2, -1) @ dos[a])
@@ -132,5 +132,4 @@ class RingAttention(torch.autograd.Function):
             _wait(returned)
             if step < cp - 1:
                 held = incoming
-        dtype = ctx.dtype
-        return torch.cat(dq, dim=2).to(dtype), grads[0].to(dtype), grads[1].to(dtype), None
+        return torch.cat(dq, dim=2).to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype), None

@@ -68,6 +68,19 @@ def validate(cfg: TrainConfig) -> None:
             )
 
 
+def attention_traffic(mode: str, cp: int, tokens: int, heads: int, kv_heads: int, head_dim: int, element: int) -> float:
+    """Bytes one rank sends for one layer's attention, forward and backward, holding `tokens` tokens (its
+    share of a micro-batch's sequences) and `heads` / `kv_heads` heads of `element` bytes a value (those it
+    holds under tensor parallelism), counted as distrain/parallel/traffic.py counts. ring: K and V go cp − 1
+    hops in the forward and again in the backward, and their fp32 gradients cp hops (the last one home);
+    alltoall: Q, K, V and the output each cross one all-to-all in the forward, their gradients one in the
+    backward, of which a rank sends the (cp − 1)/cp it does not keep."""
+    q, kv = tokens * heads * head_dim, tokens * kv_heads * head_dim
+    if mode == "ring":
+        return 2 * kv * (2 * (cp - 1) * element + cp * 4)
+    return 2 * (cp - 1) / cp * (2 * q + 2 * kv) * element
+
+
 def _tokens(r: range) -> str:
     return f"{r.start}-{r.stop - 1}"
 
@@ -82,6 +95,19 @@ def plan(cfg: TrainConfig, layout: Layout) -> list[str]:
     for rank in range(layout.cp):
         front, back = chunks(seq, layout.cp, rank)
         lines.append(f"  cp rank {rank}: tokens {_tokens(front)}, {_tokens(back)}")
+    m, tp = cfg.model, layout.tp
+    tokens = cfg.trainer.micro_batch_size * seq // layout.cp
+    element = 2 if cfg.trainer.precision == "bf16" else 4  # auto: as on a CPU (fp32) unless told
+    sent = attention_traffic(
+        layout.cp_mode,
+        layout.cp,
+        tokens,
+        m.n_heads // tp,
+        (m.n_kv_heads or m.n_heads) // tp,
+        m.dim // m.n_heads,
+        element,
+    )
+    lines.append(f"  each rank sends {sent / 2**20:.2f} MiB per layer and micro-batch (forward and backward)")
     return lines
 
 
