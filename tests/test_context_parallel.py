@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-from conftest import free_port, make_config, rank_env
+from conftest import free_port, logged, make_config, rank_env, train_half_then_resume
 
 WORLD = 4
 STEPS = 10
@@ -192,3 +192,78 @@ def test_activation_memory_falls_as_one_over_cp(runs, tmp_path: Path):
         print(f"cp {cp}: measured {measured[cp]} B, plan {estimate} B")
         assert measured[1] / measured[cp] == pytest.approx(cp, rel=0.05), measured
         assert 0.5 < measured[cp] / estimate < 1.5, (cp, measured[cp], estimate)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needle"),
+    [
+        (("strategy.cp=3", "cluster.num_workers=3"), "splits each sequence into 2·cp = 6 chunks"),
+        (
+            ("strategy.cp=2", "cluster.num_workers=4", "strategy.cp_mode=ulysses"),
+            "is not a context-parallel mode; choose ring or alltoall",
+        ),
+        (
+            ("strategy.cp=4", "cluster.num_workers=4", "strategy.cp_mode=alltoall"),
+            "heads / (cp × tp) = 2 / 4 of model.n_heads=2",
+        ),
+        (("strategy.cp=2", "strategy=tp2d", "cluster.num_workers=8"), "does not combine with strategy.tp_mode=2d"),
+        (("strategy.cp=2", "cluster.num_workers=4", "strategy.compile=true"), "does not support strategy.compile=true"),
+        (("strategy.cp=2", "strategy=ps", "cluster.num_workers=2"), "does not combine with ps.mode=sync"),
+        (
+            (
+                "strategy.cp=2",
+                "strategy=tp",
+                "strategy.tp=4",
+                "model.n_heads=4",
+                "trainer.seq_len=20",
+                "cluster.num_workers=8",
+            ),
+            "leaves trainer.seq_len / cp = 10 tokens per rank, which strategy.tp=4",
+        ),
+    ],
+)
+def test_a_layout_cp_cannot_split_is_refused_in_one_line(overrides: tuple, needle: str, tmp_path: Path):
+    from distrain.config import ConfigError
+    from distrain.driver.validation import validate
+
+    cfg = make_config(tmp_path, *overrides)
+    with pytest.raises(ConfigError) as refused:
+        validate(cfg)
+    assert needle in str(refused.value) and "\n" not in str(refused.value), str(refused.value)
+
+
+def test_the_plan_shows_each_ranks_tokens_and_its_memory(tmp_path: Path):
+    from conftest import fake_table
+
+    from distrain.driver.plan import describe
+    from distrain.driver.validation import validate
+
+    def plan(cp: int) -> list[str]:
+        cfg = make_config(tmp_path, "cluster.num_workers=4", f"strategy.cp={cp}", "trainer.seq_len=64")
+        return describe(cfg, validate(cfg), fake_table(4, 4, gpus=False)).splitlines()
+
+    lines = plan(2)
+    assert "context parallel (ring: K/V passed round the ring); each rank holds 32 of 64 tokens:" in lines
+    assert "  cp rank 0: tokens 0-15, 48-63" in lines and "  cp rank 1: tokens 16-31, 32-47" in lines
+    assert "  cp: [0,1] [2,3]" in lines and "  dp_replicate: [0,2] [1,3]" in lines
+    # 2 sequences × 32 tokens × 2 heads × 16 of fp32: K and V 8 KiB each, a hop each way; dK and dV 2 hops home
+    assert "  each rank sends 0.06 MiB per layer and micro-batch (forward and backward)" in lines
+
+    def activations(lines: list[str]) -> str:
+        return next(line for line in lines if line.startswith("  every rank:")).split("activations ")[1].split(" (")[0]
+
+    assert (activations(lines), activations(plan(1))) == ("432.0 KiB", "864.0 KiB")  # the blocks' share, halved
+
+
+@pytest.mark.timeout(300)
+def test_checkpoints_move_between_cp_and_no_cp(ray_cluster, tmp_path: Path):
+    """Checkpoints hold no layout: 3 steps under cp 2 resumed on one worker without cp, and 3 steps on one
+    worker resumed under cp 2, log the same 6 steps (each half also compared across the two: cp's parity)."""
+    cp2, one = (2, ["strategy.cp=2"]), (1, [])
+    there = train_half_then_resume(tmp_path, "cp_then_none", cp2, one, 6)
+    back = train_half_then_resume(tmp_path, "none_then_cp", one, cp2, 6)
+    for key in ("loss", "grad_norm"):
+        a, b = logged(there, key), logged(back, key)
+        assert sorted(a) == sorted(b) == list(range(1, 7))
+        for step in a:
+            assert a[step] == pytest.approx(b[step], rel=TOL, abs=TOL), f"{key} at step {step}"
