@@ -68,7 +68,10 @@ def rank_main(rank: int, port: int, cases: dict, memory: dict, out: str) -> None
     from distrain.strategy.layout import Layout
     from distrain.train.learner import cross_entropy
 
+    from distrain.parallel import ring_attention
+
     device = process_group.init_from_env()
+    ring_attention.TILE = 4  # a chunk's queries in tiles (8 of cp 2's rows: 2 tiles), as long sequences run
     results = {}
     for name, (plain, layout_dict) in cases.items():
         cfg, layout = from_plain(plain), Layout.from_dict(layout_dict)

@@ -9,12 +9,14 @@ are merged with the log-sum-exp correction: o = Σ_j exp(lse_j − lse)·o_j, ls
 
 The backward (a custom autograd.Function) runs the ring again: K/V travel as in the forward, and with
 them the gradients of K and V accumulated so far, which end, after one more step, at the rank that owns
-them. Only q, k, v, the output and the lse are kept for it: the scores are recomputed block by block.
+them. Only q, k, v, the output and the lse are kept for it: the scores are recomputed block by block, and
+within a block TILE query rows at a time, so what a step holds beside them grows with the chunk, not its square.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -45,10 +47,21 @@ def _wait(requests: list) -> None:
         request.wait()
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
+TILE = 512  # query rows scored at once: the transient scores are TILE × a chunk's keys per head, never chunk²
+
+
+def _tiles(n: int, causal: bool) -> Iterator[tuple[slice, slice]]:
+    """Each tile of a chunk's n query rows, and the keys it sees: all, or under the causal mask up to its last row."""
+    for start in range(0, n, TILE):
+        stop = min(start + TILE, n)
+        yield slice(start, stop), slice(0, stop if causal else n)
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float, first_row: int) -> torch.Tensor:
+    """Scaled scores of query rows first_row.. against keys 0..; masked above the diagonal when causal."""
     s = q @ k.transpose(-2, -1) * scale
     if causal:
-        s = s.masked_fill(torch.ones_like(s, dtype=torch.bool).triu(1), float("-inf"))
+        s = s.masked_fill(torch.ones_like(s, dtype=torch.bool).triu(first_row + 1), float("-inf"))
     return s
 
 
@@ -82,12 +95,14 @@ class RingAttention(torch.autograd.Function):
                 incoming, requests = pass_on(held, group)
             ks, vs = (_expand(t.float(), heads).chunk(2, dim=2) for t in held)
             for a, b, causal in pairs(rank, (rank - step) % cp, cp):
-                s = _scores(qs[a], ks[b], causal, scale)
-                block_lse = s.logsumexp(-1)
-                block_out = torch.softmax(s, -1) @ vs[b]
-                merged = torch.logaddexp(lse[a], block_lse)
-                out[a] = out[a] * (lse[a] - merged).exp()[..., None] + block_out * (block_lse - merged).exp()[..., None]
-                lse[a] = merged
+                for rows, keys in _tiles(qs[a].shape[2], causal):
+                    s = _scores(qs[a][:, :, rows], ks[b][:, :, keys], causal, scale, rows.start)
+                    block_lse = s.logsumexp(-1)
+                    block_out = (s - block_lse[..., None]).exp() @ vs[b][:, :, keys]
+                    o, seen = out[a][:, :, rows], lse[a][:, :, rows]
+                    merged = torch.logaddexp(seen, block_lse)
+                    o.mul_((seen - merged).exp()[..., None]).add_(block_out * (block_lse - merged).exp()[..., None])
+                    seen.copy_(merged)
             _wait(requests)
             if step < cp - 1:
                 held = incoming
@@ -121,11 +136,13 @@ class RingAttention(torch.autograd.Function):
             ks, vs = (_expand(t.float(), heads).chunk(2, dim=2) for t in held)
             dk, dv = (torch.zeros_like(_expand(g, heads)).chunk(2, dim=2) for g in grads)
             for a, b, causal in pairs(rank, (rank - step) % cp, cp):
-                p = (_scores(qs[a], ks[b], causal, scale) - lses[a][..., None]).exp()
-                dv[b].add_(p.transpose(-2, -1) @ dos[a])
-                ds = p * (dos[a] @ vs[b].transpose(-2, -1) - deltas[a][..., None])
-                dq[a] += ds @ ks[b] * scale
-                dk[b].add_(ds.transpose(-2, -1) @ qs[a] * scale)
+                for rows, keys in _tiles(qs[a].shape[2], causal):
+                    q_, do, k_, v_ = qs[a][:, :, rows], dos[a][:, :, rows], ks[b][:, :, keys], vs[b][:, :, keys]
+                    p = (_scores(q_, k_, causal, scale, rows.start) - lses[a][:, :, rows, None]).exp()
+                    dv[b][:, :, keys].add_(p.transpose(-2, -1) @ do)
+                    ds = p * (do @ v_.transpose(-2, -1) - deltas[a][:, :, rows, None])
+                    dq[a][:, :, rows].add_(ds @ k_ * scale)
+                    dk[b][:, :, keys].add_(ds.transpose(-2, -1) @ q_ * scale)
             grads = [g + _fold(torch.cat(d, dim=2), g.shape[1]) for g, d in zip(grads, (dk, dv), strict=True)]
             _wait(requests)
             grads, returned = pass_on(grads, group)  # on to the next rank, as its K/V go; the last step home
