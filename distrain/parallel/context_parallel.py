@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.nn.functional import all_to_all_single
+from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 
 from distrain.model.common import CausalAttention
 from distrain.parallel.ring_attention import RingAttention
@@ -59,13 +59,18 @@ class SequenceSplit:
         return self.index(self.seq_len, device)
 
 
+def _all_to_all(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Block i of x's first dim to cp rank i, rank i's block of x to block i here; its backward the same."""
+    return wait_tensor(all_to_all_single_autograd(x, None, None, group))
+
+
 def _heads_to_sequence(x: torch.Tensor, group: dist.ProcessGroup, order: torch.Tensor) -> torch.Tensor:
     """(b, heads, t, d) holding this rank's t tokens → (b, heads/cp, cp·t, d) holding the whole sequence, in
     order: head group j goes to cp rank j, and the ranks' chunks are put back in sequence order."""
     cp = dist.get_world_size(group)
     b, h, t, d = x.shape
     send = x.reshape(b, cp, h // cp, t, d).transpose(0, 1).contiguous()
-    got = all_to_all_single(torch.empty_like(send), send, group=group)  # (source rank, b, h/cp, t, d)
+    got = _all_to_all(send, group)  # (source rank, b, h/cp, t, d)
     whole = got.permute(1, 2, 0, 3, 4).reshape(b, h // cp, cp * t, d)  # the ranks' tokens, rank after rank
     return whole.index_select(2, order.argsort())
 
@@ -75,7 +80,7 @@ def _sequence_to_heads(x: torch.Tensor, group: dist.ProcessGroup, order: torch.T
     cp = dist.get_world_size(group)
     b, hg, s, d = x.shape
     send = x.index_select(2, order).reshape(b, hg, cp, s // cp, d).permute(2, 0, 1, 3, 4).contiguous()
-    got = all_to_all_single(torch.empty_like(send), send, group=group)  # (source head group, b, h/cp, t, d)
+    got = _all_to_all(send, group)  # (source head group, b, h/cp, t, d)
     # laid out (b, t, heads, d) as the fused kernels lay theirs: the model's transpose back is then a view
     return got.permute(1, 3, 0, 2, 4).reshape(b, s // cp, cp * hg, d).transpose(1, 2)
 
