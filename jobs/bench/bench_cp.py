@@ -25,7 +25,7 @@ from distrain.train.learner import cross_entropy
 
 WORLD = 4
 MODEL = {"dim": 256, "n_layers": 2, "n_heads": 8, "n_kv_heads": None, "ffn_dim": 512, "vocab_size": 256}
-LENGTHS, BUDGET_MIB, TIMED, REPEATS = [2**k for k in range(10, 17)], 512, [2048, 8192], 3
+LENGTHS, BUDGET_MIB, TIMED, REPEATS = [2**k for k in range(10, 16)], 512, [2048, 8192], 3
 SMOKE_MODEL = {"dim": 32, "n_layers": 1, "n_heads": 4, "n_kv_heads": None, "ffn_dim": 64, "vocab_size": 256}
 SMOKE = ([64, 128, 256], 1, [128], 1)
 MIB = 2**20
