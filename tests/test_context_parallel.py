@@ -63,12 +63,10 @@ def rank_main(rank: int, port: int, cases: dict, memory: dict, out: str) -> None
 
     from distrain.config import from_plain
     from distrain.model.registry import build_model
-    from distrain.parallel import process_group
+    from distrain.parallel import process_group, ring_attention
     from distrain.parallel.parallelize import ParallelModel
     from distrain.strategy.layout import Layout
     from distrain.train.learner import cross_entropy
-
-    from distrain.parallel import ring_attention
 
     device = process_group.init_from_env()
     ring_attention.TILE = 4  # a chunk's queries in tiles (8 of cp 2's rows: 2 tiles), as long sequences run
