@@ -57,25 +57,31 @@ def train_steps(parallel, layout, data, shard: tuple[int, int]) -> tuple[list[to
     return losses, norms
 
 
-def rank_main(rank: int, port: int, cases: dict, memory: dict, out: str) -> None:
-    rank_env(rank, WORLD, port, CUDA_VISIBLE_DEVICES="")
-    import torch.distributed as dist
-
+def built(case: tuple[dict, dict], device: torch.device) -> tuple:
+    """A case's config, layout and ParallelModel, built as a Learner builds it (on the meta device, then laid out)."""
     from distrain.config import from_plain
     from distrain.model.registry import build_model
-    from distrain.parallel import process_group, ring_attention
     from distrain.parallel.parallelize import ParallelModel
     from distrain.strategy.layout import Layout
     from distrain.train.learner import cross_entropy
 
+    cfg, layout = from_plain(case[0]), Layout.from_dict(case[1])
+    with torch.device("meta"):
+        model = build_model(cfg.model, cfg.trainer.seq_len, seed=cfg.trainer.seed)
+    return cfg, layout, ParallelModel(model, cfg.strategy, layout, device, False, cross_entropy)
+
+
+def rank_main(rank: int, port: int, cases: dict, memory: dict, out: str) -> None:
+    rank_env(rank, WORLD, port, CUDA_VISIBLE_DEVICES="")
+    import torch.distributed as dist
+
+    from distrain.parallel import process_group, ring_attention
+
     device = process_group.init_from_env()
     ring_attention.TILE = 4  # a chunk's queries in tiles (8 of cp 2's rows: 2 tiles), as long sequences run
     results = {}
-    for name, (plain, layout_dict) in cases.items():
-        cfg, layout = from_plain(plain), Layout.from_dict(layout_dict)
-        with torch.device("meta"):
-            model = build_model(cfg.model, cfg.trainer.seq_len, seed=cfg.trainer.seed)
-        parallel = ParallelModel(model, cfg.strategy, layout, device, False, cross_entropy)
+    for name, case in cases.items():
+        cfg, layout, parallel = built(case, device)
         losses, norms = train_steps(parallel, layout, batches(cfg), layout.data_shard(rank))
         total = torch.stack(losses)
         dist.all_reduce(total)  # the loop's global mean: every loss holder's local means, summed
@@ -91,21 +97,14 @@ def measure(rank: int, device: torch.device, memory: dict) -> dict:
     sends for one layer's attention, forward and backward, in each mode at cp 2 and 4."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from distrain.config import from_plain
-    from distrain.model.registry import build_model
     from distrain.parallel.context_parallel import ContextParallelAttention, SequenceSplit
-    from distrain.parallel.parallelize import ParallelModel
     from distrain.parallel.traffic import Traffic, saved_activations
     from distrain.strategy.context_parallel import CP_MODES
-    from distrain.strategy.layout import Layout
     from distrain.train.learner import cross_entropy
 
     results = {}
-    for cp, (plain, layout_dict) in memory.items():
-        cfg, layout = from_plain(plain), Layout.from_dict(layout_dict)
-        with torch.device("meta"):
-            model = build_model(cfg.model, cfg.trainer.seq_len, seed=cfg.trainer.seed)
-        parallel = ParallelModel(model, cfg.strategy, layout, device, False, cross_entropy)
+    for cp, case in memory.items():
+        cfg, _, parallel = built(case, device)
         rows = batches(cfg)[0][:1]
         x, y = parallel.local_tokens(rows[:, :-1], rows[:, 1:])
         blocks = getattr(parallel.module, "module", parallel.module).layers.values()  # inside DDP
