@@ -74,6 +74,8 @@ SMOKES = [
     ),
     # the grid's bytes were counted, and matched the theory's
     ("bench_tp", 180, True, ["| 2-D, 2×2 | 4 |", "| yes |"]),
+    # every cp measured against the budget, and both modes timed
+    ("bench_cp", 180, False, ["| cp 4 | ", "| ring (s) | all-to-all (s) |"]),
     # three tiers trained the same, NVMe under its memory bound, the disk measured beside the step
     ("bench_offload", 180, False, ["| `strategy=nvme` |", "within it", "identical step for step", "| overlapped |"]),
     # both storages trained the same, the store's resumed from its URL alone, a plain s3fs upload timed beside it

@@ -267,3 +267,17 @@ def test_checkpoints_move_between_cp_and_no_cp(ray_cluster, tmp_path: Path):
         assert sorted(a) == sorted(b) == list(range(1, 7))
         for step in a:
             assert a[step] == pytest.approx(b[step], rel=TOL, abs=TOL), f"{key} at step {step}"
+
+
+def test_a_model_without_causal_attention_is_refused_under_cp(tmp_path: Path, monkeypatch):
+    """examples/user_model computes its attention itself: cp cannot split it, and says so before any worker."""
+    from conftest import REPO
+
+    from distrain.config import ConfigError
+    from distrain.driver.validation import validate
+
+    monkeypatch.syspath_prepend(str(REPO / "examples"))
+    user = ("model._target_=user_model.decoder.Decoder", "model.name=decoder", "cluster.num_workers=2")
+    validate(make_config(tmp_path, *user))
+    with pytest.raises(ConfigError, match="computes its attention outside distrain.model.common.CausalAttention"):
+        validate(make_config(tmp_path, *user, "strategy.cp=2"))
