@@ -47,7 +47,7 @@ def _wait(requests: list) -> None:
         request.wait()
 
 
-TILE = 512  # query rows scored at once: the transient scores are TILE × a chunk's keys per head, never chunk²
+TILE = 128  # query rows scored at once: the transient scores are TILE × a chunk's keys per head, never chunk²
 
 
 def _tiles(n: int, causal: bool) -> Iterator[tuple[slice, slice]]:
@@ -61,7 +61,8 @@ def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float, first_
     """Scaled scores of query rows first_row.. against keys 0..; masked above the diagonal when causal."""
     s = q @ k.transpose(-2, -1) * scale
     if causal:
-        s = s.masked_fill(torch.ones_like(s, dtype=torch.bool).triu(first_row + 1), float("-inf"))
+        above = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(first_row + 1)
+        s = s.masked_fill(above, float("-inf"))  # one (rows, keys) mask for every sequence and head
     return s
 
 
