@@ -99,7 +99,7 @@ def longest_rank(rank: int, device: torch.device, cp: int, lengths: list, model:
         del parallel, optimizer
         if peak.item() > budget:
             break
-    return {"grown": grown}
+    return grown
 
 
 def timed_rank(rank: int, device: torch.device, cp: int, lengths: list, model: dict, repeats: int) -> dict:
@@ -110,6 +110,14 @@ def timed_rank(rank: int, device: torch.device, cp: int, lengths: list, model: d
             step(parallel, optimizer, seq)
             times[f"{mode}/{seq}"] = statistics.median(step(parallel, optimizer, seq) for _ in range(repeats))
     return times
+
+
+def rank_main(
+    rank: int, device: torch.device, lengths: list, model: dict, budget: int, timed: list, repeats: int
+) -> dict:
+    """Every measurement in one spawn of the 4 ranks: each layout is a ParallelModel of its own on them."""
+    grown = {cp: longest_rank(rank, device, cp, lengths, model, budget) for cp in (1, 2, 4)}
+    return {"grown": grown, "times": {cp: timed_rank(rank, device, cp, timed, model, repeats) for cp in (2, 4)}}
 
 
 def body(grown: dict, times: dict, model: dict, lengths: list, budget: int, timed: list) -> str:
@@ -173,16 +181,10 @@ def main(argv: list[str] | None = None) -> None:
     model = SMOKE_MODEL if args.smoke else MODEL
     page = harness.Page("Context parallelism: longest sequence per memory, ring against all-to-all", args)
     budget = budget_mib * MIB
-    grown, times = {}, {}
-    for cp in (1, 2, 4):
-        print(f"bench_cp: longest sequence, cp {cp} ...", flush=True)
-        grown[cp] = {
-            int(s): g
-            for s, g in processes.spawn_ranks(longest_rank, WORLD, cp, lengths, model, budget)[0]["grown"].items()
-        }
-    for cp in (2, 4):
-        print(f"bench_cp: step time, cp {cp} ...", flush=True)
-        times[cp] = processes.spawn_ranks(timed_rank, WORLD, cp, timed, model, repeats)[0]
+    print("bench_cp: the longest sequence at cp 1, 2 and 4, then step times, on 4 ranks ...", flush=True)
+    got = processes.spawn_ranks(rank_main, WORLD, lengths, model, budget, timed, repeats)[0]  # JSON: string keys
+    grown = {int(cp): {int(s): g for s, g in by.items()} for cp, by in got["grown"].items()}
+    times = {int(cp): t for cp, t in got["times"].items()}
     text = body(grown, times, model, lengths, budget, timed)
     print(text)
     page.write(text)
