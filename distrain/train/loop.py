@@ -57,7 +57,11 @@ def run_rank(job: RankJob, channel: Channel) -> dict:
         results = trainer.fit()
     except BaseException:
         if trainer is not None:  # before the abort: what a live replica recovers from (nothing unless whole)
-            peers.keep(trainer.held())
+            try:
+                peers.keep(trainer.held())
+            except Exception as e:  # never in the way of the failure itself: the next attempt loads the checkpoint
+                peers.keep(None)
+                checkpoint.say(f"rank {trainer.rank} keeps no state for a recovery from replicas: {e}")
         process_group.abort()  # a graceful destroy would wait for collectives its peers may never join
         raise
     process_group.destroy()
@@ -419,6 +423,8 @@ class Trainer:
         c, optimizer = self.cfg.cluster, local_optimizer(self.optimizer)
         if self.done is None or not c.peer_recovery or self.layout.dp_replicate < 2 or not optimizer.state:
             return None  # torn, not asked for, no replica, or nothing trained yet (a fresh start loses no step)
+        if self.layout.cp > 1:
+            return None  # a ring survivor may wait on a peer gone from its backward (docs/fault-tolerance.md)
         if isinstance(self.optimizer, NVMeAdamW):
             return None  # its state is in scratch files this process no longer owns once it fails
         line = None
