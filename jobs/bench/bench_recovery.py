@@ -1,5 +1,4 @@
-"""Recovery after a worker is killed: distrain from live replicas or from its checkpoint, Ray Train:
-python jobs/bench/bench_recovery.py
+"""Recovery after a kill: distrain from replicas or from checkpoint, Ray Train:  python jobs/bench/bench_recovery.py
 
 The same job trains on one embedded Ray cluster while a killer thread SIGKILLs a random worker: under
 distrain's supervisor with one hot spare, recovering from the live replicas' memory (`replicas`, the
@@ -70,6 +69,8 @@ class Kill:
     took_spare: bool | None = None  # whether a warm spare took the dead rank (None: no spare there)
     phases: dict[str, float] = field(default_factory=dict)  # PHASES keys
     redone: int | None = None  # steps done twice: the step in flight, and any since the state resumed from
+    last_step: int | None = None  # the highest step logged when the kill came
+    next_step: int | None = None  # the first step logged after it
 
 
 @dataclass
@@ -196,6 +197,7 @@ class Killer(threading.Thread):
         rank = self.rng.randrange(len(pids))
         kill = Kill(len(self.kills) + 1, rank, pids[rank], line["step"], time.time(), len(warm))
         os.kill(kill.pid, signal.SIGKILL)
+        kill.last_step = max((r["step"] for r in logged(self.run_dir)), default=None)
         self.kills.append(kill)
         print(f"bench_recovery: {self.label}: kill {kill.number}: rank {rank} (pid {kill.pid}) after step {kill.step}")
         old, others = set(pids.values()), [pid for r, pid in pids.items() if r != rank]
@@ -210,6 +212,7 @@ class Killer(threading.Thread):
         if (first := self.wait(recovered)) is None:
             return None
         kill.took_spare = bool(set(self.pids().values()) & warm) if self.spares else None
+        kill.next_step = first["step"]
         print(f"  next step logged {first['time'] - kill.at:.1f} s after the kill (step {first['step']})", flush=True)
         return first["time"]
 
@@ -359,11 +362,9 @@ def run_raytrain(system: str, workers: int, repeat: int, args, storage: Path) ->
                 "first_step": m["first_step_at"] - m["loaded_at"],
                 "total": m["first_step_at"] - kill.at,
             }
-    steps = logged(run_dir)
-    for kill in done:  # Ray Train keeps no record of a step begun: those logged twice, and the one in flight
-        before = {r["step"] for r in steps if r["time"] <= kill.at}
-        after = {r["step"] for r in steps if r["time"] > kill.at}
-        kill.redone = len(before & after) + 1 if after else None
+    for kill in done:  # no record of a step begun: those logged before the kill and again after, and the one in
+        if kill.last_step is not None and kill.next_step is not None:  # flight (seen by the killer: a resumed
+            kill.redone = kill.last_step - kill.next_step + 2  # trainer trims metrics.jsonl to its step)
     startup = marks[0]["first_step_at"] - called_at if marks and "first_step_at" in marks[0] else None
     return Run(system, workers, repeat, done, startup, error)
 

@@ -131,6 +131,17 @@ def measure(args, storage: Path) -> list[harness.Trial]:
     )
 
 
+def noise(windows: list[harness.Trial]) -> str:
+    """A warning when the runs without failures differ by more than 10% among themselves."""
+    useful = [t.result.useful for t in windows if t.key == "none" and t.result.useful]
+    if len(useful) < 2 or min(useful) >= 0.9 * max(useful):
+        return ""
+    return (
+        f" The runs without failures differ by {max(useful) / min(useful):.1f}× among themselves (the machine's "
+        "load): these efficiencies measure the load more than the recovery."
+    )
+
+
 def section(args, windows: list[harness.Trial]) -> str:
     """The page's section: a row per run, its efficiency relative to the median run without failures, and
     each system's median."""
@@ -169,7 +180,7 @@ to thousands of steps): the save of this 0.9 M-parameter model is cheap, and a f
 average, so this favours the checkpoint path. The issue asks for a 5-minute window; this one is {minutes},
 to fit the benchmark's time on a shared 2-core machine, {args.repeats} run(s) each. ({TORCHFT}, for comparison.)
 
-Medians (min–max) over the repeats: {"; ".join(summary)}.
+Medians (min–max) over the repeats: {"; ".join(summary)}.{noise(windows)}
 
 {chr(10).join(harness.table(head, rows, "lrrrrrrrr"))}
 """
