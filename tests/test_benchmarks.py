@@ -57,8 +57,8 @@ SMOKES = [
     ("bench_bubble", 180, True, ["| interleaved_zb | 2 |"]),
     ("bench_collectives", 180, False, ["## all_reduce (busbw factor 1)"]),  # 2 ranks: 2(n − 1)/n = 1
     ("bench_ps", 240, True, ["## One straggler", "| PS sync |"]),
-    # the spare, warm at the kill, took the dead rank
-    ("bench_recovery", 240, True, ["| distrain + 1 hot spare, 2 workers | 1 |", "| yes |"]),
+    # the spare, warm at the kill, took the dead rank; the steps redone counted
+    ("bench_recovery", 240, True, ["| distrain, from replicas, 2 workers | 1 |", "| yes |", "steps redone"]),
     # the three ways trained the same (one final loss each), the background's cost was computed, and the
     # step's wait per save read from the trainer's checkpoint_block_s
     (

@@ -1,12 +1,14 @@
-"""Recovery after a worker is killed: distrain, with a hot spare, Ray Train:  python jobs/bench/bench_recovery.py
+"""Recovery after a kill: distrain from replicas or from checkpoint, Ray Train:  python jobs/bench/bench_recovery.py
 
 The same job trains on one embedded Ray cluster while a killer thread SIGKILLs a random worker: under
-distrain's supervisor (`cluster.spares=0`, and `cluster.spares=1`: a warm worker takes the dead rank at
-once), timed by the supervisor's own record of each attempt (summary.json → attempts); and under Ray
+distrain's supervisor with one hot spare, recovering from the live replicas' memory (`replicas`, the
+default) or from the last checkpoint (`checkpoint`: `cluster.peer_recovery=false`), timed by the supervisor's
+own record of each attempt (summary.json → attempts, which also gives the steps redone); and under Ray
 Train's `TorchTrainer` with `FailureConfig` around distrain's trainer, timed by rank 0's marks written to a
-file and by when the old workers' processes exit. Every configuration runs --repeats times on 2 and 4
-workers, the order reversed on every other repeat. What is measured and how is on the page this writes
-(docs/recovery.md, its plot beside it, and the plot's numbers: `--replot docs/recovery.json` redraws it).
+file and by when the old workers' processes exit. Every configuration runs --repeats times on each worker
+count, the order reversed on every other repeat. `--efficiency S` adds runs of S seconds with a kill every
+30 s (recovery_efficiency.py). What is measured and how is on the page this writes (docs/recovery.md, its
+plot beside it, and the plot's numbers: `--replot docs/recovery.json` redraws it).
 """
 
 from __future__ import annotations
@@ -24,12 +26,17 @@ from pathlib import Path
 
 import harness  # first: it keeps Ray on loopback
 import processes
+import recovery_efficiency
 from plots import figure  # jobs/bench/plots.py, beside this script
 
 from distrain.storage.tracking import read_metrics
 
-GOAL_S = 2.0  # distrain's median recovery with a hot spare, on the embedded cluster
-SYSTEMS = {"distrain": "distrain", "spare": "distrain + 1 hot spare", "raytrain": "Ray Train"}
+GOAL_S = 1.0  # kill → next step from the replicas, 4 workers; and only the step in flight redone
+SYSTEMS = {  # each distrain system has one hot spare; they differ in the way back only
+    "replicas": "distrain, from replicas",
+    "checkpoint": "distrain, from checkpoint",
+    "raytrain": "Ray Train",
+}
 INTERVAL, FIRST, GAP, TAIL = 5, 12, 10, 5  # a checkpoint every 5 steps; kill i after step FIRST + GAP·(i−1)
 SPARE_WAIT_S = 120.0  # the longest the killer holds a run for its spares to be warm; then it kills anyway
 MARKS = ("joined_at", "loaded_at", "first_step_at")  # the trainer's own timestamps
@@ -40,12 +47,14 @@ PHASES = {  # the table's rows: label, and the colour of the phases all systems 
     "restart": ("place + start workers + process group", "#ff7f0e"),
     "placement": ("· distrain: placement (a spare, or a new actor, in the bundle)", None),
     "process_group": ("· distrain: process group (→ all ranks joined)", None),
-    "load": ("model + checkpoint load", "#1f77b4"),
+    "load": ("model + state load (checkpoint, or a replica's)", "#1f77b4"),
     "first_step": ("first step", "#2ca02c"),
     "total": ("**total: kill → first step**", None),
     "startup": ("start-up, no kill (call → first step)", None),
+    "redone": ("**steps redone per failure**", None),
 }
 STACK = {key: v for key, v in PHASES.items() if v[1]}
+COUNTS = ("redone",)  # PHASES keys that count steps, not seconds
 
 
 @dataclass
@@ -59,6 +68,9 @@ class Kill:
     gone_at: float | None = None  # when the other ranks' processes had all exited
     took_spare: bool | None = None  # whether a warm spare took the dead rank (None: no spare there)
     phases: dict[str, float] = field(default_factory=dict)  # PHASES keys
+    redone: int | None = None  # steps done twice: the step in flight, and any since the state resumed from
+    last_step: int | None = None  # the highest step logged when the kill came
+    next_step: int | None = None  # the first step logged after it
 
 
 @dataclass
@@ -75,33 +87,39 @@ def parse_args(argv: list[str] | None = None):
     p = harness.parser(__doc__, "docs/recovery.md", repeats=3, plot=True)
     p.add_argument("--workers", help="comma-separated worker counts, each a run per system (default 2,4; smoke 2)")
     p.add_argument("--kills", type=int, default=1, help="SIGKILLs per run (default 1)")
-    p.add_argument("--systems", help=f"a subset of {','.join(SYSTEMS)} (default all; smoke spare)")
+    p.add_argument("--systems", help=f"a subset of {','.join(SYSTEMS)} (default all; smoke replicas)")
     p.add_argument("--timeout", type=float, default=900, help="seconds a run may take before it is stopped")
     p.add_argument("--json", default="", help="also write every kill's measurements to this JSON file")
+    p.add_argument("--efficiency", type=float, default=0.0, help="also run windows of this many seconds")
     args = harness.parse(p, argv)
     args.workers = args.workers or ("2" if args.smoke else "2,4")
-    args.systems = args.systems or ("spare" if args.smoke else ",".join(SYSTEMS))
+    args.systems = args.systems or ("replicas" if args.smoke else ",".join(SYSTEMS))
     args.workers = [int(n) for n in args.workers.split(",")]
     args.systems = [s for s in args.systems.split(",") if s]
-    if not set(args.systems) <= set(SYSTEMS) or args.kills < 1 or min(args.workers) < 2:
-        p.error(f"need --systems from {','.join(SYSTEMS)}, --kills ≥ 1 and worker counts ≥ 2")
+    if not set(args.systems) <= set(SYSTEMS) or args.kills < 1 or min(args.workers) < 2 or args.efficiency < 0:
+        p.error(f"need --systems from {','.join(SYSTEMS)}, --kills ≥ 1, worker counts ≥ 2, --efficiency ≥ 0")
     return args
 
 
-def overrides(args, system: str, workers: int, storage: Path, name: str) -> list[str]:
+def overrides(
+    args, system: str, workers: int, storage: Path, name: str, steps: int = 0, interval: int = INTERVAL, kills: int = 0
+) -> list[str]:
     """The Hydra overrides of one run: `python jobs/train.py <these>` trains the same job. fault.hold_file is
-    how the killer pins the run down at a step boundary while it waits for a spare to be warm."""
+    how the killer pins the run down at a step boundary while it waits for a spare to be warm. `steps`,
+    `interval` and `kills` default to this page's kill runs."""
     size, tail = "trainer.global_batch_size=32 trainer.micro_batch_size=8 trainer.seq_len=128", TAIL
     if args.smoke:  # its steps take milliseconds: a longer tail, or the run may end before the killer sees step FIRST
         tail = 4 * TAIL
         size = " ".join(harness.TINY)
+    steps, kills = steps or FIRST + (args.kills - 1) * GAP + tail, kills or args.kills
     return [
         *harness.CPU_RUN,
         *(
-            f"model=nano strategy=ddp cluster.num_workers={workers} cluster.spares={int(system == 'spare')} "
-            f"cluster.max_failures={args.kills + 1} cluster.restart_backoff_s=0 checkpoint.interval={INTERVAL} "
-            f"trainer.max_steps={FIRST + (args.kills - 1) * GAP + tail} {size} trainer.eval_interval=0 "
-            f"trainer.eval_batches=1 fault.hold_file={storage / name}.hold run.storage={storage} run.name={name}"
+            f"model=nano strategy=ddp cluster.num_workers={workers} cluster.spares={int(system != 'raytrain')} "
+            f"cluster.peer_recovery={str(system != 'checkpoint').lower()} cluster.max_failures={kills + 1} "
+            f"cluster.restart_backoff_s=0 checkpoint.interval={interval} trainer.max_steps={steps} {size} "
+            f"trainer.eval_interval=0 trainer.eval_batches=1 fault.hold_file={storage / name}.hold "
+            f"run.storage={storage} run.name={name}"
         ).split(),
     ]
 
@@ -179,6 +197,7 @@ class Killer(threading.Thread):
         rank = self.rng.randrange(len(pids))
         kill = Kill(len(self.kills) + 1, rank, pids[rank], line["step"], time.time(), len(warm))
         os.kill(kill.pid, signal.SIGKILL)
+        kill.last_step = max((r["step"] for r in logged(self.run_dir)), default=None)
         self.kills.append(kill)
         print(f"bench_recovery: {self.label}: kill {kill.number}: rank {rank} (pid {kill.pid}) after step {kill.step}")
         old, others = set(pids.values()), [pid for r, pid in pids.items() if r != rank]
@@ -193,6 +212,7 @@ class Killer(threading.Thread):
         if (first := self.wait(recovered)) is None:
             return None
         kill.took_spare = bool(set(self.pids().values()) & warm) if self.spares else None
+        kill.next_step = first["step"]
         print(f"  next step logged {first['time'] - kill.at:.1f} s after the kill (step {first['step']})", flush=True)
         return first["time"]
 
@@ -211,6 +231,12 @@ def under_fire(label: str, run_dir: Path, pids: Callable, args, spares: int, cal
 
 
 # -- the three systems -------------------------------------------------------------------------------
+
+
+def redone(failed: dict, next_attempt: dict) -> int:
+    """Steps done twice after a failure: the last step the failed attempt began (the one in flight) minus
+    the step the next one resumed from (summary.json's records of the two attempts)."""
+    return failed["step_begun"] - next_attempt["info"].get("resumed_from_step", 0)
 
 
 def run_distrain(system: str, workers: int, repeat: int, args, storage: Path) -> Run:
@@ -237,6 +263,7 @@ def run_distrain(system: str, workers: int, repeat: int, args, storage: Path) ->
             continue
         if f"pid {kill.pid} " not in (cause := attempts[attempt["number"] - 2].get("cause") or ""):
             print(f"bench_recovery: warning: kill {kill.number} (pid {kill.pid}) was followed by: {cause}")
+        kill.redone = redone(attempts[attempt["number"] - 2], attempt)
         p = kill.phases = {
             "detection": t["since"] - kill.at,
             "teardown": r["teardown_s"],
@@ -335,6 +362,9 @@ def run_raytrain(system: str, workers: int, repeat: int, args, storage: Path) ->
                 "first_step": m["first_step_at"] - m["loaded_at"],
                 "total": m["first_step_at"] - kill.at,
             }
+    for kill in done:  # no record of a step begun: those logged before the kill and again after, and the one in
+        if kill.last_step is not None and kill.next_step is not None:  # flight (seen by the killer: a resumed
+            kill.redone = kill.last_step - kill.next_step + 2  # trainer trims metrics.jsonl to its step)
     startup = marks[0]["first_step_at"] - called_at if marks and "first_step_at" in marks[0] else None
     return Run(system, workers, repeat, done, startup, error)
 
@@ -343,9 +373,12 @@ def run_raytrain(system: str, workers: int, repeat: int, args, storage: Path) ->
 
 
 def values(trials: list[harness.Trial], key: str) -> list[float]:
-    """A PHASES key over the kills of some runs ("startup": each run's one start-up)."""
+    """A PHASES key over the kills of some runs ("startup": each run's one start-up; "redone": the steps
+    each kill cost twice)."""
     if key == "startup":
         return [t.result.startup_s for t in trials if t.result.startup_s]
+    if key == "redone":
+        return [k.redone for t in trials for k in t.result.kills if k.redone is not None]
     return [k.phases[key] for t in trials for k in t.result.kills if key in k.phases]
 
 
@@ -363,16 +396,16 @@ def configs(trials: list[harness.Trial]) -> dict[int, dict[str, list[harness.Tri
 
 def tables(trials: list[harness.Trial]) -> list[str]:
     """Per worker count: a row per phase, a column per system (median over every kill of its runs, min–max),
-    then Ray Train's median over distrain-with-a-spare's."""
+    then Ray Train's median over distrain-from-replicas'."""
     lines = []
     for n, by in configs(trials).items():
-        ratio = "raytrain" in by and "spare" in by
-        head = ["median s (min–max)", *(SYSTEMS[s] for s in by)] + ["Ray Train ÷ distrain + spare"] * ratio
+        ratio = "raytrain" in by and "replicas" in by
+        head = ["median s (min–max)", *(SYSTEMS[s] for s in by)] + ["Ray Train ÷ distrain from replicas"] * ratio
         rows = []
         for key, (label, _) in PHASES.items():
-            cells = [harness.spread(values(mine, key)) for mine in by.values()]
+            cells = [harness.spread(values(mine, key), "g" if key in COUNTS else ".2f") for mine in by.values()]
             if ratio:
-                t, d = median(by["raytrain"], key), median(by["spare"], key)
+                t, d = median(by["raytrain"], key), median(by["replicas"], key)
                 cells.append(f"{t / d:.1f}×" if t and d else "—")
             rows.append([label, *cells])
         kills = {s: sum(len(t.result.kills) for t in mine) for s, mine in by.items()}
@@ -383,7 +416,7 @@ def tables(trials: list[harness.Trial]) -> list[str]:
 
 def kill_rows(trials: list[harness.Trial]) -> list[str]:
     head = ["run", "repeat", "load before", "kill", "rank", "after step", "spare took it"]
-    head += [*(name for name, _ in STACK.values()), "total"]
+    head += [*(name for name, _ in STACK.values()), "total", "steps redone"]
     rows = []
     for t in sorted(trials, key=lambda t: (t.result.workers, list(SYSTEMS).index(t.result.system), t.repeat)):
         r = t.result
@@ -391,11 +424,12 @@ def kill_rows(trials: list[harness.Trial]) -> list[str]:
             spare = "—" if k.took_spare is None else ("yes" if k.took_spare else f"no ({k.spares_warm} warm)")
             cells = [f"{SYSTEMS[r.system]}, {r.workers} workers", r.repeat, f"{t.load:.2f}", k.number, k.rank]
             cells += [k.step, spare, *(f"{k.phases[key]:.2f}" if key in k.phases else "—" for key in [*STACK, "total"])]
+            cells.append("—" if k.redone is None else k.redone)
             rows.append(cells)
         if r.error:
             rows.append([f"{SYSTEMS[r.system]}, {r.workers} workers", r.repeat, f"{t.load:.2f}", f"problem: {r.error}"])
             rows[-1] += [""] * (len(head) - len(rows[-1]))
-    return harness.table(head, rows, "lrrrrrl" + "r" * (len(STACK) + 1))
+    return harness.table(head, rows, "lrrrrrl" + "r" * (len(STACK) + 2))
 
 
 def plot_data(trials: list[harness.Trial]) -> dict:
@@ -421,7 +455,7 @@ def draw(data: dict):  # noqa: ANN201  (a matplotlib Figure)
     for y, b in enumerate(bars):
         ax.annotate(f"{b['total']:.1f} s", (left[y], y), xytext=(4, 0), textcoords="offset points", va="center")
     ax.axvline(goal, color="#555", linestyle="--", linewidth=1)
-    ax.annotate(f"goal {goal:g} s with a spare", (goal, 1), xycoords=("data", "axes fraction"),
+    ax.annotate(f"goal {goal:g} s from replicas", (goal, 1), xycoords=("data", "axes fraction"),
                 xytext=(4, 2), textcoords="offset points", color="#555")  # fmt: skip
     ax.invert_yaxis()
     ax.grid(axis="y", visible=False)
@@ -437,38 +471,39 @@ def reading(trials: list[harness.Trial]) -> str:
     for n, by in configs(trials).items():
         m = {s: {key: median(mine, key) for key in PHASES} for s, mine in by.items()}
         parts = []
-        if (s := m.get("spare")) and s["total"]:
-            took = [k.took_spare for t in by["spare"] for k in t.result.kills]
+        if (r := m.get("replicas")) and r["total"]:
+            redone = values(by["replicas"], "redone")
+            met = r["total"] <= GOAL_S and redone and max(redone) <= 1
             parts.append(
-                f"With a hot spare distrain recovers in a median {s['total']:.2f} s "
-                f"({'within' if s['total'] <= GOAL_S else 'over'} the {GOAL_S:g} s goal; the spare took the dead "
-                f"rank in {sum(map(bool, took))} of {len(took)} kills): detection {s['detection']:.2f} s, teardown "
-                f"{s['teardown']:.2f} s, placement {s['placement']:.2f} s, process group {s['process_group']:.2f} s, "
-                f"load {s['load']:.2f} s, first step {s['first_step']:.2f} s."
+                f"From the replicas distrain is back at work a median {r['total']:.2f} s after the kill and redoes "
+                f"{harness.spread(redone, 'g')} step(s) per failure (goal ≤ {GOAL_S:g} s and 1 step: "
+                f"{'met' if met else 'not met'}): detection {r['detection']:.2f} s, teardown {r['teardown']:.2f} s, "
+                f"placement {r['placement']:.2f} s, process group {r['process_group']:.2f} s, state from a replica "
+                f"{r['load']:.2f} s, first step {r['first_step']:.2f} s."
             )
-        if (d := m.get("distrain")) and d["total"]:
-            gain = f", {d['total'] - s['total']:.2f} s more than with the spare" if s and s["total"] else ""
+        if (c := m.get("checkpoint")) and c["total"]:
             parts.append(
-                f"Without one it takes {d['total']:.2f} s{gain}: its placement ({d['placement']:.2f} s) starts a "
-                "new worker process in the dead rank's bundle, which then imports torch and the trainer before it "
-                f"can join (process group {d['process_group']:.2f} s)."
+                f"From the checkpoint it takes {c['total']:.2f} s (load {c['load']:.2f} s) and redoes "
+                f"{harness.spread(values(by['checkpoint'], 'redone'), 'g')} step(s): those since the last "
+                f"checkpoint (one every {INTERVAL} steps) and the one in flight."
             )
         if (t := m.get("raytrain")) and t["total"]:
             best = min((v["total"] for k, v in m.items() if k != "raytrain" and v["total"]), default=None)
             vs = f", {t['total'] / best:.1f}× distrain's best" if best else ""
             parts.append(
                 f"Ray Train takes {t['total']:.2f} s{vs}: {t['detect_teardown']:.2f} s until its old workers are "
-                f"gone, {t['restart']:.2f} s more until its new group has formed the process group."
+                f"gone, {t['restart']:.2f} s more until its new group has formed the process group; it redoes "
+                f"{harness.spread(values(by['raytrain'], 'redone'), 'g')} step(s), from the same checkpoints."
             )
         lines.append(f"- **{n} workers.** " + " ".join(parts))
     return "\n".join(lines)
 
 
-def body(args, trials: list[harness.Trial], plot: str) -> str:
+def body(args, trials: list[harness.Trial], plot: str, efficiency_section: str = "") -> str:
     from distrain.driver.cli import compose
     from distrain.model.size import num_params
 
-    cfg = compose(overrides(args, "spare", args.workers[0], Path("/tmp"), "plan"))
+    cfg = compose(overrides(args, "replicas", args.workers[0], Path("/tmp"), "plan"))
     t, c, workers = cfg.trainer, cfg.cluster, " and ".join(map(str, args.workers))
     failed = [
         f"- {SYSTEMS[x.result.system]}, {x.result.workers} workers, repeat {x.repeat}: {x.result.error}"
@@ -476,14 +511,21 @@ def body(args, trials: list[harness.Trial], plot: str) -> str:
         if x.result.error
     ]
     nl = "\n"
-    return f"""The same job trains under distrain's supervisor (`cluster.spares=0`, and `cluster.spares=1`: one hot
-spare, a started and warmed-up worker that takes a dead rank at once) and under Ray Train's `TorchTrainer` with
-`FailureConfig`, one run after the other on one embedded Ray cluster (loopback only); a random worker process is
-SIGKILLed {args.kills} time(s) in each run. Recovery is the time from the kill to the first completed training
-step after it. Under Ray Train the train loop is distrain's own trainer (`distrain.train.loop.run_rank`) on the
-same config, in the gloo process group Ray Train forms, resuming from the same checkpoints on the same disk:
-model, data, checkpoint format and step are identical, so **the comparison is of the orchestration alone**.
-The goal: a median of ≤ {GOAL_S:g} s with a spare.
+    return f"""The same job trains under distrain's supervisor, with one hot spare (`cluster.spares=1`: a started and
+warmed-up worker that takes a dead rank at once) in both of its systems, which differ only in the way back:
+**from replicas** (`cluster.peer_recovery=true`, the default since `e6492a5`: the survivors keep their state in
+memory and the spare takes the dead rank's from one of them, no checkpoint read) and **from checkpoint**
+(`cluster.peer_recovery=false`: every rank reloads the last checkpoint, the behaviour before `e6492a5`); and
+under Ray Train's `TorchTrainer` with `FailureConfig`, one run after the other on one embedded Ray cluster
+(loopback only); a random worker process is SIGKILLed {args.kills} time(s) in each run. Recovery is the time from
+the kill to the first completed training step after it, and **the steps redone per failure**: distrain, the
+failed attempt's `step_begun` (the step in flight) minus the next attempt's `info.resumed_from_step`
+(`summary.json`); Ray Train, which keeps no such record, the steps `metrics.jsonl` holds both before and after
+the kill, plus the one in flight. Under Ray Train the train loop is distrain's own trainer
+(`distrain.train.loop.run_rank`) on the same config, in the gloo process group Ray Train forms, resuming from the
+same checkpoints on the same disk: model, data, checkpoint format and step are identical, so **the comparison is
+of the orchestration alone**. The goals, from replicas on 4 workers: a median of ≤ {GOAL_S:g} s, and 0 steps lost
+(only the step in flight redone: 1 step redone per failure).
 
 - Job: `model={cfg.model.name}` ({num_params(cfg.model) / 1e6:.2f} M parameters), DDP on {workers} CPU workers \
 ({c.cpus_per_worker:g} CPU and {c.threads_per_worker} torch thread each, gloo), global batch {t.global_batch_size} × \
@@ -526,7 +568,7 @@ defaults otherwise (a health check every 2 s).
 ## Every kill
 
 {nl.join(kill_rows(trials))}
-"""
+{efficiency_section}"""
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -535,9 +577,10 @@ def main(argv: list[str] | None = None) -> None:
         return
     if "raytrain" in args.systems:
         import ray.train.torch  # noqa: F401  (now, not after distrain's runs)
-    page = harness.Page("Recovery after a worker is killed: distrain, with a hot spare, and Ray Train", args)
+    page = harness.Page("Recovery after a worker is killed: distrain from replicas or checkpoint, Ray Train", args)
     keys = [(system, n) for n in args.workers for system in args.systems]
-    runners = {"distrain": run_distrain, "spare": run_distrain, "raytrain": run_raytrain}
+    runners = {"checkpoint": run_distrain, "replicas": run_distrain, "raytrain": run_raytrain}
+    windows = []
     with harness.storage(args) as storage, harness.ray_cluster(dashboard="raytrain" in args.systems):
         trials = harness.alternate(
             keys,
@@ -545,13 +588,16 @@ def main(argv: list[str] | None = None) -> None:
             lambda key, k: runners[key[0]](*key, k, args, storage),
             lambda key: f"{SYSTEMS[key[0]]}, {key[1]} workers, {args.kills} kill(s)",
         )
+        if args.efficiency:
+            windows = recovery_efficiency.measure(args, storage)
     print("\n" + "\n".join(tables(trials)))
-    page.write(body(args, trials, page.plot), trials, plot=(draw, plot_data(trials)))
+    section = recovery_efficiency.section(args, windows) if windows else ""
+    page.write(body(args, trials, page.plot, section), [*trials, *windows], plot=(draw, plot_data(trials)))
     if args.json:
-        record = {"command": args.command, "trials": [asdict(t) for t in trials]}
+        record = {"command": args.command, "trials": [asdict(t) for t in [*trials, *windows]]}
         Path(args.json).write_text(json.dumps(record, indent=1))
         print(f"bench_recovery: wrote {args.json}")
-    if errors := [t.result.error for t in trials if t.result.error]:
+    if errors := [t.result.error for t in [*trials, *windows] if t.result.error]:
         raise SystemExit(f"bench_recovery: {len(errors)} run(s) had problems: {errors[0]}")
 
 
