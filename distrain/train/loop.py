@@ -161,7 +161,6 @@ class Trainer:
             elif job.resume_from:
                 self.load(job.resume_from)
             self.resumed_at = self.done = self.step  # `done`: the last step whose optimizer update finished
-            self.rng = rng_states(device)  # as they were when step `done` ended
             self.learner.settle(self.step + 1)
             self.tracker = None
             if self.rank == 0:
@@ -246,7 +245,7 @@ class Trainer:
             self.log_read()
             self.done = None  # inside the update: a failure now leaves no whole state
             self.optimizer.step()
-            self.done, self.rng = self.step, rng_states(self.device)
+            self.done = self.step
             self.optimizer.zero_grad(set_to_none=True)
             self.window[1] += 1
             if self.first_step_s is None:
@@ -438,7 +437,9 @@ class Trainer:
             self.world,
             self.done,
             {key: peers.local(t) for key, t in peers.flatten(self.state()[0]).items()},
-            {"rng": self.rng, "loss": self.loss},
+            # No RNG state: reading it here or after every update wedged ranks (docs/architecture.md, pitfalls). The
+            # shipped models draw no random numbers in a step, and the data's order is a pure function of the step.
+            {"loss": self.loss},
             line,
         )
 
@@ -450,5 +451,4 @@ class Trainer:
         extras = peers.fill(peers.flatten(state), plan.sources, self.rank, peers.kept(plan.run, plan.step), midway)
         self.apply(state, groups)
         self.step, self.loss = plan.step, extras["loss"]
-        set_rng_states(extras["rng"], self.device)
         peers.check_replicas(peers.flatten(self.state()[0]), self.layout.shard_of(self.rank), plan.step)
