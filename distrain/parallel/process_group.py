@@ -18,6 +18,11 @@ from torch.distributed import distributed_c10d
 # through the worker) while the rank's own thread may be leaving a collective that abort just freed.
 _lock = threading.Lock()
 _formed = False  # whether the current default group is one init_from_env formed
+# The groups `abort` and `destroy` ended, held until `release`: whatever holds one after them (a DDP
+# reducer) must not be the last to let it go. Freed from Python, a group's destructor lets go of the GIL;
+# freed by a reducer's, it keeps the GIL while it joins gloo's threads, and a thread that needs the GIL to
+# drop the tensors of the work it has just finished never ends: the rank hangs.
+_ended: list[dist.ProcessGroup] = []
 
 
 class GpuUnavailableError(RuntimeError):
@@ -154,6 +159,7 @@ def _abort() -> bool:
     if not dist.is_initialized():
         return False
     frees = "nccl" in str(dist.get_backend())
+    _ended.extend(distributed_c10d._world.pg_map)
     distributed_c10d._abort_process_group()
     _formed = False
     return frees
@@ -164,8 +170,15 @@ def destroy() -> None:
     global _formed
     with _lock:
         if dist.is_initialized():
+            _ended.extend(distributed_c10d._world.pg_map)
             dist.destroy_process_group()
         _formed = False
+
+
+def release() -> None:
+    """Let go of the groups `abort` and `destroy` ended: once what used them (the model) is gone."""
+    with _lock:
+        _ended.clear()
 
 
 def check_device() -> bool:

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import math
 import os
 import secrets
 import time
+import traceback
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -45,27 +47,44 @@ STATE_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 def run_rank(job: RankJob, channel: Channel) -> dict:
     """Train this rank's part of the run `job` describes; rank 0 returns the run's results, the others an
-    empty dict. The results say `stopped` when a stop request ended the run before max_steps."""
+    empty dict. The results say `stopped` when a stop request ended the run before max_steps.
+
+    The trainer is gone before the groups it used are let go (`process_group.release`): a DDP reducer
+    left as the last holder of its group would hang the rank as it let go (docs/architecture.md, pitfalls)."""
     channel.report({"phase": Phase.JOIN})
     if job.peers is None:
         peers.keep(None)  # what an earlier attempt kept here is not needed: let its memory go
     device = process_group.init_from_env(outside_steps_timeout_s(job.config.cluster), job.use_gpu)
     channel.report({"phase": Phase.SETUP, "joined_at": time.time()})
+    try:
+        results = run_trainer(job, device, channel)
+    except BaseException as failure:
+        process_group.abort()  # a graceful destroy would wait for collectives its peers may never join
+        traceback.clear_frames(failure.__traceback__)  # the failed frames' hold on the trainer
+        raise
+    else:
+        process_group.destroy()
+    finally:
+        gc.collect()  # the trainer, while the ended groups are still held
+        process_group.release()
+    return results
+
+
+def run_trainer(job: RankJob, device: torch.device, channel: Channel) -> dict:
+    """Build the trainer and run it; if it fails, keep what a live replica recovers from (nothing unless
+    whole) before the failure goes on."""
     trainer = None
     try:
         trainer = Trainer(job, device, channel)
-        results = trainer.fit()
+        return trainer.fit()
     except BaseException:
-        if trainer is not None:  # before the abort: what a live replica recovers from (nothing unless whole)
+        if trainer is not None:
             try:
                 peers.keep(trainer.held())
             except Exception as e:  # never in the way of the failure itself: the next attempt loads the checkpoint
                 peers.keep(None)
                 checkpoint.say(f"rank {trainer.rank} keeps no state for a recovery from replicas: {e}")
-        process_group.abort()  # a graceful destroy would wait for collectives its peers may never join
         raise
-    process_group.destroy()
-    return results
 
 
 def rng_states(device: torch.device) -> dict:
@@ -161,6 +180,7 @@ class Trainer:
             elif job.resume_from:
                 self.load(job.resume_from)
             self.resumed_at = self.done = self.step  # `done`: the last step whose optimizer update finished
+            self.rng = rng_states(device)  # as they were when step `done` ended
             self.learner.settle(self.step + 1)
             self.tracker = None
             if self.rank == 0:
@@ -245,7 +265,7 @@ class Trainer:
             self.log_read()
             self.done = None  # inside the update: a failure now leaves no whole state
             self.optimizer.step()
-            self.done = self.step
+            self.done, self.rng = self.step, rng_states(self.device)
             self.optimizer.zero_grad(set_to_none=True)
             self.window[1] += 1
             if self.first_step_s is None:
@@ -435,9 +455,7 @@ class Trainer:
             self.world,
             self.done,
             {key: peers.local(t) for key, t in peers.flatten(self.state()[0]).items()},
-            # No RNG state: reading it here or after every update wedged ranks (docs/architecture.md, pitfalls). The
-            # shipped models draw no random numbers in a step, and the data's order is a pure function of the step.
-            {"loss": self.loss},
+            {"rng": self.rng, "loss": self.loss},
             line,
         )
 
@@ -449,4 +467,5 @@ class Trainer:
         extras = peers.fill(peers.flatten(state), plan.sources, self.rank, peers.kept(plan.run, plan.step), midway)
         self.apply(state, groups)
         self.step, self.loss = plan.step, extras["loss"]
+        set_rng_states(extras["rng"], self.device)
         peers.check_replicas(peers.flatten(self.state()[0]), self.layout.shard_of(self.rank), plan.step)
