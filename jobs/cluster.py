@@ -11,6 +11,7 @@ GCS port: its temp dir is /tmp/distrain-ray-<port>, and every process it starts 
 DISTRAIN_CLUSTER, so `stop` ends exactly those processes (`ray stop` ends every cluster on the host).
 The variables go to stdout for `eval`; what happened, to stderr."""
 
+import contextlib
 import os
 import shutil
 import signal
@@ -37,10 +38,14 @@ JOB_STOP_WAIT_S = 60
 VARIABLES = ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "RAY_AUTH_MODE", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_ports(count: int) -> list[int]:
+    """`count` ports free now, all different: each socket stays bound until every one is picked (ports picked
+    one at a time can repeat, and `ray start` refuses two components on one port)."""
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
 
 
 def temp_dir(gcs_port: int) -> Path:
@@ -98,10 +103,10 @@ def command(pid: int) -> str:
 
 
 def start(ray_args: list[str]) -> int:
-    gcs = free_port()
+    gcs, *others = free_ports(1 + len(PORTS))
     directory = temp_dir(gcs)
     end(directory)  # a crashed cluster's leftovers under the same port
-    ports = {name: free_port() for name in PORTS}
+    ports = dict(zip(PORTS, others, strict=True))
     env = {**os.environ, MARKER: str(directory), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"  # the job's `python` is this one
     env.pop("RAY_ADDRESS", None)

@@ -194,6 +194,15 @@ def logged(cfg: TrainConfig, key: str = "loss") -> dict[int, float]:
     return {m["step"]: m[key] for m in read_metrics(cfg.run_dir)}
 
 
+def assert_logged_as(cfg: TrainConfig, reference: dict[int, float], resumed: list[int]) -> None:
+    """Every logged loss equal to the reference's to the last bit. A failure at a random moment may land while
+    the step before it has its loss summed over the ranks (read back a step late), which then no rank can
+    know: that step's line may be missing, and only for a step a recovery resumed from (`resumed`)."""
+    lines = logged(cfg)
+    assert set(reference) - set(lines) <= set(resumed), (sorted(set(reference) - set(lines)), resumed)
+    assert lines == {step: loss for step, loss in reference.items() if step in lines}
+
+
 def assert_matches(cfg: TrainConfig, reference: dict, steps: range, tol: float) -> None:
     """The run's loss and gradient norm at each of `steps` are the reference run's ({"loss": {step: value},
     "grad_norm": ...}), within `tol` absolute or relative."""

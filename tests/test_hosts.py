@@ -15,7 +15,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, TINY, attempt_placement, committed_step, final_weights, logged, logged_step, make_config
+from conftest import (
+    REPO,
+    TINY,
+    assert_logged_as,
+    attempt_placement,
+    committed_step,
+    final_weights,
+    logged,
+    logged_step,
+    make_config,
+)
 
 from distrain.driver.launch import train
 
@@ -222,7 +232,8 @@ def test_a_lost_host_costs_only_the_step_in_flight_when_the_other_holds_a_whole_
     weights = final_weights(reference)
     got = final_weights(make_config(tmp_path, "run.name=replicas", *COMMON, *hsdp))
     assert [k for k in weights if not torch.equal(got[k], weights[k])] == []
-    assert logged(make_config(tmp_path, "run.name=replicas")) == logged(reference)
+    # The host died at a random moment: the line of the step resumed from may be unknowable (conftest).
+    assert_logged_as(make_config(tmp_path, "run.name=replicas"), logged(reference), [attempts[0]["step_reached"]])
 
 
 @pytest.mark.timeout(480)
