@@ -257,10 +257,11 @@ def test_the_plan_shows_each_ranks_tokens_and_its_memory(tmp_path: Path):
 
 @pytest.mark.timeout(300)
 def test_checkpoints_move_between_cp_and_no_cp(ray_cluster, tmp_path: Path):
-    """Checkpoints hold no layout: 3 steps under cp 2 resumed on one worker without cp, and 3 steps on one
-    worker resumed under cp 2, log the same 6 steps (each half also compared across the two: cp's parity)."""
-    cp2, one = (2, ["strategy.cp=2"]), (1, [])
-    there = train_half_then_resume(tmp_path, "cp_then_none", cp2, one, 6)
+    """Checkpoints hold no layout: 3 steps of ZeRO-1 × cp 2 (its optimizer state sharded over dp 2) resumed on
+    one worker without cp, and 3 steps on one worker resumed under cp 2, log the same 6 steps (each half also
+    compared across the two: cp's parity with one process, through the whole driver and loop)."""
+    zero1_cp2, cp2, one = (4, ["strategy=zero1", "strategy.cp=2"]), (2, ["strategy.cp=2"]), (1, [])
+    there = train_half_then_resume(tmp_path, "cp_then_none", zero1_cp2, one, 6)
     back = train_half_then_resume(tmp_path, "none_then_cp", one, cp2, 6)
     for key in ("loss", "grad_norm"):
         a, b = logged(there, key), logged(back, key)

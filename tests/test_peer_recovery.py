@@ -24,7 +24,11 @@ from distrain.strategy.layout import Layout
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 STEPS = 16
 COMMON = ["cluster.num_workers=4", f"trainer.max_steps={STEPS}", "checkpoint.interval=0", "cluster.restart_backoff_s=0"]
-LAYOUTS = {"ddp": [], "hsdp": ["strategy.zero=3", "strategy.dp_replicate=2", "strategy.dp_shard=2"]}
+LAYOUTS = {
+    "ddp": [],
+    "hsdp": ["strategy.zero=3", "strategy.dp_replicate=2", "strategy.dp_shard=2"],
+    "ddp_cp": ["strategy.cp=2"],  # two replicas of a ring of two
+}
 
 
 @pytest.fixture(scope="module")

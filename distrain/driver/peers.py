@@ -52,8 +52,6 @@ def survivable(layout: Layout, table: list[dict], peer_recovery: bool = True) ->
     if not peer_recovery:
         return ["failures: every one restarts from the last checkpoint (cluster.peer_recovery=false)"]
     replicas = layout.dp_replicate
-    if layout.cp > 1:
-        return ["failures: under context parallelism each restarts from the last checkpoint (not yet from replicas)"]
     if replicas < 2:
         return [
             "failures: no data-parallel replica (dp_replicate=1): every one restarts from the last checkpoint; "

@@ -442,8 +442,6 @@ class Trainer:
         c, optimizer = self.cfg.cluster, local_optimizer(self.optimizer)
         if self.done is None or not c.peer_recovery or self.layout.dp_replicate < 2 or not optimizer.state:
             return None  # torn, not asked for, no replica, or nothing trained yet (a fresh start loses no step)
-        if self.layout.cp > 1:
-            return None  # a ring survivor may wait on a peer gone from its backward (docs/fault-tolerance.md)
         if isinstance(self.optimizer, NVMeAdamW):
             return None  # its state is in scratch files this process no longer owns once it fails
         line = None
