@@ -63,6 +63,8 @@ class StrategyConfig:
     dp_shard: int = 1
     tp: int = 1  # tensor-parallel ranks in all, laid out as tp_mode says
     pp: int = 1
+    cp: int = 1  # context-parallel ranks: each holds 1/cp of every sequence (distrain/parallel/context_parallel.py)
+    cp_mode: str = "ring"  # ring: K/V passed round the cp group; alltoall: heads <-> sequence (Ulysses)
     # 1d: Megatron (DTensor); 2d: a q×q grid, SUMMA (tp = q²); 2.5d: tp_depth stacked q×q grids (tp = d·q²);
     # 3d: a q×q×q cube (tp = q³). See distrain/parallel/tpnd/.
     tp_mode: str = "1d"

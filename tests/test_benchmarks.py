@@ -74,6 +74,8 @@ SMOKES = [
     ),
     # the grid's bytes were counted, and matched the theory's
     ("bench_tp", 180, True, ["| 2-D, 2×2 | 4 |", "| yes |"]),
+    # every cp measured against the budget, and both modes timed
+    ("bench_cp", 180, False, ["| cp 4 | ", "| ring (s) | all-to-all (s) |"]),
     # three tiers trained the same, NVMe under its memory bound, the disk measured beside the step
     ("bench_offload", 180, False, ["| `strategy=nvme` |", "within it", "identical step for step", "| overlapped |"]),
     # both storages trained the same, the store's resumed from its URL alone, a plain s3fs upload timed beside it
@@ -195,8 +197,9 @@ def test_gpu_check_cpu_mode(tmp_path: Path) -> None:
         assert [a["outcome"] for a in summary["attempts"]] == ["failed", "completed"], summary
         assert summary["attempts"][1]["info"]["resumed_from_step"] in (4, 8), summary  # committed before step 10
     assert "SKIP  a sticky CUDA error leaves the worker unreused" in log and "needs a GPU" in log
-    assert "16 passed, 0 failed, 9 skipped" in log and "are still to be taken" in log
+    assert "16 passed, 0 failed, 11 skipped" in log and "are still to be taken" in log
     assert all(f"SKIP  strategy {grid} " in log for grid in ("tp2d", "tp2p5d", "tp3d"))  # 4 and 8 workers
+    assert "SKIP  strategy cp " in log and "needs 2 CPU workers (cp 2)" in log
     assert {name: path.stat().st_mtime_ns if path.exists() else None for name, path in docs.items()} == before
     page = (tmp_path / "docs" / "gpu.md").read_text()
     assert f"; torch {torch.__version__}" in page  # the header names the torch (and on a GPU its CUDA) it ran on

@@ -25,7 +25,7 @@ def test_a_layout_fills_the_open_dim_and_lays_ranks_out_row_major(tmp_path):
     cfg = make_config(tmp_path, "strategy=pp", "strategy.tp=2", "cluster.num_workers=8", "trainer.global_batch_size=16")
     layout = Layout.resolve(cfg)
     assert layout == Layout(pp=2, dp_replicate=2, dp_shard=1, tp=2, micro_batches=4)
-    assert layout.coordinate(5) == {"pp": 1, "dp_replicate": 0, "dp_shard": 0, "tp": 1}
+    assert layout.coordinate(5) == {"pp": 1, "dp_replicate": 0, "dp_shard": 0, "cp": 0, "tp": 1}
     assert [layout.data_shard(r) for r in (0, 2, 5, 6)] == [(0, 2), (1, 2), (0, 2), (1, 2)]
     assert layout.groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]  # neighbours: one node each
     assert layout.groups("pp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
@@ -140,9 +140,9 @@ def test_every_parallelism_the_driver_knows_is_applied_in_torchtitans_order():
     from distrain.strategy import PARALLELISMS
     from distrain.strategy.layout import MESH_DIMS
 
-    assert MESH_DIMS == ("pp", "dp_replicate", "dp_shard", "tp")
+    assert MESH_DIMS == ("pp", "dp_replicate", "dp_shard", "cp", "tp")
     assert {p.name for p in PARALLELISMS} - STEPS.keys() == {"pp"}
-    assert list(STEPS) == ["tp", "activation_checkpoint", "compile", "dp"]
+    assert list(STEPS) == ["cp", "tp", "activation_checkpoint", "compile", "dp"]
 
 
 WORLD = 4

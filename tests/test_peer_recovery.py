@@ -34,7 +34,11 @@ from distrain.strategy.layout import Layout
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 STEPS = 16
 COMMON = ["cluster.num_workers=4", f"trainer.max_steps={STEPS}", "checkpoint.interval=0", "cluster.restart_backoff_s=0"]
-LAYOUTS = {"ddp": [], "hsdp": ["strategy.zero=3", "strategy.dp_replicate=2", "strategy.dp_shard=2"]}
+LAYOUTS = {
+    "ddp": [],
+    "hsdp": ["strategy.zero=3", "strategy.dp_replicate=2", "strategy.dp_shard=2"],
+    "ddp_cp": ["strategy.cp=2"],  # two replicas of a ring of two
+}
 
 
 @pytest.fixture(scope="module")
@@ -184,7 +188,7 @@ def test_the_plan_takes_each_rank_from_itself_or_a_replica_of_its_shard_at_the_n
 @pytest.mark.parametrize(
     ("kept", "said"),
     [
-        ({0: held(0), 2: held(2)}, "no surviving rank holds rank 1's shard (pp 0, dp_shard 1, tp 0) at step 9"),
+        ({0: held(0), 2: held(2)}, "no surviving rank holds rank 1's shard (pp 0, dp_shard 1, cp 0, tp 0) at step 9"),
         ({0: held(0), 1: held(1, step=8), 2: held(2)}, "rank 1's shard"),  # its only copy is behind
         ({0: held(0, run="other"), 1: None}, "no surviving rank kept a whole training state"),
         ({0: held(0, world=2), 1: held(1, world=2)}, "no surviving rank kept a whole training state"),

@@ -33,12 +33,12 @@ def test_3d_mesh_coordinates_and_groups(tmp_path: Path):
     lines = text.splitlines()
 
     header = lines.index("mesh:") + 1
-    assert lines[header].split()[-4:] == list(MESH_DIMS)
+    assert lines[header].split()[-5:] == list(MESH_DIMS)
     for r in range(8):
         row = lines[header + 1 + r].split()
         assert row[:3] == [str(r), str(7 - r), str(1000 + r)]
         assert row[3:7] == [f"10.0.0.{r // 4 + 1}", f"#{r // 4}", "GPU", str(r % 4)]
-        assert row[7:] == [str(r // 4), "0", str(r // 2 % 2), str(r % 2)]  # pp, dp_replicate, dp_shard, tp
+        assert row[7:] == [str(r // 4), "0", str(r // 2 % 2), "0", str(r % 2)]  # pp, dp_replicate, dp_shard, cp, tp
 
     assert "  pp: [0,4] [1,5] [2,6] [3,7]" in lines
     assert "  dp_shard: [0,2] [1,3] [4,6] [5,7]" in lines

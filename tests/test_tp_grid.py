@@ -61,7 +61,15 @@ def test_grid_checkpoint_resumes_under_another_layout(then: tuple[int, list[str]
 def test_layout_lays_the_tp_dim_out_as_the_grid(tmp_path: Path):
     cfg = make_config(tmp_path, "strategy=tp2p5d", "cluster.num_workers=16", "trainer.micro_batch_size=4")
     layout = Layout.resolve(cfg)
-    assert layout.mesh_sizes() == {"pp": 1, "dp_replicate": 2, "dp_shard": 1, "tp_depth": 2, "tp_row": 2, "tp_col": 2}
+    assert layout.mesh_sizes() == {
+        "pp": 1,
+        "dp_replicate": 2,
+        "dp_shard": 1,
+        "cp": 1,
+        "tp_depth": 2,
+        "tp_row": 2,
+        "tp_col": 2,
+    }
     assert layout.tp_coordinate(13) == {"tp_depth": 1, "tp_row": 0, "tp_col": 1}  # 13 = 8 + 4·1 + 2·0 + 1
     assert layout.groups("tp_col")[:2] == [[0, 1], [2, 3]]
     assert layout.groups("tp_depth")[:2] == [[0, 4], [1, 5]]
@@ -80,4 +88,4 @@ def test_plan_shows_which_rank_holds_which_block(tmp_path: Path):
         "  rank 6 (tp_j 1, tp_k 1, tp_i 0): sequences 1-1, hidden 16-31; projections reading the stream "
         "W[out 16-23, in 16-31], writing to it W[out 16-23, in 16-31]"
     ) in lines
-    assert "mesh pp=1 × dp_replicate=1 × dp_shard=1 × tp_j=2 × tp_k=2 × tp_i=2" in text
+    assert "mesh pp=1 × dp_replicate=1 × dp_shard=1 × cp=1 × tp_j=2 × tp_k=2 × tp_i=2" in text

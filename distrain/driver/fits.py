@@ -19,7 +19,7 @@ from distrain.strategy.layout import Layout
 KNOBS = (
     "lower trainer.micro_batch_size or trainer.seq_len, set strategy.activation_checkpoint=true, shard the "
     "model state (strategy=zero3, or strategy=offload / nvme to keep it in CPU memory), or split the model "
-    "(strategy.tp, strategy.pp)"
+    "(strategy.tp, strategy.pp) or the sequence (strategy.cp)"
 )
 
 

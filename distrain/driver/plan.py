@@ -90,15 +90,15 @@ def layer_activations(cfg: TrainConfig, layout: Layout, precision: str, scores: 
 
 def rank_memory(cfg: TrainConfig, layout: Layout, pp_rank: int, precision: str, scores: bool = True) -> Memory:
     """Per-rank memory for the ranks at `pp_rank` (the other coordinates hold equal shares). With
-    P the rank's parameters and N = dp_shard: ZeRO-0 keeps P params, P grads, K·P optimizer state;
+    P the rank's parameters and N = dp_shard × cp: ZeRO-0 keeps P params, P grads, K·P optimizer state;
     ZeRO-1 shards the optimizer state (K·P/N); ZeRO-2 the gradients too (P/N); ZeRO-3 the parameters
     too (P/N). Offload keeps the ZeRO-3 numbers in CPU memory."""
     s = cfg.strategy
     stages, n_stages = layout.stages(pp_rank), layout.num_stages
     p = sum(stage_params(cfg, i, n_stages, layout) for i in stages)
 
-    def shard(n: int, level: int) -> int:  # sharded over dp_shard from ZeRO `level` up (rounded up: padding)
-        return -(-n // layout.dp_shard) if s.zero >= level else n
+    def shard(n: int, level: int) -> int:  # over dp_shard (× cp, folded in) from ZeRO `level` up (rounded up: padding)
+        return -(-n // (layout.dp_shard * layout.cp)) if s.zero >= level else n
 
     layers = sum(len(layout.stage_layers(cfg.model.n_layers)[i]) for i in stages)
     kept, full = layer_activations(cfg, layout, precision, scores)

@@ -12,7 +12,7 @@ from distrain.data.checks import check_data
 from distrain.data.corpus import corpus_files
 from distrain.driver.plan import rank_memory
 from distrain.model.families import shipped
-from distrain.model.registry import check_model, has_plan
+from distrain.model.registry import check_model, has_causal_attention, has_plan
 from distrain.storage import directio
 from distrain.storage.objectstore import is_url
 from distrain.strategy import PARALLELISMS
@@ -77,6 +77,13 @@ def _validate_model(cfg: TrainConfig) -> None:
             f"strategy.tp={s.tp} strategy.tp_mode={s.tp_mode}: model {m.name} ({m._target_}, tie_embeddings="
             f"{m.tie_embeddings}) has no plan for it; "
             + ("use strategy.tp_mode=1d" if s.tp_mode != "1d" else "use a strategy without tensor parallelism"),
+        )
+    if s.cp > 1:
+        require(
+            has_causal_attention(m, t.seq_len),
+            f"strategy.cp={s.cp}: model {m.name} ({m._target_}) computes its attention outside "
+            f"distrain.model.common.CausalAttention, which context parallelism splits (docs/models.md); use it, "
+            f"or strategy.cp=1",
         )
     if s.tp > 1 and s.tp_mode == "1d" and family is not None and family.learned_positions:  # split over its rows
         rows = m.n_positions or t.seq_len

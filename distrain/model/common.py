@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import hashlib
 import math
+from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -23,6 +25,12 @@ from torch.distributed.tensor.parallel import (
 from distrain.config import ModelConfig
 from distrain.model.contract import fill_parameters, tie
 from distrain.model.families import Family
+
+
+class SequenceSplit(Protocol):
+    """What a model reads of context parallelism's split (distrain/parallel/context_parallel.py)."""
+
+    def positions(self, device: torch.device) -> torch.Tensor: ...
 
 
 def parameter_seed(seed: int, name: str) -> int:
@@ -45,6 +53,15 @@ def initial_value(cfg: ModelConfig, seed: int, name: str, shape: torch.Size) -> 
     return torch.empty(shape, device="cpu").normal_(0.0, std, generator=generator)
 
 
+class CausalAttention(nn.Module):
+    """softmax(QKᵀ/√d)V under a causal mask, as its own module so that context parallelism can swap it for
+    one that sees the whole sequence (distrain/parallel/context_parallel.py). q (b, heads, t, d); k and v
+    (b, kv_heads, t, d), kv_heads dividing heads (grouped-query attention)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+
+
 class FamilyModel(nn.Module):
     """A shipped family's model: a subclass names its `family` record, builds its modules between
     `super().__init__` and `self.ready()`, and adds its forward and tensor-parallel plans. Its initial
@@ -56,6 +73,8 @@ class FamilyModel(nn.Module):
     family: Family
     input_modules: tuple[str, ...]
     output_modules = ("norm", "output")
+    # Set by context parallelism: which of each sequence's positions this rank's tokens are.
+    sequence_split: SequenceSplit | None = None
 
     def __init__(self, cfg: ModelConfig, max_seq_len: int, seed: int = 0):
         super().__init__()
@@ -78,6 +97,13 @@ class FamilyModel(nn.Module):
         the weights are the same on every device and under every layout while at most one full
         parameter exists at once. A sharded parameter (a DTensor: FSDP2, TP) keeps only its piece."""
         fill_parameters(self, lambda name, shape: initial_value(self.cfg, self.seed, name, shape))
+
+    def positions(self, t: int, device: torch.device) -> torch.Tensor:
+        """The positions in their sequence of the t tokens of each sequence this rank holds: 0..t-1, or
+        under context parallelism (`sequence_split`) its rank's share of the whole sequence."""
+        if self.sequence_split is None:
+            return torch.arange(t, device=device)
+        return self.sequence_split.positions(device)
 
     def flops_per_token(self, seq_len: int) -> float:
         return self.family.flops_per_token(self.cfg, seq_len)

@@ -18,6 +18,11 @@ seed: int)`, under `with torch.device("meta")` (it allocates nothing there), and
   `parallelize_module` over the parts present; `grid_tp_plan() -> dict[str, str] | None`: each weight's
   role for 2-D/2.5-D/3-D tensor parallelism. None: no such plan (the driver refuses that strategy).
 - `flops_per_token(seq_len: int) -> float`: training FLOPs per token; the parameter count is counted.
+
+Context parallelism (strategy.cp) asks two things more: the causal attention computed by a
+`common.CausalAttention` module (the step swaps each for one that sees the whole sequence), and the tokens'
+positions read from the model's `sequence_split`, which the step sets (`common.FamilyModel.positions`):
+under cp a rank holds a load-balanced share of each sequence, not its first tokens.
 """
 
 from __future__ import annotations

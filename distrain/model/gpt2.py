@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from distrain.config import ModelConfig
-from distrain.model.common import FamilyModel, megatron_plan
+from distrain.model.common import CausalAttention, FamilyModel, megatron_plan
 from distrain.model.families.gpt2 import FAMILY
 
 
@@ -24,17 +24,17 @@ class Attention(nn.Module):
         super().__init__()
         self.head_dim = cfg.dim // cfg.n_heads
         kv = (cfg.n_kv_heads or cfg.n_heads) * self.head_dim
-        self.grouped = kv != cfg.dim
         self.wq = nn.Linear(cfg.dim, cfg.dim)
         self.wk = nn.Linear(cfg.dim, kv)
         self.wv = nn.Linear(cfg.dim, kv)
         self.wo = nn.Linear(cfg.dim, cfg.dim)
+        self.core = CausalAttention()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds only its share of the heads.
         q, k, v = (w(x).view(b, t, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.grouped)
+        out = self.core(q, k, v)
         return self.wo(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -82,7 +82,7 @@ class GPT2(FamilyModel):
         if self.tok_embeddings is not None:
             # Positions as a (1, t) batch: under sequence parallelism the table's lookup is split and
             # reduce-scattered over the sequence like the tokens' (common.megatron_plan), so the two add up.
-            positions = torch.arange(tokens.shape[1], device=tokens.device)[None]
+            positions = self.positions(tokens.shape[1], tokens.device)[None]
             h = self.tok_embeddings(tokens) + self.pos_embeddings(positions)
         else:
             h = tokens

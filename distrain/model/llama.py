@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from distrain.config import ModelConfig
-from distrain.model.common import FamilyModel, megatron_plan
+from distrain.model.common import CausalAttention, FamilyModel, megatron_plan
 from distrain.model.families.llama import FAMILY
 
 
@@ -54,6 +54,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(self.n_heads * self.head_dim, cfg.dim, bias=False)
+        self.core = CausalAttention()
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
@@ -63,7 +64,7 @@ class Attention(nn.Module):
         v = self.wv(x).view(b, t, -1, self.head_dim)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         q, k, v = (y.transpose(1, 2) for y in (q, k, v))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads)
+        out = self.core(q, k, v)
         return self.wo(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -120,8 +121,12 @@ class Transformer(FamilyModel):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        cos, sin = self.rope_cos, self.rope_sin
+        if self.sequence_split is not None:  # context parallelism: the rows of this rank's positions
+            at = self.positions(len(cos), cos.device)
+            cos, sin = cos[at], sin[at]
         for block in self.layers.values():
-            h = block(h, self.rope_cos, self.rope_sin)
+            h = block(h, cos, sin)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
 

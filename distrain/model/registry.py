@@ -54,6 +54,16 @@ def has_plan(cfg: ModelConfig, max_seq_len: int, mode: str) -> bool:
     return (model.tp_plan(True) if mode == "1d" else model.grid_tp_plan()) is not None
 
 
+def has_causal_attention(cfg: ModelConfig, max_seq_len: int) -> bool:
+    """Whether context parallelism can split the model's attention: it computes it in common.CausalAttention
+    modules (the shipped families do)."""
+    if shipped(cfg._target_) is not None:
+        return True
+    from distrain.model.common import CausalAttention
+
+    return any(isinstance(m, CausalAttention) for m in meta_model(cfg, max_seq_len).modules())
+
+
 def meta_model(cfg: ModelConfig, max_seq_len: int) -> Any:
     """The model built on the meta device: its shape and methods, no memory."""
     import torch

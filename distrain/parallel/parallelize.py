@@ -1,6 +1,6 @@
 """Compose the parallelisms on one mesh, always in the same order:
 
-    pipeline split → tensor parallel → activation checkpointing → compile → data parallel
+    pipeline split → context parallel → tensor parallel → activation checkpointing → compile → data parallel
 
 The pipeline cuts the model into this rank's stages; every other parallelism is a step (`STEPS`)
 applied to each of them in turn, as torchtitan's parallelize_llama applies them. A model built on the
@@ -26,14 +26,13 @@ from torch.nn.parallel import DistributedDataParallel
 
 from distrain.compat import settle_gradients
 from distrain.config import StrategyConfig
-from distrain.parallel import data_parallel, tensor_parallel
+from distrain.parallel import context_parallel, data_parallel, tensor_parallel
 from distrain.parallel.data_parallel import no_gradient_sync
-from distrain.parallel.dims import build_mesh, submesh
+from distrain.parallel.dims import build_mesh, gradient_mesh
 from distrain.parallel.step import Step, StepContext
 from distrain.parallel.tensor_parallel import loss_context
 from distrain.parallel.tpnd.grad_sync import GradSync
 from distrain.parallel.tpnd.layers import grid_cross_entropy
-from distrain.strategy.data_parallel import DIMS as DP_DIMS
 from distrain.strategy.layout import Layout
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -59,6 +58,7 @@ def apply_compile(model: nn.Module, on: StepContext) -> nn.Module:
 # parallelism's step is keyed by its name in distrain.strategy (the pipeline is no step: it makes the
 # parts). A step that does not apply to the layout returns the part as it is.
 STEPS: dict[str, Step] = {
+    "cp": context_parallel.parallelize,
     "tp": tensor_parallel.parallelize,
     "activation_checkpoint": apply_activation_checkpointing,
     "compile": apply_compile,
@@ -153,7 +153,7 @@ class ParallelModel:
     ):
         self.cfg, self.layout, self.device, self.bf16 = cfg, layout, device, bf16
         self.mesh = build_mesh(layout, device.type) if collective else None
-        self.dp_mesh = submesh(self.mesh, DP_DIMS) if collective else None
+        self.dp_mesh = gradient_mesh(self.mesh, cfg.zero >= 2) if collective else None  # cp folded in
         self.vocab_sharded_loss = layout.tp > 1 and layout.tp_mode == "1d" and cfg.loss_parallel
 
         parts, tied = {0: model}, getattr(model, "tied_parameters", ())  # plain DDP needs no contract
@@ -165,6 +165,7 @@ class ParallelModel:
         for step in STEPS.values():  # each step on every part before the next step
             parts = {index: step(part, on) for index, part in parts.items()}
         self.grid, self.grad_sync = on.grid, None  # 2-D, 2.5-D, 3-D tensor parallelism
+        self.sequence_split = on.sequence_split  # context parallelism: this rank's tokens of each sequence
         self.loss_fn = loss_fn if self.grid is None else functools.partial(grid_cross_entropy, self.grid)
 
         self.pipeline = None
@@ -198,7 +199,9 @@ class ParallelModel:
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor, train: bool = True) -> torch.Tensor:
         """This rank's batch through the model in the layout's equal micro-batches; gradients (mean
-        over the micro-batches) reduced once, after the last. Returns the summed losses."""
+        over the micro-batches) reduced once, after the last. Returns the summed losses (under context
+        parallelism each the mean over this rank's share of the tokens)."""
+        x, y = self.local_tokens(x, y)
         with loss_context(self.vocab_sharded_loss):
             if self.pipeline is not None:
                 losses = [as_tensor(loss.detach()) for loss in self.pipeline.step(x, y, train)]
@@ -218,6 +221,12 @@ class ParallelModel:
             self.sync_gradients(train)
             return total
 
+    def local_tokens(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's tokens of each sequence, and their targets: all of them, or its context-parallel share."""
+        if self.sequence_split is None:
+            return x, y
+        return self.sequence_split.split(x), self.sequence_split.split(y)
+
     def sync_gradients(self, train: bool) -> None:
         """The grid layouts reduce gradients here, once per step; the other wrappers did during the backward."""
         if train and self.grad_sync is not None:
@@ -233,7 +242,9 @@ class ParallelModel:
         gradients arrive in, not their values, so two tokens of one sequence do (a restart waits
         for this backward, and a whole micro-batch's would cost a step)."""
         if isinstance(self.module, DistributedDataParallel):
-            self.loss_fn(self.module(x[:1, :2]), y[:1, :2]).backward()
+            # under context parallelism a whole sequence: its ranks' attention meets only over all of it
+            x, y = self.local_tokens(x[:1], y[:1]) if self.sequence_split is not None else (x[:1, :2], y[:1, :2])
+            self.loss_fn(self.module(x), y).backward()
             self.module.zero_grad(set_to_none=True)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:

@@ -3,13 +3,17 @@ knows of each (its mesh dims, its part of the layout, its rules, its section of 
 memory), torch-free; how each is applied to the model is its step in distrain/parallel/, under the same
 name. The layout resolves each one's fields in this order; rules are checked, and plan sections printed,
 innermost first. A new parallelism is a module here with its record, added to this tuple
-(docs/extending.md)."""
+(docs/extending.md).
+Context parallelism sits between data and tensor parallelism, as in torchtitan and Megatron: next to dp_shard,
+so that the two fold into one gradient group (both hold different tokens of the same weights), and outside tp,
+which needs the fastest links (docs/context-parallel.md)."""
 
 from __future__ import annotations
 
+from distrain.strategy.context_parallel import CONTEXT_PARALLEL
 from distrain.strategy.data_parallel import DATA_PARALLEL
 from distrain.strategy.pipeline import PIPELINE
 from distrain.strategy.record import Parallelism
 from distrain.strategy.tensor_parallel import TENSOR_PARALLEL
 
-PARALLELISMS: tuple[Parallelism, ...] = (PIPELINE, DATA_PARALLEL, TENSOR_PARALLEL)
+PARALLELISMS: tuple[Parallelism, ...] = (PIPELINE, DATA_PARALLEL, CONTEXT_PARALLEL, TENSOR_PARALLEL)

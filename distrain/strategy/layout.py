@@ -18,7 +18,7 @@ from distrain.strategy.pipeline import stage_layers
 from distrain.strategy.record import require
 from distrain.strategy.tensor_parallel import TENSOR_PARALLEL
 
-MESH_DIMS = tuple(d for p in PARALLELISMS for d in p.dims)  # outermost to innermost: pp, dp_replicate, dp_shard, tp
+MESH_DIMS = tuple(d for p in PARALLELISMS for d in p.dims)  # outermost to innermost: pp, dp_replicate, dp_shard, cp, tp
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,8 @@ class Layout:
     schedule: str = "1f1b"
     tp_mode: str = "1d"
     tp_depth: int = 1
+    cp: int = 1  # last: the fields above keep their positions
+    cp_mode: str = "ring"
 
     @classmethod
     def resolve(cls, cfg: TrainConfig, world_size: int | None = None) -> Layout:
@@ -79,7 +81,8 @@ class Layout:
 
     @property
     def loss_holders(self) -> int:
-        """Ranks that compute the loss of each data shard: its tensor-parallel peers, on the last stage."""
+        """Ranks that compute the loss of each data shard: its tensor- and context-parallel peers (each the
+        mean over its share of the tokens, equal shares), on the last stage."""
         return self.world_size // self.pp
 
     def sizes(self) -> dict[str, int]:

@@ -6,10 +6,11 @@ strategies, journey, ps, sticky; the benchmarks mfu and collectives are optional
 
 1. **strategies**: a short NCCL run of every preset in conf/strategy/ that fits on G GPUs, through
    distrain's own driver (`distrain.driver.launch.train`, what `python jobs/train.py` runs): `model=nano`, 20
-   steps, `trainer.precision=bf16`. Each gets the most workers ≤ G its layout accepts; tp, pp, hsdp and
-   fsdp_tp need 2, 3d and tp2d 4, tp2p5d and tp3d 8, and a preset that needs more than G is skipped,
-   saying so. Their degrees are not lowered to fit: at tp=1, pp=1 or dp_shard=1 a preset runs ddp's or
-   zero3's code, not its own. NVMe offload is one of them (`strategy=nvme`). It passes when every logged
+   steps, `trainer.precision=bf16`. Each gets the most workers ≤ G its layout accepts; tp, pp, hsdp,
+   fsdp_tp, cp and cp_alltoall (context parallel: the ring's isend/irecv and Ulysses' all-to-all on NCCL)
+   need 2, 3d and tp2d 4, tp2p5d and tp3d 8, and a preset that needs more than G is skipped, saying so.
+   Their degrees are not lowered to fit: at tp=1, pp=1 or dp_shard=1 a preset runs ddp's or zero3's code,
+   not its own. NVMe offload is one of them (`strategy=nvme`). It passes when every logged
    loss is finite and the last is below the first.
 2. **bf16 against fp32** (with 1): ddp's run again in fp32, on the same seed, data and workers. It passes
    when the final losses are within 2% of each other (relative). bf16 autocast rounds every matmul input to
@@ -111,6 +112,7 @@ if TYPE_CHECKING:
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "offload", "nvme", "tp", "pp", "hsdp", "fsdp_tp", "3d")
 STRATEGIES += ("tp2d", "tp2p5d", "tp3d")  # 4 and 8 GPUs
+STRATEGIES += ("cp", "cp_alltoall")  # 2 GPUs
 PARTS = ("strategies", "journey", "ps", "sticky", "mfu", "collectives")
 DEFAULT_PARTS = PARTS[:4]  # the benchmarks take 5 minutes of their own: --parts names them
 TOLERANCE = 0.02  # bf16's final loss against fp32's, relative
@@ -207,7 +209,8 @@ def workers_for(name: str, common: list[str], most: int, unit: str) -> tuple[int
     if fit := next((n for n in range(most, 0, -1) if fits(n)), None):
         return fit, ""
     s = cfg.strategy
-    degrees = " × ".join(f"{k} {v}" for k, v in (("tp", s.tp), ("pp", s.pp), ("dp_shard", s.dp_shard)) if v > 1)
+    sizes = (("tp", s.tp), ("pp", s.pp), ("cp", s.cp), ("dp_shard", s.dp_shard))
+    degrees = " × ".join(f"{k} {v}" for k, v in sizes if v > 1)
     need = next((n for n in range(most + 1, MOST_WORKERS + 1) if fits(n)), None)
     return None, f"needs {plural(need, unit) if need else f'more than {MOST_WORKERS}'} ({degrees})"
 
