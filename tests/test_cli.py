@@ -59,7 +59,7 @@ def test_help_says_distrains_commands(tmp_path: Path):
     assert result.returncode == 0, result.stderr
     for command in ("--plan", "--cfg job", "-m ", "prepare_data.py", "export.py", "generate.py", "plot.py"):
         assert command in result.stdout, command
-    assert "strategy: 3d, ddp" in result.stdout and "powered by Hydra" not in result.stdout
+    assert "strategy: 3d, cp, cp_alltoall, ddp" in result.stdout and "powered by Hydra" not in result.stdout
     assert list(tmp_path.iterdir()) == []
 
 

@@ -169,7 +169,7 @@ HSDP = Layout(pp=1, dp_replicate=2, dp_shard=2, tp=1)  # shards: ranks 0 and 2 h
 
 
 def held(rank: int, step: int = 9, run: str = "r", world: int = 4) -> dict:
-    return {"run": run, "rank": rank, "world": world, "step": step, "line": None}
+    return {"run": run, "rank": rank, "world": world, "step": step, "lines": {}}
 
 
 def test_the_plan_takes_each_rank_from_itself_or_a_replica_of_its_shard_at_the_newest_step():

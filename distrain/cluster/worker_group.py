@@ -364,12 +364,29 @@ class WorkerGroup:
             self.workers[rank], self.table[rank] = spare.actor, {**entry, **info}
             self.free_bundles.append(entry["bundle"])  # where the next spare goes
         if new:
-            self._wait_whole(f"could not restart {len(new)} workers")
             bundles = [self.table[r]["bundle"] for r in new]
-            actors = [self._actor(b) for b in bundles]
-            for rank, actor, info in zip(new, actors, self._started(actors, bundles), strict=True):
+            actors, infos = self._start_in(bundles, f"could not restart {len(new)} workers")
+            for rank, actor, info in zip(new, actors, infos, strict=True):
                 self.workers[rank], self.table[rank] = actor, {**self.table[rank], **info}
         number_nodes(self.table)  # they may have come up on other nodes or GPUs
+
+    def _start_in(self, bundles: list[int], what: str) -> tuple[list, list[dict]]:
+        """New actors in `bundles` of the placement group, started, and where they run. A node that has just
+        died still holds its bundles until Ray marks it dead (its heartbeats missed, seconds later): actors
+        placed there meanwhile are cancelled. Then once the group is whole again they are placed anew, within
+        placement_timeout_s; the kept workers, and the state they hold, wait meanwhile."""
+        deadline = time.monotonic() + self.spec.placement_timeout_s
+        while True:
+            self._wait_whole(what)
+            actors = [self._actor(b) for b in bundles]
+            try:
+                return actors, self._started(actors, bundles)
+            except PlacementError:
+                for actor in actors:
+                    with contextlib.suppress(RayError):
+                        ray.kill(actor, no_restart=True)
+                if time.monotonic() > deadline:
+                    raise
 
     def restock(self) -> None:
         """Start a spare in each free spare bundle: at first, and where a spare left when it took a rank

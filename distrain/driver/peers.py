@@ -34,10 +34,10 @@ def plan_recovery(layout: Layout, held: dict[int, dict | None], run: str, number
         source = r if r in holders else min(holders, key=lambda h: (sending[h], h))
         sending[source] += source != r
         sources.append(source)
-    line = next((h["line"] for h in kept.values() if h["step"] == step and h["line"]), None)
+    lines = {s: line for h in kept.values() if h and h["step"] == step for s, line in h["lines"].items()}
     moves = ", ".join(f"rank {r} from rank {s}" for r, s in enumerate(sources) if r != s)
     return (
-        PeerPlan(run, step, tuple(sources), number, line),
+        PeerPlan(run, step, tuple(sources), number, lines),
         f"from the live replicas' memory at step {step}, no checkpoint read ({moves or 'each rank its own'})",
     )
 

@@ -4,7 +4,7 @@ it to the workers as it is."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from distrain.config import TrainConfig
 from distrain.strategy.layout import Layout
@@ -14,14 +14,14 @@ from distrain.strategy.layout import Layout
 class PeerPlan:
     """An attempt that starts from the state its ranks' live replicas kept in memory, not from a checkpoint:
     `sources[r]` is the rank whose memory holds rank r's shard at `step` (r itself, or a rank of another
-    data-parallel replica that sends it). `line`: the metrics of step `step` if its line may not have been
-    written (logged lines are read back a step late, and rank 0 may be the one that died)."""
+    data-parallel replica that sends it). `lines`: the last logged steps' metrics (step → metrics), whose lines
+    may not have been written (they are read back a step late, on every rank, and rank 0 may be the one that died)."""
 
     run: str  # the run whose state the ranks hold (a kept worker of another run offers none)
     step: int
     sources: tuple[int, ...]
     number: int  # this run's recoveries from replicas so far, this one included (fault.kill_mid_transfer)
-    line: dict | None = None
+    lines: dict[int, dict] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

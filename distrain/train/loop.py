@@ -188,9 +188,10 @@ class Trainer:
                 self.tracker = Tracker(str(self.run_dir), self.plain_config, self.step, job.wandb_run_id, record)
                 if store and record is not None:  # the record on the store at least at every commit
                     store.on_commit = lambda step: record.try_sync(self.say)
-                line = job.peers and job.peers.line
-                if line and not any(m["step"] == self.step for m in read_metrics(str(self.run_dir))):
-                    self.tracker.log(self.step, line)  # read back by a survivor: the rank that would have died
+                if job.peers:  # lines read back by survivors, which the rank that died may not have written
+                    written = {m["step"] for m in read_metrics(str(self.run_dir))}
+                    for step in sorted(set(job.peers.lines) - written):
+                        self.tracker.log(step, job.peers.lines[step])
         self.vote: tuple[dist.Work, torch.Tensor] | None = None  # the stop vote in flight (agree_on_stop)
         self.blocked_s = 0.0  # how long checkpoints held the loop up since the last logged step
         # Under way: what a recovery from replicas started from is in this attempt's model now. (Kept until here,
@@ -246,6 +247,7 @@ class Trainer:
         self.flops_to_mfu = flops_per_token(self.cfg.model, t.seq_len) / (peak * self.world) if peak else None
         self.window = [time.perf_counter(), 0]
         self.unread: tuple[int, dict, Readback] | None = None  # a logged step whose scalars are in flight
+        self.last_read: dict[int, dict] = {}  # the last logged step read back (every rank: for a recovery)
         self.first_step_s, self.val_loss, stopped = None, None, False
         self.nonfinite = NonFinite(self.device)
         memory_peaks(self.device, reset=True)
@@ -327,6 +329,7 @@ class Trainer:
         loss_total, grad_norm = readback.read()
         self.loss = self.mean_of(loss_total)
         metrics = {"loss": self.loss, "grad_norm": grad_norm, **metrics, **extra}
+        self.last_read = {step: metrics}
         if self.tracker is not None:
             self.tracker.log(step, metrics)
         self.channel.report(metrics)
@@ -438,17 +441,17 @@ class Trainer:
     def held(self) -> peers.Held | None:
         """What this rank keeps in memory when its attempt fails, for the next one to start from: its state,
         if whole (the failure came between optimizer updates) and the layout has replicas to share it; and the
-        last logged step's line if it was still being read back."""
+        last logged steps' lines: the one read back last, and one still being read back if its sum has arrived."""
         c, optimizer = self.cfg.cluster, local_optimizer(self.optimizer)
         if self.done is None or not c.peer_recovery or self.layout.dp_replicate < 2 or not optimizer.state:
             return None  # torn, not asked for, no replica, or nothing trained yet (a fresh start loses no step)
         if isinstance(self.optimizer, NVMeAdamW):
             return None  # its state is in scratch files this process no longer owns once it fails
-        line = None
+        lines = dict(self.last_read)
         if self.unread is not None and self.unread[0] == self.done and self.unread[2].ready():
             with contextlib.suppress(Exception):
                 total, norm = self.unread[2].read()
-                line = {"loss": self.mean_of(total), "grad_norm": norm, **self.unread[1]}
+                lines[self.done] = {"loss": self.mean_of(total), "grad_norm": norm, **self.unread[1]}
         return peers.Held(
             self.job.run_id,
             self.rank,
@@ -456,7 +459,7 @@ class Trainer:
             self.done,
             {key: peers.local(t) for key, t in peers.flatten(self.state()[0]).items()},
             {"rng": self.rng, "loss": self.loss},
-            line,
+            lines,
         )
 
     def load_from_peers(self, plan: PeerPlan) -> None:

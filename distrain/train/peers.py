@@ -36,7 +36,7 @@ class Held:
     # the failed attempt's device mesh alive, and torch's mesh cache would hand its dead groups to the next one.
     state: dict
     extras: dict  # what else a replacement takes from its source: RNG states, the last loss
-    line: dict | None  # the metrics of `step`, read back here, if it was a logged step
+    lines: dict[int, dict]  # the last logged steps read back here (step → metrics): rank 0 may not have written them
 
 
 _held: Held | None = None
@@ -51,7 +51,7 @@ def keep(held: Held | None) -> None:
 def held() -> dict | None:
     """What this process keeps from its last attempt, for the driver's plan (run by the worker, in plain data)."""
     h = _held
-    return None if h is None else {"run": h.run, "rank": h.rank, "world": h.world, "step": h.step, "line": h.line}
+    return None if h is None else {"run": h.run, "rank": h.rank, "world": h.world, "step": h.step, "lines": h.lines}
 
 
 def kept(run: str, step: int) -> Held | None:
