@@ -7,7 +7,7 @@ TORCH ?= torch==2.13.0
 TORCH_INDEX ?=
 PIP := $(PY) -m pip install --quiet --disable-pip-version-check
 
-.PHONY: setup train test bench gpu-check wheelhouse lint clean
+.PHONY: setup train test coverage bench gpu-check wheelhouse lint clean
 
 setup: $(VENV)/.installed
 
@@ -23,6 +23,19 @@ train: setup
 
 test: setup
 	$(PY) -m pytest -q $(ARGS)
+
+# Line and branch coverage of distrain/ over the whole suite, Ray workers and spawned ranks included, and which
+# checks fire (tests/checks.py rewrites tests/checks.txt); the report: docs/development.md#coverage.
+COVERAGE_DIR := $(CURDIR)/.coverage-data
+coverage: setup
+	rm -rf $(COVERAGE_DIR) && mkdir -p $(COVERAGE_DIR)
+	COVERAGE_FILE=$(COVERAGE_DIR)/data DISTRAIN_FIRED_REQUIRES=$(COVERAGE_DIR)/requires PYTHONPATH=$(CURDIR)/tests/covhook \
+		$(PY) -m coverage run -m pytest -q $(ARGS); echo $$? > $(COVERAGE_DIR)/pytest-status
+	cd $(COVERAGE_DIR) && $(PY) -m coverage combine -q --data-file=data && cd $(CURDIR)
+	$(PY) -m coverage report --data-file=$(COVERAGE_DIR)/data --precision=1 > $(COVERAGE_DIR)/report.txt
+	tail -1 $(COVERAGE_DIR)/report.txt
+	$(PY) tests/checks.py update --coverage-file=$(COVERAGE_DIR)/data --requires=$(COVERAGE_DIR)/requires
+	exit $$(cat $(COVERAGE_DIR)/pytest-status)
 
 bench: setup
 	$(PY) jobs/bench/bench_ddp.py $(ARGS)

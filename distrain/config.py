@@ -265,6 +265,12 @@ class FaultConfig:
     kill_mid_upload: bool = False
     # Rank kill_rank SIGKILLs itself halfway through the state transfer of the run's first recovery from replicas.
     kill_mid_transfer: bool = False
+    # The kill happens instead right after step kill_at_step's backward, once the step before's logged loss has reached
+    # every rank and before rank kill_rank writes it (rank 0 of a data-parallel run: only the others hold that line).
+    kill_after_backward: bool = False
+    # Instead of a kill, every rank raises right after step kill_at_step's optimizer update, before the step counts as
+    # done: a failure inside the update everywhere (an out-of-memory there, say), which leaves no rank a whole state.
+    fail_in_update: bool = False
 
 
 @dataclass

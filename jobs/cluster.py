@@ -11,15 +11,15 @@ GCS port: its temp dir is /tmp/distrain-ray-<port>, and every process it starts 
 DISTRAIN_CLUSTER, so `stop` ends exactly those processes (`ray stop` ends every cluster on the host).
 The variables go to stdout for `eval`; what happened, to stderr."""
 
-import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from distrain.ports import free_ports
 
 RAY = str(Path(sys.executable).parent / "ray")
 MARKER = "DISTRAIN_CLUSTER"
@@ -36,16 +36,6 @@ PORTS = (  # every port `ray start --head` would otherwise take at a fixed defau
 LAST = ("raylet", "gcs_server")  # `ray stop`'s order: the raylet first, the rest, the GCS last
 JOB_STOP_WAIT_S = 60
 VARIABLES = ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "RAY_AUTH_MODE", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
-
-
-def free_ports(count: int) -> list[int]:
-    """`count` ports free now, all different: each socket stays bound until every one is picked (ports picked
-    one at a time can repeat, and `ray start` refuses two components on one port)."""
-    with contextlib.ExitStack() as stack:
-        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
 
 
 def temp_dir(gcs_port: int) -> Path:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import os
 import random
-import socket
+import signal
 import threading
 import time
 import warnings
@@ -23,6 +23,7 @@ os.environ.pop("WANDB_API_KEY", None)
 from distrain.cluster.attempt import Mark  # noqa: E402
 from distrain.config import TrainConfig  # noqa: E402
 from distrain.driver.cli import CONF_DIR, compose  # noqa: E402, F401  (CONF_DIR: for test modules)
+from distrain.ports import free_port  # noqa: E402  (also for test modules)
 from distrain.storage import checkpoint  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -84,13 +85,6 @@ def damage(path: Path, kind: str) -> None:
         f.write(data)
 
 
-def free_port() -> int:
-    """A port free on 127.0.0.1 right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def rank_env(rank: int, world: int, port: int, **extra: str) -> None:
     """The environment of a gloo rank on loopback as torchrun sets it, one torch thread; `extra` beside."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
@@ -105,6 +99,25 @@ def make_config(storage: Path, *overrides: str) -> TrainConfig:
 # The session's cluster: 4 logical CPUs (8 workers of 0.25 CPU, or 4 and 4 parameter servers), no
 # GPU, whatever the machine has; the tests that need another shape start a cluster of their own.
 CLUSTER_CPUS = 4
+
+
+# A fixture's setup (a cluster, a module's reference runs, a spawn of ranks) is bounded on its own, not inside the
+# first test that asks for it: pytest-timeout's limits cover a test's own call only (`timeout_func_only`).
+FIXTURE_TIMEOUT_S = 900
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_fixture_setup(fixturedef, request):
+    def expired(signum, frame):  # noqa: ANN001
+        pytest.fail(f"fixture {fixturedef.argname!r} took over {FIXTURE_TIMEOUT_S} s to set up")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    outer, _ = signal.setitimer(signal.ITIMER_REAL, FIXTURE_TIMEOUT_S)  # a fixture set up inside another's
+    try:
+        return (yield)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, outer)
+        signal.signal(signal.SIGALRM, previous)
 
 
 @pytest.fixture(scope="session")

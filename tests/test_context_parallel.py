@@ -120,7 +120,31 @@ def measure(rank: int, device: torch.device, memory: dict) -> dict:
             with Traffic() as traffic:
                 attention(q, k, v).sum().backward()
             results[f"sent/{mode}/cp{cp}"] = traffic.total("sent")
+            results[f"bf16/{mode}/cp{cp}"] = bf16_errors(attention, split)
     return results
+
+
+def bf16_errors(attention, split) -> tuple[float, float]:
+    """The cp attention under bf16 autocast, on bf16 q, k, v, against fp32 attention over the whole sequence of
+    the same values: the largest error of its output and of its gradients, each relative to the largest value."""
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(B, H, T, D, generator=g).bfloat16().float().requires_grad_() for _ in range(3))
+    grad = torch.randn(B, H, T, D, generator=g).bfloat16().float()
+    whole = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    whole.backward(grad)
+    mine = split.index(T, torch.device("cpu"))
+    local = [t.detach()[:, :, mine].bfloat16().requires_grad_() for t in (q, k, v)]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = attention(*local)
+    out.backward(grad[:, :, mine].bfloat16())
+
+    def error(got: torch.Tensor, want: torch.Tensor) -> float:
+        return ((got.float() - want).abs().max() / want.abs().max()).item()
+
+    grads = max(error(t.grad, w.grad[:, :, mine]) for t, w in zip(local, (q, k, v), strict=True))
+    return error(out, whole.detach()[:, :, mine]), grads
 
 
 def reference(cfg) -> dict[str, list[float]]:
@@ -179,6 +203,16 @@ def test_a_rank_sends_what_theory_says_per_layer(runs):
             assert runs[f"sent/{mode}/cp{cp}"] == want, f"{mode} cp {cp}"
 
 
+def test_attention_in_bf16_errs_no_more_than_its_rounding(runs):
+    """Under bf16 autocast (q, k, v, the output and its gradient in bf16), both modes' attention stays within
+    bf16's rounding of the fp32 result: the output within 2⁻⁸ of its largest value (one rounding; the ring does
+    its blocks' math in fp32 whatever the block runs in: in bf16 it errs 5× more), the gradients within 2⁻⁷."""
+    for mode in ("ring", "alltoall"):
+        for cp in (2, 4):
+            out, grads = runs[f"bf16/{mode}/cp{cp}"]
+            assert out <= 2**-8 and grads <= 2**-7, (mode, cp, out, grads)
+
+
 def test_activation_memory_falls_as_one_over_cp(runs, tmp_path: Path):
     """What a rank keeps for the backward inside the blocks, on a real step, falls as 1/cp, as the plan's
     estimate does, and stays within the estimate's reach."""
@@ -205,6 +239,10 @@ def test_activation_memory_falls_as_one_over_cp(runs, tmp_path: Path):
         (
             ("strategy.cp=4", "cluster.num_workers=4", "strategy.cp_mode=alltoall"),
             "heads / (cp × tp) = 2 / 4 of model.n_heads=2",
+        ),
+        (  # grouped-query: the query heads divide, the K/V heads do not
+            ("strategy.cp=4", "cluster.num_workers=4", "strategy.cp_mode=alltoall", *LLAMA),
+            "heads / (cp × tp) = 2 / 4 of model.n_kv_heads=2",
         ),
         (("strategy.cp=2", "strategy=tp2d", "cluster.num_workers=8"), "does not combine with strategy.tp_mode=2d"),
         (("strategy.cp=2", "cluster.num_workers=4", "strategy.compile=true"), "does not support strategy.compile=true"),

@@ -4,6 +4,7 @@ checkpoint that verifies loaded instead with one line; when none verifies, one e
 from __future__ import annotations
 
 import json
+import os
 import zlib
 from pathlib import Path
 
@@ -42,8 +43,13 @@ def test_the_manifest_records_each_files_crc32(tmp_path: Path):
 
 @pytest.mark.parametrize("kind", DAMAGES)
 def test_each_damage_falls_back_to_the_older_checkpoint_in_one_line(tmp_path: Path, capsys, kind: str):
+    """Step 20 verified first in this process (its verdict kept), then damaged in place: the damage is seen."""
     model = save_steps(tmp_path, 10, 20)
-    damage(checkpoint.step_dir(tmp_path, 20), kind)
+    newest = checkpoint.step_dir(tmp_path, 20)
+    for f in newest.iterdir():  # saved a while ago: a write now cannot share its timestamp's tick
+        os.utime(f, ns=(f.stat().st_atime_ns, f.stat().st_mtime_ns - 10**10))
+    assert checkpoint.latest(tmp_path) == newest
+    damage(newest, kind)
     capsys.readouterr()
     path = checkpoint.latest(tmp_path)
     assert path.name == "step_00000010"

@@ -72,6 +72,57 @@ def test_what_is_on_the_store_is_checked_before_it_is_loaded(s3, tmp_path: Path,
     assert f"skipping checkpoint {store.url}/checkpoints/step_00000006: __0_0.distcp no longer matches" in said
 
 
+@pytest.mark.usefixtures("process_group")
+def test_a_nodes_damaged_copy_is_fetched_again_not_skipped(s3, tmp_path: Path):
+    """A checkpoint downloaded into a node's mirror, then damaged there at its size: the next fetch checks the
+    copy by its checksums and downloads it again, rather than falling back to an older checkpoint (steps lost)."""
+    store = store_for(s3.url("ckpt", "mirror-damage"), StorageConfig())
+    writer = saver.Saver(tmp_path / "writer", keep=2, background=False, remote=remote.Remote(store))
+    for step in (2, 4):
+        writer.save(step, {"model": torch.nn.Linear(8, 8).state_dict()}, {"step": step, "world_size": 1}, {})
+    writer.close()
+    node = tmp_path / "node"
+    path = remote.fetch(store, node)
+    assert path == node / "step_00000004"
+    shard = path / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[-64:] = bytes(64)
+    shard.write_bytes(bytes(data))
+    assert remote.fetch(store, node) == path and checkpoint.problem(path) is None
+    assert shard.read_bytes() == store.read_bytes("checkpoints/step_00000004/__0_0.distcp")
+
+
+def test_a_checkpoint_the_store_holds_short_or_lacks_is_not_committed(s3, tmp_path: Path):
+    """Rank 0 commits on the store only when every rank's object is there at the size that rank wrote: an object
+    cut short, or missing, leaves the step uncommitted with one line naming the rank, the object and both sizes."""
+    store = store_for(s3.url("ckpt", "short"), StorageConfig())
+    prefix = "checkpoints/step_00000003"
+    views = [  # (what each rank wrote: name → size, its checksums, its upload error)
+        ({".metadata": 4, "__0_0.distcp": 8}, {".metadata": 1, "__0_0.distcp": 2}, None),
+        ({"__1_0.distcp": 8}, {"__1_0.distcp": 3}, None),
+    ]
+    store.write_bytes(f"{prefix}/.metadata", b"meta")
+    store.write_bytes(f"{prefix}/__0_0.distcp", b"rank0...")
+    said: list[str] = []
+    committer = remote.Remote(store, say=said.append)
+    for held, seen in ((b"", "no such object"), (b"rank1", "5 bytes")):
+        if held:
+            store.write_bytes(f"{prefix}/__1_0.distcp", held)
+        assert committer._commit_on_store(prefix, 3, views, keep=2) is None
+        assert said.pop() == (
+            f"checkpoint of step 3 is not committed on {store.url}/{prefix}: rank 1 uploaded __1_0.distcp (8 bytes), "
+            f"the store has {seen}; training goes on, the next checkpoint tries again"
+        )
+        assert COMMIT_MARKER not in remote.on_store(store)["step_00000003"]
+    store.write_bytes(f"{prefix}/__1_0.distcp", b"rank1...")
+    assert committer._commit_on_store(prefix, 3, views, keep=2)["crc32"] == {
+        ".metadata": 1,
+        "__0_0.distcp": 2,
+        "__1_0.distcp": 3,
+    }
+    assert said == [] and COMMIT_MARKER in remote.on_store(store)["step_00000003"]
+
+
 @pytest.fixture(scope="module")
 def reference(s3, ray_cluster, tmp_path_factory) -> dict:
     """The uninterrupted run on local storage, 8 steps: its losses and final weights."""

@@ -130,6 +130,20 @@ def test_a_node_fetches_once_and_mends_a_damaged_cache(shards, tmp_path: Path):
         assert (cache / f.name).read_bytes() == f.read_bytes(), f.name
 
 
+def test_a_shard_damaged_on_the_store_is_refused_not_trained_on(shards, s3, tmp_path: Path):
+    """Bytes of a shard overwritten on the store itself (its size unchanged): the fetch checks what it downloaded
+    against the index's checksum and refuses in one line, rather than training on the damage."""
+    url, local = shards
+    damaged = Store(s3.url(f"damaged-{uuid.uuid4().hex[:8]}"))
+    damaged.upload(local, [p.name for p in local.iterdir()], "")
+    data = bytearray((local / "train_000000.bin").read_bytes())
+    data[100:102] = b"\xff\xfe" if data[100:102] != b"\xff\xfe" else b"\x00\x01"
+    damaged.write_bytes("train_000000.bin", bytes(data))
+    with pytest.raises(ConfigError, match="train_000000.bin as fetched does not match its index") as e:
+        fetch(damaged.url, StorageConfig(cache_dir=str(tmp_path)))
+    assert "\n" not in str(e.value) and damaged.url in str(e.value)
+
+
 def test_an_index_without_checksums_still_fetches(shards, s3, tmp_path: Path):
     """Shards prepared before the index recorded CRC-32s: checked by size."""
     url, local = shards

@@ -115,6 +115,19 @@ def test_a_sync_uploads_what_changed_and_never_checkpoints_or_hidden_files(s3, t
     assert (tmp_path / "fresh" / "logs" / "driver-1.log").read_text() == "12" and fresh.sync() == []
 
 
+def test_a_nodes_summary_is_refreshed_when_the_store_records_more_invocations(s3, tmp_path: Path):
+    """A node's mirror kept summary.json from an earlier invocation while the run went on elsewhere: a pull takes
+    the store's, which records more; a mirror that records as many keeps its own (this node is the newest)."""
+    store = Store(s3.url("summaries"))
+    store.write_bytes("summary.json", json.dumps({"status": "completed", "history": [{"status": "failed"}]}).encode())
+    (tmp_path / "summary.json").write_text(json.dumps({"status": "failed", "history": []}))
+    assert RecordSync(store, tmp_path).pull() == ["summary.json"]
+    assert json.loads((tmp_path / "summary.json").read_text())["status"] == "completed"
+    (tmp_path / "summary.json").write_text(json.dumps({"status": "running", "history": [{"status": "failed"}]}))
+    assert RecordSync(store, tmp_path).pull() == []
+    assert json.loads((tmp_path / "summary.json").read_text())["status"] == "running"
+
+
 def test_rank_0s_tracker_uploads_its_files_as_it_logs_and_a_new_node_appends_to_them(s3, tmp_path: Path):
     """Rank 0's metrics on the store while the run trains (a sync on a thread of its own when one is due: at the
     first line, then every sync_interval_s), and at the tracker's close; rank 0 on a node new to the run (an

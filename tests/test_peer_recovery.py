@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import (
+    REPO,
     assert_logged_as,
-    fake_table,
     final_weights,
     in_background,
     logged,
@@ -27,9 +27,7 @@ from conftest import (
 )
 
 from distrain.driver.launch import train
-from distrain.driver.peers import plan_recovery, survivable
 from distrain.storage.tracking import SUMMARY_FILE
-from distrain.strategy.layout import Layout
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 STEPS = 16
@@ -38,6 +36,8 @@ LAYOUTS = {
     "ddp": [],
     "hsdp": ["strategy.zero=3", "strategy.dp_replicate=2", "strategy.dp_shard=2"],
     "ddp_cp": ["strategy.cp=2"],  # two replicas of a ring of two
+    # A model that draws random numbers every step: the replacement must take its source's generator states.
+    "ddp_dropout": ["model._target_=dropout_model.DropoutLlama", f"+cluster.env_vars.PYTHONPATH={REPO / 'tests'}"],
 }
 
 
@@ -78,6 +78,35 @@ def test_a_killed_rank_costs_only_the_step_in_flight(tmp_path: Path, references,
     assert second["info"] == {"resumed_from_step": 7, "resumed_from": "replicas"}
     assert s["steps_executed"] <= STEPS + 1
     assert_bitwise(cfg, references[layout])
+
+
+@pytest.mark.timeout(240)
+def test_a_line_only_the_survivors_read_back_is_written_by_the_new_rank_0(tmp_path: Path, references):
+    """Rank 0 dies in step 7 right after its backward: step 6's loss has been summed over the ranks, and rank 0
+    never wrote it. The survivors read it back and carry it; the new rank 0 writes it. (Step 7's own line, which
+    its sum needed rank 0 for, no rank can know: the one a recovery resumed from may be missing.)"""
+    kill = ["fault.kill_at_step=7", "fault.kill_rank=0", "fault.kill_after_backward=true", "cluster.spares=1"]
+    cfg = make_config(tmp_path, "run.name=line", *COMMON, *kill)
+    assert train(cfg)["restarts"] == 1
+    assert summary(cfg)["attempts"][1]["info"] == {"resumed_from_step": 7, "resumed_from": "replicas"}
+    assert 6 in logged(cfg)
+    assert_bitwise(cfg, references["ddp"], unlogged=True)
+
+
+@pytest.mark.timeout(240)
+def test_a_failure_inside_every_update_falls_back_to_the_checkpoint(tmp_path: Path, references):
+    """Every rank fails inside step 7's optimizer update (as an out-of-memory there would): no rank holds a whole
+    state, so none is kept for a recovery from replicas, and the run restarts from its last checkpoint (step 4)."""
+    faults = [
+        "fault.kill_at_step=7",
+        "fault.fail_in_update=true",
+        "checkpoint.interval=4",
+        "checkpoint.async_save=false",
+    ]
+    cfg = make_config(tmp_path, "run.name=torn", *COMMON, *faults)
+    assert train(cfg)["restarts"] == 1
+    assert summary(cfg)["attempts"][1]["info"]["resumed_from_step"] == 4
+    assert_bitwise(cfg, references["ddp"])
 
 
 @pytest.mark.timeout(240)
@@ -161,52 +190,3 @@ def test_twenty_kills_at_random_ranks_and_moments_lose_no_step(tmp_path: Path, r
     assert froms == ["replicas"] * KILLS, (froms, context)
     assert s["steps_executed"] <= CHAOS_STEPS + KILLS, context
     assert_bitwise(cfg, (final_weights(reference_cfg), logged(reference_cfg)), unlogged=True)
-
-
-# -- the plan, without Ray or torch ------------------------------------------------------------------
-
-HSDP = Layout(pp=1, dp_replicate=2, dp_shard=2, tp=1)  # shards: ranks 0 and 2 hold one, 1 and 3 the other
-
-
-def held(rank: int, step: int = 9, run: str = "r", world: int = 4) -> dict:
-    return {"run": run, "rank": rank, "world": world, "step": step, "lines": {}}
-
-
-def test_the_plan_takes_each_rank_from_itself_or_a_replica_of_its_shard_at_the_newest_step():
-    plan, why = plan_recovery(HSDP, {0: held(0), 2: held(2), 3: held(3)}, "r", 1)
-    assert plan.sources == (0, 3, 2, 3) and plan.step == 9  # rank 1's shard from rank 3, the others their own
-    assert "rank 1 from rank 3" in why and "no checkpoint read" in why
-    # A survivor behind the others (its update of step 9 never finished) takes the newer state too.
-    plan, _ = plan_recovery(HSDP, {0: held(0), 1: held(1, step=8), 2: held(2), 3: held(3)}, "r", 1)
-    assert plan.sources == (0, 3, 2, 3)
-    # Sending is spread: in DDP over 4, two replacements take theirs from two different survivors.
-    ddp = Layout(pp=1, dp_replicate=4, dp_shard=1, tp=1)
-    plan, _ = plan_recovery(ddp, {0: held(0), 3: held(3)}, "r", 1)
-    assert plan.sources[0] == 0 and plan.sources[3] == 3 and sorted(plan.sources[1:3]) == [0, 3]
-
-
-@pytest.mark.parametrize(
-    ("kept", "said"),
-    [
-        ({0: held(0), 2: held(2)}, "no surviving rank holds rank 1's shard (pp 0, dp_shard 1, cp 0, tp 0) at step 9"),
-        ({0: held(0), 1: held(1, step=8), 2: held(2)}, "rank 1's shard"),  # its only copy is behind
-        ({0: held(0, run="other"), 1: None}, "no surviving rank kept a whole training state"),
-        ({0: held(0, world=2), 1: held(1, world=2)}, "no surviving rank kept a whole training state"),
-    ],
-    ids=["every copy of a shard lost", "a copy behind", "another run's workers", "another world size"],
-)
-def test_no_plan_without_every_shard_at_one_step_of_this_run(kept: dict, said: str):
-    plan, why = plan_recovery(HSDP, kept, "r", 1)
-    assert plan is None and said in why
-
-
-def test_the_plan_says_which_lost_hosts_a_layout_survives_without_a_checkpoint():
-    two_hosts = fake_table(4, 2, gpus=False)  # ranks 0-1 on one host, 2-3 on the other
-    lines = survivable(HSDP, two_hosts)
-    assert "any 1 rank lost cost only the step in flight" in lines[0] and "replica 1: ranks 2-3" in lines[0]
-    assert [line.endswith("the step in flight") for line in lines[1:]] == [True, True]  # a replica per host
-    # dp_shard outermost of the two would put a shard's both copies on one host: then a host is not survivable.
-    across = Layout(pp=1, dp_replicate=2, dp_shard=2, tp=1)
-    lines = survivable(across, [dict(e, rank=r) for r, e in zip([0, 2, 1, 3], two_hosts, strict=True)])
-    assert all(line.endswith("a restart from the last checkpoint") for line in lines[1:])
-    assert "no data-parallel replica" in survivable(Layout(pp=1, dp_replicate=1, dp_shard=4, tp=1), two_hosts)[0]

@@ -16,8 +16,9 @@ from conftest import REPO, make_config
 
 from distrain.cluster.runtime import CapacityError, smallest_mib
 from distrain.config import ConfigError
-from distrain.driver.fits import check_fits
+from distrain.driver.fits import check_fits, needed, refusal
 from distrain.driver.launch import LOCK_FILE, check_steps_left, train
+from distrain.driver.plan import worker_memory
 from distrain.driver.validation import validate
 from distrain.storage.fsutil import LockedError
 
@@ -29,21 +30,29 @@ def files(root: Path) -> list[str]:
     return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
 
 
-def test_a_rank_that_cannot_fit_is_refused_with_the_figures_and_knobs(tmp_path: Path, ray_cluster):
-    said: list[str] = []
+def test_a_rank_that_cannot_fit_is_refused_with_the_figures_and_knobs(tmp_path: Path):
     cfg = make_config(tmp_path, *HUGE)
-    with pytest.raises(ConfigError) as refused:
-        check_fits(cfg, validate(cfg), gpu=False, say=said.append)
-    line = str(refused.value)
+    line = str(refusal(cfg, validate(cfg), False, 64 * 2**30, "the largest node has 64.0 GiB"))
     assert "each rank needs an estimated" in line and "GiB" in line and "the largest node has" in line, line
     for knob in ("trainer.micro_batch_size", "trainer.seq_len", "activation_checkpoint", "zero3", "strategy.tp"):
         assert knob in line
     assert "trainer.check_memory=false" in line and "\n" not in line
     cfg = make_config(tmp_path, *HUGE, "trainer.check_memory=false")
-    check_fits(cfg, validate(cfg), gpu=False, say=said.append)  # the override: not checked
+    check_fits(cfg, validate(cfg), gpu=False, say=pytest.fail)  # the override: not checked, nothing asked of Ray
     cfg = make_config(tmp_path)
-    check_fits(cfg, validate(cfg), gpu=False, say=said.append)  # what the tests train fits
-    assert said == []
+    assert refusal(cfg, validate(cfg), False, 2**30, "1 GiB") is None  # what the tests train fits in 1 GiB
+
+
+def test_the_memory_check_leaves_out_the_attention_scores(tmp_path: Path):
+    """A rank whose blocks fit but whose attention scores would not (the fused kernels never hold them) starts."""
+    cfg = make_config(tmp_path, "trainer.seq_len=8192", "trainer.micro_batch_size=2", "trainer.global_batch_size=4")
+    layout = validate(cfg)
+    without, with_scores = (
+        max(needed(mem, False) for mem in worker_memory(cfg, layout, "fp32", scores=scores)) for scores in (False, True)
+    )
+    assert with_scores > 2 * without  # the scores are most of the estimate that counts them
+    assert refusal(cfg, layout, False, (without + with_scores) // 2, "between the two") is None
+    assert refusal(cfg, layout, False, without - 1, "a byte short") is not None
 
 
 def test_nvidia_smi_memory_is_read():

@@ -18,6 +18,7 @@ from typing import Any
 import ray
 
 from distrain.channel import Channel
+from distrain.ports import free_port
 
 Fn = Callable[..., Any] | str  # a function, or one named "package.module:function" (`resolve`)
 
@@ -60,9 +61,7 @@ class Worker:
 
     def free_port(self) -> int:
         """A port free on this worker's node, for the rendezvous when this worker is rank 0."""
-        with socket.socket() as s:
-            s.bind((ray.util.get_node_ip_address(), 0))
-            return s.getsockname()[1]
+        return free_port(ray.util.get_node_ip_address())
 
     def reset(self) -> None:
         """A fresh channel for the next `run`. A call of its own, answered before `run` is sent:

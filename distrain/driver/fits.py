@@ -33,8 +33,6 @@ def check_fits(cfg: TrainConfig, layout: Layout, gpu: bool, say: Callable[[str],
     when the GPUs' memory cannot be read."""
     if not cfg.trainer.check_memory:
         return
-    precision = resolve_precision(cfg.trainer.precision, gpu)
-    need = max(needed(mem, gpu) for mem in worker_memory(cfg, layout, precision, scores=False))
     if gpu:
         found = gpu_memory()
         if found is None:
@@ -45,9 +43,18 @@ def check_fits(cfg: TrainConfig, layout: Layout, gpu: bool, say: Callable[[str],
     else:
         have, node = node_memory()
         what = f"the largest node has {human(have)} for workers (Ray's memory and object store on {node})"
-    if need > have:
-        raise ConfigError(
-            f"each rank needs an estimated {human(need)} ({precision}, attention scores not counted; `--plan` "
-            f"shows the breakdown) but {what}: "
-            f"{KNOBS}; or set trainer.check_memory=false to start it anyway"
-        )
+    refused = refusal(cfg, layout, gpu, have, what)
+    if refused is not None:
+        raise refused
+
+
+def refusal(cfg: TrainConfig, layout: Layout, gpu: bool, have: int, what: str) -> ConfigError | None:
+    """The error for a rank whose estimate exceeds `have` bytes (`what`: where that figure comes from), or None."""
+    precision = resolve_precision(cfg.trainer.precision, gpu)
+    need = max(needed(mem, gpu) for mem in worker_memory(cfg, layout, precision, scores=False))
+    if need <= have:
+        return None
+    return ConfigError(
+        f"each rank needs an estimated {human(need)} ({precision}, attention scores not counted; `--plan` "
+        f"shows the breakdown) but {what}: {KNOBS}; or set trainer.check_memory=false to start it anyway"
+    )

@@ -254,6 +254,16 @@ def _validate_training(cfg: TrainConfig) -> None:
         "fault.kill_mid_upload=true: needs run.storage on an object store (a URL) and fault.kill_at_step at a "
         "step that saves a checkpoint (a multiple of checkpoint.interval, or trainer.max_steps)",
     )
+    require(
+        f.kill_at_step is not None or not (f.kill_after_backward or f.fail_in_update),
+        "fault.kill_after_backward and fault.fail_in_update say where fault.kill_at_step's fault happens: set "
+        "fault.kill_at_step too",
+    )
+    require(
+        f.kill_mid_upload + f.kill_after_backward + f.fail_in_update <= 1,
+        "fault.kill_mid_upload, fault.kill_after_backward and fault.fail_in_update each put fault.kill_at_step's "
+        "fault somewhere else: set one of them",
+    )
     require(o.name in OPTIMIZERS, f"optim.name={o.name!r}: choose one of {', '.join(OPTIMIZERS)}")
     require(o.lr > 0, f"optim.lr={o.lr}: must be positive")
     require(o.warmup_steps >= 0, f"optim.warmup_steps={o.warmup_steps}: must be ≥ 0")

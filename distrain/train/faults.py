@@ -37,14 +37,26 @@ class Faults:
         attempt that resumes from a checkpoint goes on to the end. `settle` runs first: it finishes the step's
         logged loss on its way to the other ranks, which a kill in that very instant would take with it (a
         kill at a known step is for tests that compare every logged line)."""
-        if not self.cfg.kill_mid_upload and self._due(step, began):
+        if self._where() == "after the step" and self._due(step, began):
             settle()
             os.kill(os.getpid(), signal.SIGKILL)
+
+    def kill_after_backward(self, step: int, began: int, settle: Callable[[], object]) -> None:
+        """fault.kill_after_backward: `kill` made instead right after step fault.kill_at_step's backward; `settle`
+        finishes the step before's logged loss on its way to the other ranks, which this rank has not written."""
+        if self._where() == "after the backward" and self._due(step, began):
+            settle()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def fail_in_update(self, step: int, began: int) -> None:
+        """fault.fail_in_update: every rank raises once step fault.kill_at_step's update is made, before it counts."""
+        if self.cfg.fail_in_update and self.cfg.kill_at_step == step and began == 0:
+            raise RuntimeError(f"fault.fail_in_update: failed inside the optimizer update of step {step}")
 
     def kill_uploading(self, step: int, began: int) -> None:
         """fault.kill_mid_upload: `kill` made instead while step fault.kill_at_step's checkpoint is being
         uploaded to the object store, once this rank's first object is there (the others are not)."""
-        if self.cfg.kill_mid_upload and self._due(step, began):
+        if self._where() == "mid-upload" and self._due(step, began):
             os.kill(os.getpid(), signal.SIGKILL)
 
     def kill_mid_transfer(self, recovery: int) -> None:
@@ -52,6 +64,12 @@ class Faults:
         the run's first recovery from replicas (its first message sent or received, the tensors not)."""
         if self.cfg.kill_mid_transfer and recovery == 1 and self.cfg.kill_rank == self.rank:
             os.kill(os.getpid(), signal.SIGKILL)
+
+    def _where(self) -> str:
+        """Where fault.kill_at_step's kill happens."""
+        if self.cfg.kill_mid_upload:
+            return "mid-upload"
+        return "after the backward" if self.cfg.kill_after_backward else "after the step"
 
     def _due(self, step: int, began: int) -> bool:
         return self.cfg.kill_at_step == step and self.cfg.kill_rank == self.rank and began == 0

@@ -107,6 +107,7 @@ class Learner:
         return loss_sum
 
     def settle(self, step: int) -> None:
-        """Before the first step of an attempt (ParallelModel.settle_buckets)."""
-        with self.autocast():
+        """Before the first step of an attempt (ParallelModel.settle_buckets). Its throwaway forward leaves the
+        random number generators as it found them: a model that draws (dropout) draws as a run that never stopped."""
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []), self.autocast():
             self.parallel.settle_buckets(*self.batch(self.train_batches, step))

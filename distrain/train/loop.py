@@ -95,6 +95,14 @@ def rng_states(device: torch.device) -> dict:
     return states
 
 
+def seed_rngs(seed: int, stage: int) -> None:
+    """Seed this process's generators for a fresh start from the run's seed and the rank's pipeline stage: a run
+    draws the same numbers whatever ran in its worker before (warm workers are reused), and every rank of a stage
+    draws alike (as torchtitan and Megatron-LM seed data and tensor parallelism), so the generators a replacement
+    takes from a replica are the ones the rank it replaces had."""
+    torch.manual_seed(seed + stage * 2**32)
+
+
 def set_rng_states(states: dict, device: torch.device) -> None:
     torch.set_rng_state(states["cpu_rng"])
     if "cuda_rng" in states and device.type == "cuda":
@@ -152,6 +160,7 @@ class Trainer:
         assert layout.world_size == self.world, f"{layout} does not cover the {self.world} ranks"
         self.window = [time.perf_counter(), 0]  # when this logging window's training began, and its steps
         self.said: list[str] = []
+        seed_rngs(cfg.trainer.seed, layout.coordinate(self.rank)["pp"])  # a resume sets them again below
         faults = Faults(cfg.fault, self.rank, channel)
         self.learner = Learner(cfg, layout, layout.data_shard(self.rank), device, faults)
         with self.outside_steps():  # the mesh's groups now exist: they get start-up's timeout too
@@ -260,6 +269,7 @@ class Trainer:
             # the summed micro-batch losses (local) and the norm before clipping; one optimizer step.
             set_lr(self.optimizer, lr_at(self.step, self.cfg.optim, t.max_steps))
             loss_sum = self.learner.forward_backward(self.step)
+            self.learner.faults.kill_after_backward(self.step, began, settle=self.settle)
             grad_norm = self.learner.parallel.clip_grad_norm(self.cfg.optim.grad_clip)
             self.nonfinite.watch(self.step, loss_sum, grad_norm)
             # The last logged step's line, read back now (its sum over the ranks has had this step's compute to
@@ -267,6 +277,7 @@ class Trainer:
             self.log_read()
             self.done = None  # inside the update: a failure now leaves no whole state
             self.optimizer.step()
+            self.learner.faults.fail_in_update(self.step, began)
             self.done, self.rng = self.step, rng_states(self.device)
             self.optimizer.zero_grad(set_to_none=True)
             self.window[1] += 1
@@ -287,7 +298,7 @@ class Trainer:
                 self.checkpoint(wait=last or stopped)
             elif stopped and save_fits:
                 self.checkpoint(wait=True)
-            self.learner.faults.kill(self.step, began, settle=lambda: self.unread and self.unread[2].read())
+            self.learner.faults.kill(self.step, began, settle=self.settle)
             if stopped:
                 break
         if self.vote is not None:
@@ -319,6 +330,11 @@ class Trainer:
             metrics["checkpoint_upload_s"], store.upload_s = store.upload_s, None
         self.unread = (self.step, metrics, Readback(loss_sum, grad_norm))
         self.window = [time.perf_counter(), 0]
+
+    def settle(self) -> None:
+        """Wait until the logged step in flight has its loss summed over the ranks, without logging it."""
+        if self.unread is not None:
+            self.unread[2].read()
 
     def log_read(self, **extra: float) -> None:
         """Log the step `log_started` left in flight, if any, with `extra` figures (its validation loss)."""

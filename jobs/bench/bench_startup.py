@@ -31,6 +31,8 @@ import bench_ddp
 import harness  # first: it keeps Ray on loopback
 import processes
 
+from distrain.ports import free_ports
+
 GOALS_S = {"embedded": 3.0, "attached": 1.0}  # the most each may take beyond torchrun, launch → first step
 MODES = {
     "embedded": "distrain, embedded cluster",
@@ -88,8 +90,9 @@ def ray_head(storage: Path, timeout_s: float = 120.0) -> Iterator[str]:
     run pays for the cluster's first job; its GCS address. Ended by PID: its session."""
     temp_dir = tempfile.mkdtemp(prefix="rayb", dir="/tmp")  # short: Ray's socket paths are length-limited
     ports = ["node-manager", "object-manager", "dashboard-agent-listen", "dashboard-agent-grpc", "runtime-env-agent"]
-    ports = [f"--{name}-port={processes.free_port()}" for name in [*ports, "metrics-export", "ray-client-server"]]
-    port, bin_dir = processes.free_port(), Path(sys.executable).parent
+    names = [*ports, "metrics-export", "ray-client-server"]
+    port, *picked = free_ports(1 + len(names))
+    ports, bin_dir = [f"--{name}-port={p}" for name, p in zip(names, picked, strict=True)], Path(sys.executable).parent
     cmd = [str(bin_dir / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={port}"]
     cmd += ["--include-dashboard=false", f"--temp-dir={temp_dir}", "--disable-usage-stats", *ports]
     log = storage / "ray-head.log"

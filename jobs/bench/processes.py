@@ -15,7 +15,6 @@ import json
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,6 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from distrain.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 PROG = Path(sys.argv[0]).stem  # the benchmark running, for its console lines
@@ -141,12 +142,6 @@ def interrupt_after(timeout_s: float, call: Callable[[], Any]) -> tuple[Any, str
         returned.set()
         for timer in timers:
             timer.cancel()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def join_group(rank: int, world: int, port: int) -> Any:

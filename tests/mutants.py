@@ -1,0 +1,199 @@
+"""Bugs put in by hand, each beside the tests that must catch it: `python tests/mutants.py [name ...]` copies
+the tree, puts one bug in the copy, runs its tests there and reports whether they failed (they must). A
+check that no test makes fire is found here before a reader has to find it (docs/development.md).
+
+Each mutant is a one-line change to a product file: the text replaced must occur exactly once, so a mutant
+whose code has moved fails loudly instead of testing nothing."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    file: str  # relative to the repository
+    old: str
+    new: str
+    tests: tuple[str, ...]  # pytest node ids (or -k expressions after "-k ") that must fail with the bug
+
+
+MUTANTS = (
+    Mutant(
+        "cp-kv-heads",
+        "distrain/strategy/context_parallel.py",
+        'for key, heads in (("n_heads", m.n_heads), ("n_kv_heads", kv)):',
+        'for key, heads in (("n_heads", m.n_heads),):',
+        ("tests/test_context_parallel.py::test_a_layout_cp_cannot_split_is_refused_in_one_line",),
+    ),
+    Mutant(
+        "verdict-cache-stamp",
+        "distrain/storage/integrity.py",
+        "return st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino",
+        "return st.st_size, 0, 0, st.st_ino",
+        ("tests/test_damage.py::test_each_damage_falls_back_to_the_older_checkpoint_in_one_line",),
+    ),
+    Mutant(
+        "fits-counts-scores",
+        "distrain/driver/fits.py",
+        "worker_memory(cfg, layout, precision, scores=False)",
+        "worker_memory(cfg, layout, precision, scores=True)",
+        ("tests/test_refusals.py::test_the_memory_check_leaves_out_the_attention_scores",),
+    ),
+    Mutant(
+        "nonfinite-at-readback",
+        "distrain/train/loop.py",
+        "if not (math.isfinite(loss_total) and math.isfinite(grad_norm)):",
+        "if False:",
+        ("tests/test_training.py::test_a_non_finite_loss_ends_the_run_before_it_is_saved",),
+    ),
+    Mutant(
+        "digest-keys-only",
+        "distrain/train/peers.py",
+        "h.update(memoryview(t.detach().reshape(-1).view(torch.uint8).cpu().numpy()))",
+        "pass",
+        ("tests/test_replicas.py::test_a_replacement_takes_a_replicas_state_and_one_flipped_bit_is_refused",),
+    ),
+    Mutant(
+        "peer-rng-not-set",
+        "distrain/train/loop.py",
+        'set_rng_states(extras["rng"], self.device)',
+        "pass",
+        ("tests/test_peer_recovery.py::test_a_killed_rank_costs_only_the_step_in_flight[ddp_dropout]",),
+    ),
+    Mutant(
+        "settle-draws",
+        "distrain/train/learner.py",
+        'torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else [])',
+        "contextlib.nullcontext()",
+        ("tests/test_peer_recovery.py::test_a_killed_rank_costs_only_the_step_in_flight[ddp_dropout]",),
+    ),
+    Mutant(
+        "rngs-not-seeded",
+        "distrain/train/loop.py",
+        'seed_rngs(cfg.trainer.seed, layout.coordinate(self.rank)["pp"])',
+        "pass",
+        ("tests/test_peer_recovery.py::test_a_killed_rank_costs_only_the_step_in_flight[ddp_dropout]",),
+    ),
+    Mutant(
+        "read-lines-not-carried",
+        "distrain/train/loop.py",
+        "lines = dict(self.last_read)",
+        "lines = {}",
+        ("tests/test_peer_recovery.py::test_a_line_only_the_survivors_read_back_is_written_by_the_new_rank_0",),
+    ),
+    Mutant(
+        "torn-state-kept",
+        "distrain/train/loop.py",
+        "self.done = None  # inside the update",
+        "pass  # inside the update",
+        ("tests/test_peer_recovery.py::test_a_failure_inside_every_update_falls_back_to_the_checkpoint",),
+    ),
+    Mutant(
+        "mirror-copy-trusted",
+        "distrain/storage/remote.py",
+        "kept = {n for n, crc in integrity.checksums(path, present).items() if crc == sums[n]}",
+        "kept = set(present)",
+        ("tests/test_object_storage_ckpt.py::test_a_nodes_damaged_copy_is_fetched_again_not_skipped",),
+    ),
+    Mutant(
+        "store-sizes-unchecked",
+        "distrain/storage/remote.py",
+        "if found.get(name) != size:",
+        "if False:",
+        ("tests/test_object_storage_ckpt.py::test_a_checkpoint_the_store_holds_short_or_lacks_is_not_committed",),
+    ),
+    Mutant(
+        "stale-summary-kept",
+        "distrain/storage/record.py",
+        "(n not in local or n == SUMMARY)",
+        "n not in local",
+        (
+            "tests/test_object_storage_run.py::test_a_nodes_summary_is_refreshed_when_the_store_records_more_invocations",
+        ),
+    ),
+    Mutant(
+        "fetched-shard-unchecked",
+        "distrain/data/remote.py",
+        "if not _whole(cache / name, wanted[name], checked):",
+        "if False:",
+        ("tests/test_object_storage_data.py::test_a_shard_damaged_on_the_store_is_refused_not_trained_on",),
+    ),
+    Mutant(
+        "ring-math-in-bf16",
+        "distrain/parallel/ring_attention.py",
+        "with torch.autocast(q.device.type, enabled=False):  # fp32 math",
+        "with torch.autocast(q.device.type, enabled=torch.is_autocast_enabled(q.device.type)):  # fp32 math",
+        ("tests/test_context_parallel.py::test_attention_in_bf16_errs_no_more_than_its_rounding",),
+    ),
+    Mutant(
+        "fixture-setup-unbounded",
+        "tests/conftest.py",
+        "outer, _ = signal.setitimer(signal.ITIMER_REAL, FIXTURE_TIMEOUT_S)",
+        "outer = 0.0",
+        ("tests/test_suite.py::test_a_fixture_that_overruns_its_setup_bound_fails_there",),
+    ),
+)
+
+
+def mutated_copy(mutant: Mutant, into: Path) -> Path:
+    """The tree (no virtual environment, no git, no runs) copied into `into` with the mutant's bug put in."""
+    skip = shutil.ignore_patterns(".venv", ".git", "runs", "outputs", "__pycache__", ".pytest_cache", "*.egg-info")
+    tree = into / "tree"
+    shutil.copytree(REPO, tree, ignore=skip, symlinks=True)
+    path = tree / mutant.file
+    text = path.read_text()
+    if text.count(mutant.old) != 1:
+        raise SystemExit(f"mutant {mutant.name}: {mutant.file} holds its text {text.count(mutant.old)} times, not once")
+    path.write_text(text.replace(mutant.old, mutant.new))
+    return tree
+
+
+def run(mutant: Mutant, timeout_s: float) -> tuple[bool, float, str]:
+    """Whether the mutant's tests failed with its bug in (caught), their seconds, and pytest's last line."""
+    with tempfile.TemporaryDirectory(prefix=f"mutant-{mutant.name}-") as tmp:
+        tree = mutated_copy(mutant, Path(tmp))
+        args = [a for t in mutant.tests for a in (t.split(" ", 1) if t.startswith("-k ") else [t])]
+        env = {**os.environ, "PYTHONPATH": str(tree)}  # before the editable install: the copy's distrain
+        start = time.monotonic()
+        try:
+            done = subprocess.run(
+                [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *args],
+                cwd=tree, env=env, capture_output=True, text=True, timeout=timeout_s,
+            )  # fmt: skip
+        except subprocess.TimeoutExpired:
+            return False, time.monotonic() - start, f"timed out after {timeout_s:.0f} s"
+        lines = [line for line in done.stdout.splitlines() if line.strip()]
+        return done.returncode == 1, time.monotonic() - start, lines[-1] if lines else done.stderr[-300:]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("names", nargs="*", help="mutants to run (default: all)")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds per mutant's tests")
+    args = parser.parse_args()
+    known = {m.name: m for m in MUTANTS}
+    unknown = [n for n in args.names if n not in known]
+    if unknown:
+        parser.error(f"no mutant named {', '.join(unknown)}; known: {', '.join(known)}")
+    missed = 0
+    for mutant in [known[n] for n in args.names] or MUTANTS:
+        caught, seconds, last = run(mutant, args.timeout)
+        missed += not caught
+        print(f"{'caught' if caught else 'MISSED'}  {mutant.name:<28} {seconds:6.1f} s  {last}", flush=True)
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
