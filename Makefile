@@ -29,9 +29,10 @@ test: setup
 COVERAGE_DIR := $(CURDIR)/.coverage-data
 coverage: setup
 	rm -rf $(COVERAGE_DIR) && mkdir -p $(COVERAGE_DIR)
-	COVERAGE_FILE=$(COVERAGE_DIR)/data DISTRAIN_FIRED_REQUIRES=$(COVERAGE_DIR)/requires PYTHONPATH=$(CURDIR)/tests/covhook \
+	COVERAGE_FILE=$(COVERAGE_DIR)/data DISTRAIN_FIRED_REQUIRES=$(COVERAGE_DIR)/requires \
+		PYTHONPATH=$(CURDIR)/tests/covhook$${PYTHONPATH:+:$$PYTHONPATH} \
 		$(PY) -m coverage run -m pytest -q $(ARGS); echo $$? > $(COVERAGE_DIR)/pytest-status
-	cd $(COVERAGE_DIR) && $(PY) -m coverage combine -q --data-file=data && cd $(CURDIR)
+	cd $(COVERAGE_DIR) && $(CURDIR)/$(PY) -m coverage combine -q --data-file=data
 	$(PY) -m coverage report --data-file=$(COVERAGE_DIR)/data --precision=1 > $(COVERAGE_DIR)/report.txt
 	tail -1 $(COVERAGE_DIR)/report.txt
 	$(PY) tests/checks.py update --coverage-file=$(COVERAGE_DIR)/data --requires=$(COVERAGE_DIR)/requires

@@ -2,8 +2,9 @@
 the tree, puts one bug in the copy, runs its tests there and reports whether they failed (they must). A
 check that no test makes fire is found here before a reader has to find it (docs/development.md).
 
-Each mutant is a one-line change to a product file: the text replaced must occur exactly once, so a mutant
-whose code has moved fails loudly instead of testing nothing."""
+Each mutant is a one-line change to a product file (or to a guard of the suite's own): the text replaced must
+occur exactly once, so a mutant whose code has moved fails loudly instead of testing nothing. Every check a
+change adds gets its mutant here, beside the test that makes it fire."""
 
 from __future__ import annotations
 

@@ -80,3 +80,14 @@ def test_a_measurement_says_which_checks_fired(tmp_path: Path, monkeypatch):
     sys.modules.pop("mod", None)
     checks = checks_in(tmp_path / "mod.py", tmp_path)
     assert fired(checks, str(tmp_path / "data"), tmp_path / "requires", tmp_path) == {c.name for c in checks[:2]}
+
+
+def test_every_mutant_still_finds_its_bug_and_its_tests():
+    """tests/mutants.py stays runnable: each bug's text occurs once in its file, and each test it names exists."""
+    from mutants import MUTANTS, REPO
+
+    for m in MUTANTS:
+        assert (REPO / m.file).read_text().count(m.old) == 1, m.name
+        for test in m.tests:
+            path, _, name = test.partition("::")
+            assert f"def {name.split('[')[0]}(" in (REPO / path).read_text(), (m.name, test)
