@@ -7,6 +7,7 @@ coverage.py's own start-up hook has begun measuring it:
   file and line to $DISTRAIN_FIRED_REQUIRES, for tests/checks.py."""
 
 import os
+import sys
 import threading
 import time
 
@@ -34,6 +35,6 @@ if os.environ.get("DISTRAIN_FIRED_REQUIRES"):
     spec = importlib.util.spec_from_file_location(
         "distrain_checks", os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checks.py")
     )
-    checks = importlib.util.module_from_spec(spec)
+    checks = sys.modules["distrain_checks"] = importlib.util.module_from_spec(spec)  # a dataclass looks itself up
     spec.loader.exec_module(checks)
     checks.record_fired_requires(os.environ["DISTRAIN_FIRED_REQUIRES"])
