@@ -29,4 +29,6 @@ class Channel:
         self.stop_deadline: float | None = None
 
     def report(self, progress: dict) -> None:
+        """Merge `progress` into what the supervisor reads. After a failure a rank says what it does on its
+        way back under "returning" (its phase stays the one it failed in)."""
         self.progress = {**self.progress, **progress, "time": time.time()}

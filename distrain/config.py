@@ -271,6 +271,9 @@ class FaultConfig:
     # Instead of a kill, every rank raises right after step kill_at_step's optimizer update, before the step counts as
     # done: a failure inside the update everywhere (an out-of-memory there, say), which leaves no rank a whole state.
     fail_in_update: bool = False
+    # Every rank that fails takes this many seconds more on its way back (as on a loaded machine its teardown does):
+    # the supervisor must wait for it rather than end it, or its state for a recovery from replicas goes too.
+    slow_return_s: float = 0.0
 
 
 @dataclass

@@ -139,6 +139,20 @@ MUTANTS = (
         ("tests/test_context_parallel.py::test_attention_in_bf16_errs_no_more_than_its_rounding",),
     ),
     Mutant(
+        "survivors-cut-short",
+        "distrain/cluster/timeouts.py",
+        "limit = self.step_limit(step_s) if returning else max(self.survivor_grace_s, 3 * (step_s or 0.0))",
+        "limit = self.survivor_grace_s",
+        ("tests/test_peer_recovery.py::test_survivors_slow_to_return_are_waited_for_and_recovered_from",),
+    ),
+    Mutant(
+        "late-survivor-unnamed",
+        "distrain/cluster/supervisor.py",
+        "                for rank in ranks:\n                    self.on_event(",
+        "                for rank in []:\n                    self.on_event(",
+        ("tests/test_peer_recovery.py::test_a_survivor_that_never_returns_is_named_and_the_run_goes_on_from_the_checkpoint",),
+    ),
+    Mutant(
         "fixture-setup-unbounded",
         "tests/conftest.py",
         "outer, _ = signal.setitimer(signal.ITIMER_REAL, FIXTURE_TIMEOUT_S)",

@@ -106,6 +106,7 @@ from distrain.strategy.layout import Layout
         (["strategy=ps", "run.storage=s3://runs/x"], "run.storage"),
         (["fault.kill_at_step=1", "fault.kill_mid_upload=true"], "fault.kill_mid_upload"),
         (["fault.fail_in_update=true"], "set fault.kill_at_step too"),
+        (["fault.slow_return_s=-1"], "fault.slow_return_s"),
         (["fault.kill_at_step=1", "fault.kill_after_backward=true", "fault.fail_in_update=true"], "set one of them"),
         (["cluster.spares=-1"], "cluster.spares"),
         (["cluster.local_cpus=-1"], "cluster.local_cpus"),

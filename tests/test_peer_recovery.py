@@ -110,6 +110,38 @@ def test_a_failure_inside_every_update_falls_back_to_the_checkpoint(tmp_path: Pa
 
 
 @pytest.mark.timeout(240)
+def test_survivors_slow_to_return_are_waited_for_and_recovered_from(tmp_path: Path, references):
+    """On a loaded machine a survivor's way back (its state kept, its process group left, its garbage collected)
+    takes seconds: here 6 s more, twice the grace a rank still in its step gets. The supervisor waits for each
+    survivor that said it is returning, and the run recovers from their memory, bitwise."""
+    kill = ["fault.kill_at_step=7", "fault.kill_rank=1", "cluster.spares=1", "fault.slow_return_s=6"]
+    cfg = make_config(tmp_path, "run.name=slow", *COMMON, *kill)
+    assert train(cfg)["restarts"] == 1
+    assert summary(cfg)["attempts"][1]["info"] == {"resumed_from_step": 7, "resumed_from": "replicas"}
+    assert_bitwise(cfg, references["ddp"])
+
+
+@pytest.mark.timeout(240)
+def test_a_survivor_that_never_returns_is_named_and_the_run_goes_on_from_the_checkpoint(tmp_path: Path, capfd):
+    """Survivors still on their way back past the step limit (4 s here) are ended with the attempt, each named in
+    one line with what it was doing (a rank whose ring neighbours hold their connections open is still in its
+    step); without their memory the run restarts from its last checkpoint."""
+    kill = ["fault.kill_at_step=7", "fault.kill_rank=1", "fault.slow_return_s=600", "cluster.hang_timeout_s=4"]
+    cfg = make_config(tmp_path, "run.name=gone", *COMMON, *kill, "checkpoint.interval=4", "checkpoint.async_save=false")
+    assert train(cfg)["restarts"] == 1
+    assert summary(cfg)["attempts"][1]["info"]["resumed_from_step"] == 4
+    said = capfd.readouterr()
+    lines = [line for line in (said.out + said.err).splitlines() if "did not return within" in line]
+    assert {line.split(" (pid ")[0].split("rank ")[-1] for line in lines} == {"0", "2", "3"}, lines
+    assert all(
+        line.endswith("of the failure (leaving its process group): it is ended with the attempt")
+        or line.endswith("of the failure (still in its step): it is ended with the attempt")
+        for line in lines
+    ), lines
+    assert any("(leaving its process group)" in line for line in lines), lines
+
+
+@pytest.mark.timeout(240)
 def test_a_kill_in_the_middle_of_the_transfer_is_recovered_from_the_replicas_again(tmp_path: Path, references):
     # Rank 1 dies after step 7; its replacement dies again halfway through receiving its state from rank 3's
     # memory. The survivors still hold theirs, untouched: the next attempt takes it from them again.

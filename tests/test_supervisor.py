@@ -199,9 +199,7 @@ def test_a_policy_is_chosen_by_its_name_or_the_dotted_path_of_a_class():
     assert policy_class(f"{__name__}.RestartForRankOne") is RestartForRankOne  # defined below, outside distrain
 
 
-# -- with Ray ---------------------------------------------------------------------------------------
-
-pytestmark = pytest.mark.usefixtures("ray_cluster")
+# -- with Ray: each test below asks for the session's cluster (those above need none) --------------------------
 
 
 def sleepy_rank(attempt: int, folder: str, channel) -> dict:
@@ -213,6 +211,7 @@ def sleepy_rank(attempt: int, folder: str, channel) -> dict:
     return steps(attempt, folder, channel, stall=stall)
 
 
+@pytest.mark.usefixtures("ray_cluster")
 @pytest.mark.timeout(120)
 def test_a_rank_that_stops_progressing_is_detected_with_stacks_and_the_run_recovers(tmp_path: Path):
     sup = supervisor(tmp_path, sleepy_rank)
@@ -241,6 +240,7 @@ def dies_once(attempt: int, folder: str, channel) -> dict:
     return steps(attempt, folder, channel, stall=stall)
 
 
+@pytest.mark.usefixtures("ray_cluster")
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("replicas", [False, True], ids=["from the checkpoint", "from the live replicas"])
 def test_healthy_workers_are_kept_under_their_ranks_and_only_the_dead_one_is_replaced(tmp_path: Path, replicas):
@@ -274,6 +274,7 @@ def dies_then_waits(attempt: int, folder: str, channel) -> dict:
     return {"rank": rank, "attempt": attempt, "pid": os.getpid()}
 
 
+@pytest.mark.usefixtures("ray_cluster")
 @pytest.mark.timeout(120)
 def test_a_hot_spare_takes_the_dead_rank_and_a_new_spare_is_started(tmp_path: Path):
     sup = supervisor(tmp_path, dies_then_waits, spares=1)
@@ -318,6 +319,7 @@ def dies_the_first_time(attempt: int, folder: str, channel) -> dict:
     return steps(attempt, folder, channel, until=20, stall=stall)
 
 
+@pytest.mark.usefixtures("ray_cluster")
 @pytest.mark.timeout(120)
 def test_an_engine_that_replaces_workers_keeps_the_others_going(tmp_path: Path):
     sup = supervisor(tmp_path, dies_the_first_time, replaces=True)
@@ -350,6 +352,7 @@ def ranks_1_and_2_raise(attempt: int, folder: str, channel) -> dict:
     return steps(attempt, folder, channel)
 
 
+@pytest.mark.usefixtures("ray_cluster")
 @pytest.mark.timeout(120)
 def test_failures_seen_together_get_the_strongest_verdict(tmp_path: Path):
     """Ranks 1 and 2 fail in one look; the policy says RESTART for rank 1, REPLACE for rank 2: the group
@@ -384,6 +387,7 @@ class ShrinksOnFailure(FailurePolicy):
         return Verdict(Decision.SHRINK, size=1)
 
 
+@pytest.mark.usefixtures("ray_cluster")
 @pytest.mark.timeout(120)
 def test_a_verdict_decide_cannot_give_is_refused_not_taken_for_a_restart(tmp_path: Path):
     sup = supervisor(tmp_path, same_bug_every_time, policy=ShrinksOnFailure(ClusterConfig()))
@@ -392,6 +396,7 @@ def test_a_verdict_decide_cannot_give_is_refused_not_taken_for_a_restart(tmp_pat
     assert len(sup.attempts) == 1
 
 
+@pytest.mark.usefixtures("ray_cluster")
 @pytest.mark.timeout(120)
 def test_the_same_error_at_the_same_step_twice_fails_fast_with_its_traceback(tmp_path: Path):
     sup = supervisor(tmp_path, same_bug_every_time, policy=default(max_failures=10))
@@ -411,6 +416,7 @@ def dies_at_a_new_step_each_time(attempt: int, folder: str, channel) -> dict:
     return steps(attempt, folder, channel, stall=stall)
 
 
+@pytest.mark.usefixtures("ray_cluster")
 @pytest.mark.timeout(120)
 def test_the_failure_budget_ends_the_run(tmp_path: Path):
     sup = supervisor(tmp_path, dies_at_a_new_step_each_time, policy=default(max_failures=2))
@@ -428,6 +434,7 @@ def until_stopped(attempt: int, folder: str, channel) -> dict:
     return {"stopped": True, "step": step, "deadline": channel.stop_deadline}
 
 
+@pytest.mark.usefixtures("ray_cluster")
 @pytest.mark.timeout(60)
 def test_a_stop_request_reaches_every_rank_with_a_deadline(tmp_path: Path):
     sup = supervisor(tmp_path, until_stopped, timeouts=replace(FAST, stop_grace_s=7.0))
@@ -438,6 +445,7 @@ def test_a_stop_request_reaches_every_rank_with_a_deadline(tmp_path: Path):
     assert deadlines == {sup.stop_requested_at + 6.0}  # exactly: a second of the grace kept for the driver
 
 
+@pytest.mark.usefixtures("ray_cluster")
 @pytest.mark.timeout(60)
 def test_a_finished_runs_group_is_kept_warm_for_the_next_run_of_the_same_shape(tmp_path: Path):
     first = supervisor(tmp_path / "a", steps, n=2, reuse=True)

@@ -297,19 +297,40 @@ class Supervisor:
             return float("inf")
         if phase != Phase.TRAIN:
             return self.timeouts.setup_timeout_s
+        return self.timeouts.step_limit(self._typical_step_s())
+
+    def _typical_step_s(self) -> float | None:
         recent = self.step_times[-50:]
-        return self.timeouts.step_limit(statistics.median(recent) if recent else None)
+        return statistics.median(recent) if recent else None
 
     def _failed(self, errors: list[tuple[int, Exception]]) -> list[Failure]:
         """The failure (collective training: the one to blame, after the others' errors came in) or the
         failures (an engine that replaces workers one by one)."""
         seen = time.time()
         if not self.engine.replaces_workers:
-            deadline = time.monotonic() + self.timeouts.survivor_grace_s
-            while self.group.calls and time.monotonic() < deadline:  # the others' errors too: then pick the cause
-                errors += [(r, e) for r, _, e in self.group.poll(deadline - time.monotonic()) if e is not None]
+            errors += self._others_return()  # their errors too: then pick the cause
             errors = [min(errors, key=lambda item: blame(item[1]))]
         return [self._failure(rank, error, seen) for rank, error in errors]
+
+    def _others_return(self) -> list[tuple[int, Exception]]:
+        """Wait for the other ranks' calls to end after a failure, each as long as what it last said allows
+        (Timeouts.return_limit: a rank on its way back is never cut short for being slow); their errors. A rank
+        still out past its limit is named, with what it was doing, and is ended with the attempt."""
+        start, errors, said, step_s = time.monotonic(), [], {}, self._typical_step_s()
+        while self.group.calls:
+            ranks = sorted(self.group.calls.values())
+            said.update(self.group.final_progress(ranks, timeout_s=self.timeouts.poll_s))  # asked: polls lag
+            waited = time.monotonic() - start
+            doing = {rank: said.get(rank, {}).get("returning") for rank in ranks}
+            if all(waited > self.timeouts.return_limit(bool(doing[rank]), step_s) for rank in ranks):
+                for rank in ranks:
+                    self.on_event(
+                        f"{self.group.who(rank)} did not return within {waited:.1f} s of the failure "
+                        f"({doing[rank] or 'still in its step'}): it is ended with the attempt"
+                    )
+                break
+            errors += [(r, e) for r, _, e in self.group.poll(self.timeouts.poll_s) if e is not None]
+        return errors
 
     def _failure(self, rank: int, error: Exception, seen: float) -> Failure:
         cause = f"{self.group.who(rank)} failed: {first_line(error)}"

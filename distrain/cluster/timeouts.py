@@ -16,7 +16,9 @@ class Timeouts:
     setup_timeout_s: float = 600.0  # the limit outside training steps: start-up, checkpoints, evaluation
     restart_backoff_s: float = 1.0  # the wait before a retry that follows a failure without progress; doubles
     stop_grace_s: float = 30.0  # after a stop request, how long the ranks get to checkpoint and return
-    survivor_grace_s: float = 3.0  # after a failure, how long the other ranks get to return (and be reused)
+    # After a failure, how long another rank that has not yet noticed it gets to return (and be reused): most
+    # notice at once, their collectives failing with it. One that has noticed, on its way back, gets return_limit.
+    survivor_grace_s: float = 3.0
     # Progress, hang and stop-request checks; a death or an error is seen at once regardless. A stop
     # request waits for the next check, and under `ray job stop` the driver has 3 s in all.
     poll_s: float = 0.5
@@ -30,6 +32,14 @@ class Timeouts:
         if self.hang_timeout_s is not None:
             return self.hang_timeout_s
         return max(self.min_hang_timeout_s, HANG_STEPS * (step_s or 0.0))
+
+    def return_limit(self, returning: bool, step_s: float | None) -> float:
+        """How long after a failure another rank may take to return, by what it last said: on its way back
+        (keeping its state, leaving its process group: work a loaded machine makes slow, never to be cut
+        short) the step limit; still in its step, survivor_grace_s or three typical steps, whichever is
+        longer. Never more than setup_timeout_s."""
+        limit = self.step_limit(step_s) if returning else max(self.survivor_grace_s, 3 * (step_s or 0.0))
+        return min(limit, self.setup_timeout_s)
 
     def backoff(self, steps_reached: list[int]) -> float:
         """No wait before the first retry after forward progress (a new highest step: `steps_reached`

@@ -238,6 +238,7 @@ def _validate_training(cfg: TrainConfig) -> None:
         f"fault.straggler={f.straggler}: must be a rank below cluster.num_workers={n} (or null)",
     )
     require(f.straggler_slowdown >= 1, f"fault.straggler_slowdown={f.straggler_slowdown}: must be ≥ 1")
+    require(f.slow_return_s >= 0, f"fault.slow_return_s={f.slow_return_s}: must be ≥ 0")
     require(0 <= f.kill_rank < n, f"fault.kill_rank={f.kill_rank}: must be a rank below cluster.num_workers={n}")
     require(
         f.kill_at_step is None or (1 <= f.kill_at_step <= t.max_steps and cfg.ps.mode is None),

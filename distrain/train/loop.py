@@ -59,7 +59,9 @@ def run_rank(job: RankJob, channel: Channel) -> dict:
     try:
         results = run_trainer(job, device, channel)
     except BaseException as failure:
+        returning(channel, "leaving its process group")
         process_group.abort()  # a graceful destroy would wait for collectives its peers may never join
+        time.sleep(job.config.fault.slow_return_s)
         traceback.clear_frames(failure.__traceback__)  # the failed frames' hold on the trainer
         raise
     else:
@@ -79,12 +81,19 @@ def run_trainer(job: RankJob, device: torch.device, channel: Channel) -> dict:
         return trainer.fit()
     except BaseException:
         if trainer is not None:
+            returning(channel, "keeping its state for a recovery from replicas")
             try:
                 peers.keep(trainer.held())
             except Exception as e:  # never in the way of the failure itself: the next attempt loads the checkpoint
                 peers.keep(None)
                 checkpoint.say(f"rank {trainer.rank} keeps no state for a recovery from replicas: {e}")
         raise
+
+
+def returning(channel: Channel, doing: str) -> None:
+    """Tell the supervisor this rank has seen its attempt fail and is on its way back, doing what: it waits
+    for such a rank however slow (a survivor it ended would take its state with it)."""
+    channel.report({"returning": doing})
 
 
 def rng_states(device: torch.device) -> dict:
