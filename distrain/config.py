@@ -18,7 +18,8 @@ from typing import Any
 
 from omegaconf import MISSING, OmegaConf
 
-from distrain.storage.objectstore import is_url, mirror_dir, redact
+from distrain.storage.objectstore import mirror_dir, redact
+from distrain.storage.urls import is_url, run_location
 
 
 class ConfigError(ValueError):
@@ -244,6 +245,9 @@ class StorageConfig:
     cache_dir: str = "~/.cache/distrain"  # each node's local mirror of runs and shards on an object store
     retries: int = 4  # each operation, with back-off doubling from backoff_s, before it fails
     backoff_s: float = 0.5
+    # A bucket that does not exist is refused (a misspelt name; some stores would make it on the first write); true
+    # makes it before the run (or prepare_data's, export's output) writes there.
+    create_bucket: bool = False
     sync_interval_s: float = 30.0  # the run record (metrics, summary, logs) uploaded at least this often
 
 
@@ -304,7 +308,7 @@ class TrainConfig:
     @property
     def run_url(self) -> str | None:
         """The run on an object store (run.storage=s3://…), else None."""
-        return f"{self.run.storage.rstrip('/')}/{self.run.name}" if is_url(self.run.storage) else None
+        return run_location(self.run.storage, self.run.name) if is_url(self.run.storage) else None
 
 
 def attach_address(address: str | None) -> str | None:

@@ -1,6 +1,6 @@
 """A trained run as a Hugging Face model directory:
 
-    python jobs/export.py run.name=NAME out=DIR [run.storage=runs] [step=N]
+    python jobs/export.py run.name=NAME out=DIR [run.storage=runs] [step=N] [storage.create_bucket=false]
 
 DIR (or a URL: s3://bucket/prefix, any fsspec URL, with the environment's credentials and endpoint) gets
 config.json, model.safetensors (float32) and the run's tokenizer files, which
@@ -8,7 +8,8 @@ config.json, model.safetensors (float32) and the run's tokenizer files, which
 From the newest checkpoint that verifies (or step N's, if it does), whatever layout wrote it; the step
 exported is said. DIR is never overwritten: the files are written beside it and the directory renamed into
 place once whole; to a URL they are written to a temporary folder and uploaded, config.json last (a model
-without it does not load), and a URL holding a config.json is never written to.
+without it does not load), and a URL holding a config.json is never written to, nor one whose bucket does not
+exist (storage.create_bucket=true makes it).
 Bad input: one line and exit status 2."""
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 
 from distrain.config import ConfigError, StorageConfig
 
-USAGE = "python jobs/export.py run.name=NAME out=DIR|URL [run.storage=runs] [step=N]"
+USAGE = "python jobs/export.py run.name=NAME out=DIR|URL [run.storage=runs] [step=N] [storage.create_bucket=false]"
 
 
 def export(run_dir: str | Path, out: str | Path, step: int | None = None) -> tuple[Path, int]:
@@ -67,8 +68,8 @@ def export_to(
 ) -> tuple[str, int]:
     """`export` to a local directory, or to a URL through a temporary folder under `storage.cache_dir`,
     config.json uploaded last."""
-    from distrain.storage.objectstore import is_url
     from distrain.storage.publish import staged
+    from distrain.storage.urls import is_url
 
     if not is_url(out):
         path, step = export(run_dir, out, step)
@@ -85,14 +86,22 @@ def readable(path: Path) -> None:
 
 
 def main(argv: list[str]) -> None:
-    from distrain.driver.jobargs import REQUIRED, run_job
-    from distrain.driver.trained import run_location
+    from distrain.driver.jobargs import REQUIRED, Location, boolean, run_job
+    from distrain.storage.urls import run_location
 
     def work(args: dict) -> str:
-        out, step = export_to(run_location(args["run.storage"], args["run.name"]), args["out"], args["step"])
+        run = run_location(args["run.storage"], args["run.name"])
+        storage = StorageConfig(create_bucket=args["storage.create_bucket"])
+        out, step = export_to(run, args["out"], args["step"], storage)
         return f"distrain: exported run {args['run.name']} at step {step} to {out}"
 
-    spec = {"run.name": (str, REQUIRED), "run.storage": (str, "runs"), "out": (str, REQUIRED), "step": (int, None)}
+    spec = {
+        "run.name": (str, REQUIRED),
+        "run.storage": (Location, "runs"),
+        "out": (Location, REQUIRED),
+        "step": (int, None),
+        "storage.create_bucket": (boolean, False),
+    }
     run_job(argv, spec, USAGE, work)
 
 

@@ -64,7 +64,8 @@ def resolve_device(name: str) -> torch.device:
 
 def generate(args: dict) -> str:
     from distrain.data.tokenizer import run_tokenizer
-    from distrain.driver.trained import load_trained, run_location
+    from distrain.driver.trained import load_trained
+    from distrain.storage.urls import run_location
 
     if args["temperature"] < 0 or args["top_k"] < 0 or args["max_new_tokens"] < 0:
         raise ConfigError("temperature, top_k and max_new_tokens must be ≥ 0 (temperature=0: greedy; top_k=0: all)")
@@ -89,11 +90,11 @@ def generate(args: dict) -> str:
 
 
 def main(argv: list[str]) -> None:
-    from distrain.driver.jobargs import REQUIRED, run_job
+    from distrain.driver.jobargs import REQUIRED, Location, run_job
 
     spec = {
         "run.name": (str, REQUIRED),
-        "run.storage": (str, "runs"),
+        "run.storage": (Location, "runs"),
         "prompt": (str, REQUIRED),
         "max_new_tokens": (int, 200),
         "temperature": (float, 0.8),

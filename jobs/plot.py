@@ -1,28 +1,34 @@
-"""A picture of one run or several, from their metrics.jsonl, with no account and no network:
+"""A picture of one run or several, from their metrics.jsonl, with no account:
 
-    python jobs/plot.py run.name=NAME[,NAME...] [run.storage=runs] [out=FILE.png|.svg|.pdf]
+    python jobs/plot.py run.name=NAME[,NAME...] [run.storage=runs|URL] [out=FILE.png|.svg|.pdf]
 
 Three panels against the step: the train loss (validation loss dashed, with dots), the learning rate and the
 tokens per second; each run a colour of its own, overlaid. A restart (every attempt after a run's first, from
 summary.json: a failure's recovery or a rerun that resumed) is a dotted vertical line at the step it resumed from.
-The image goes to `out` (default: the run directory's plot.png; for several runs, plot-A-vs-B.png in
-run.storage), its format named by its suffix. Bad input: one line and exit status 2."""
+Runs are read where training wrote them: a directory, or an object store's URL (run.storage=s3://bucket/prefix,
+the environment's credentials and endpoint); a NAME may instead be a run's own location (a URL or an absolute
+path), to overlay runs kept in different places. The image goes to the local file `out` (default: the run
+directory's plot.png; for several runs, plot-A-vs-B.png in run.storage; where that is on an object store, the same
+name in the current directory), its format named by its suffix. Bad input: one line and exit status 2."""
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from distrain.config import ConfigError
-from distrain.storage.tracking import METRICS_FILE, SUMMARY_FILE, read_metrics
+from distrain.storage.objectstore import StorageError, Store, quick_options
+from distrain.storage.tracking import METRICS_FILE, SUMMARY_FILE, parse_metrics
+from distrain.storage.urls import check_location, is_url, looks_like_url, run_location
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-USAGE = "python jobs/plot.py run.name=NAME[,NAME...] [run.storage=runs] [out=FILE.png|.svg|.pdf]"
+USAGE = "python jobs/plot.py run.name=NAME[,NAME...] [run.storage=runs|URL] [out=FILE.png|.svg|.pdf]"
 PLOT_HINT = 'pip install -e ".[plot]"'
 # (metrics.jsonl key, panel title, y label); a run's line of each is labelled "<run> <key>"
 PANELS = [
@@ -53,22 +59,47 @@ def restarts(summary: dict) -> list[int]:
     return [a.get("info", {}).get("resumed_from_step", 0) for a in attempts[1:]]
 
 
-def load_run(storage: Path, name: str) -> Run:
-    """A run's metrics and restarts; a one-line ConfigError for no such run or no metrics yet."""
-    run_dir = storage / name
-    if not run_dir.is_dir():
-        known = sorted(p.name for p in storage.iterdir() if (p / METRICS_FILE).exists()) if storage.is_dir() else []
-        there = f"runs in {storage}: {', '.join(known)}" if known else f"{storage} holds no runs"
-        raise ConfigError(f"run.name={name}: no run at {run_dir} ({there}); give run.name (and run.storage)")
-    records = [r for r in read_metrics(str(run_dir)) if "step" in r]
+def place(storage: str | Path, name: str) -> str:
+    """Where the run `name` is: its own location if it is a URL (or an absolute path), else in `storage`."""
+    return name if is_url(name) else run_location(str(storage), name)
+
+
+def reader(where: str) -> Store:
+    """A run's folder or URL, read the same way (a folder through fsspec's local filesystem); a store's errors
+    come in seconds (short timeouts)."""
+    url = where if is_url(where) else f"file://{os.path.abspath(where)}"
+    return Store(url, quick_options(url, {}), retries=1)
+
+
+def read(store: Store, name: str) -> bytes | None:
+    try:
+        return store.read_bytes(name)
+    except FileNotFoundError:
+        return None
+
+
+def load_run(storage: str | Path, name: str) -> Run:
+    """A run's metrics and restarts, from its directory or its URL; a one-line ConfigError for no such run, no
+    metrics yet or a store that cannot be read."""
+    where = place(storage, name)
+    store = reader(where)
+    try:
+        metrics, summary = read(store, METRICS_FILE), read(store, SUMMARY_FILE)
+        if metrics is None and not store.exists(""):
+            parent = where.rstrip("/").rpartition("/")[0] or "."
+            found = reader(parent)
+            known = [c for c in found.children() if found.exists(f"{c}/{METRICS_FILE}")]
+            there = f"runs in {parent}: {', '.join(known)}" if known else f"{parent} holds no runs"
+            raise ConfigError(f"run.name={name}: no run at {where} ({there}); give run.name (and run.storage)")
+    except StorageError as e:
+        raise ConfigError(f"run.name={name}: cannot read the run at {where}: {e}") from None
+    records = [r for r in parse_metrics((metrics or b"").decode()) if "step" in r]
     if not records:
         raise ConfigError(
-            f"run {name} has no metrics yet ({run_dir / METRICS_FILE} is missing or empty): a run logs a line "
+            f"run {name} has no metrics yet ({where}/{METRICS_FILE} is missing or empty): a run logs a line "
             "every trainer.log_interval steps once training has begun"
         )
-    summary_path = run_dir / SUMMARY_FILE
-    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
-    return Run(name, records, restarts(summary))
+    return Run(name, records, restarts(json.loads(summary) if summary else {}))
 
 
 def figure(runs: list[Run]) -> Figure:
@@ -104,11 +135,17 @@ def legend(ax, runs: list[Run], colours: list[str]) -> list:  # noqa: ANN001  (a
     return handles
 
 
-def default_out(storage: Path, names: list[str]) -> Path:
-    return storage / names[0] / "plot.png" if len(names) == 1 else storage / f"plot-{'-vs-'.join(names)}.png"
+def default_out(storage: str | Path, names: list[str]) -> Path:
+    """The run directory's plot.png, for several runs plot-A-vs-B.png in run.storage; where that is on an object
+    store, the same name in the current directory: a picture is looked at here, and nothing is written to a store."""
+    places = [place(storage, name) for name in names]
+    if len(places) == 1 and not is_url(places[0]):
+        return Path(places[0]) / "plot.png"
+    stem = "-vs-".join(p.rstrip("/").rpartition("/")[2] for p in places)
+    return (Path.cwd() if len(places) == 1 or is_url(str(storage)) else Path(storage)) / f"plot-{stem}.png"
 
 
-def plot(storage: Path, names: list[str], out: Path | None = None) -> Path:
+def plot(storage: str | Path, names: list[str], out: Path | None = None) -> Path:
     """Draw the named runs into `out` (default: default_out); the path written."""
     try:
         import matplotlib
@@ -128,16 +165,27 @@ def plot(storage: Path, names: list[str], out: Path | None = None) -> Path:
 
 
 def main(argv: list[str]) -> None:
-    from distrain.driver.jobargs import REQUIRED, run_job
+    from distrain.driver.jobargs import REQUIRED, Location, run_job
 
     def work(args: dict) -> str:
         names = [n for n in args["run.name"].split(",") if n]
         if not names:
             raise ConfigError(f"run.name= names no run; usage: {USAGE}")
-        out = plot(Path(args["run.storage"]), names, Path(args["out"]) if args["out"] else None)
+        for name in names:
+            try:
+                check_location(name, "run.name")
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+        if looks_like_url(args["out"]):
+            raise ConfigError(
+                f"out={args['out']!r}: the picture is written to a local file: give a path (and copy the file to a "
+                "store with its own tools)"
+            )
+        out = plot(args["run.storage"], names, Path(args["out"]) if args["out"] else None)
         return f"distrain: plotted {', '.join(names)} to {out}"
 
-    run_job(argv, {"run.name": (str, REQUIRED), "run.storage": (str, "runs"), "out": (str, None)}, USAGE, work)
+    spec = {"run.name": (str, REQUIRED), "run.storage": (Location, "runs"), "out": (str, None)}
+    run_job(argv, spec, USAGE, work)
 
 
 if __name__ == "__main__":

@@ -39,9 +39,13 @@ def main(argv: list[str]) -> None:
         fail("data.shards is not set: give the directory to write, e.g. data.shards=shards/mycorpus")
     from distrain.data.prepare import prepare
     from distrain.data.shards import INDEX
-    from distrain.storage.objectstore import is_url
     from distrain.storage.publish import staged
+    from distrain.storage.urls import check_location, is_url
 
+    try:
+        check_location(cfg.data.shards, "data.shards")
+    except ValueError as e:
+        fail(str(e))
     out = cfg.data.shards if is_url(cfg.data.shards) else os.path.abspath(cfg.data.shards)
     try:
         if is_url(out):

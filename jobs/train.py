@@ -168,13 +168,19 @@ def upload_log(config) -> None:
 
 def check_sweep_storage(overrides: list[str]) -> None:
     """Hydra makes a sweep's directory (under run.storage) before any point's config is checked: check first.
-    A sweep's record is kept in a directory: a URL is refused (Hydra would make a local folder named 's3:')."""
+    A sweep's record is kept in a directory: a URL is refused (Hydra would make a local folder named 's3:'), and
+    so is one not well-formed (a sampling sweeper's points are checked only as they come)."""
     from distrain.config import RunConfig
     from distrain.storage.fsutil import make_writable_dir
-    from distrain.storage.objectstore import is_url
+    from distrain.storage.urls import check_location, is_url
 
     given = [o.partition("=")[2] for o in overrides if o.lstrip("+").startswith("run.storage=")]
     storage = given[-1] if given else RunConfig.storage
+    for each in storage.split(","):
+        try:
+            check_location(each, "run.storage")
+        except ValueError as e:
+            raise BadInput(str(e)) from None
     if any(is_url(s) for s in storage.split(",")):
         raise BadInput(
             f"run.storage={storage!r}: a sweep (-m) keeps its record in a directory, and a URL is not one: sweep "

@@ -7,6 +7,7 @@ import json
 import os
 import random
 import signal
+import subprocess
 import threading
 import time
 import warnings
@@ -89,6 +90,18 @@ def rank_env(rank: int, world: int, port: int, **extra: str) -> None:
     """The environment of a gloo rank on loopback as torchrun sets it, one torch thread; `extra` beside."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
     os.environ.update(MASTER_PORT=str(port), OMP_NUM_THREADS="1", **extra)
+
+
+def documented(page: str, section: str) -> list[str]:
+    """The commands of the first bash block in docs/<page>'s `## <section>`, as printed (comments and all)."""
+    text = (REPO / "docs" / page).read_text().split(f"\n## {section}\n", 1)[1]
+    block = text.split("```bash\n", 1)[1].split("```", 1)[0]
+    return [line for line in block.splitlines() if line.strip()]
+
+
+def bash(command: str, env: dict, timeout: float) -> subprocess.CompletedProcess:
+    """`command` in bash from the repository root, as a user would type it there."""
+    return subprocess.run(["bash", "-c", command], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def make_config(storage: Path, *overrides: str) -> TrainConfig:

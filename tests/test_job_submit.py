@@ -17,7 +17,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from conftest import REPO, TINY
+from conftest import REPO, TINY, bash, documented
 
 sys.path.insert(0, str(REPO / "jobs"))
 from cluster import processes  # noqa: E402  (jobs/cluster.py)
@@ -28,14 +28,7 @@ RAY_DEFAULT_PORTS = (6379, 8265, 52365)  # GCS, dashboard, dashboard agent: held
 
 def documented_commands() -> list[str]:
     """The commands of docs/cluster.md's one-machine block, as printed (comments and all)."""
-    section = (REPO / "docs" / "cluster.md").read_text().split("\n## One machine\n", 1)[1]
-    block = section.split("```bash\n", 1)[1].split("```", 1)[0]
-    return [line for line in block.splitlines() if line.strip()]
-
-
-def bash(command: str, env: dict, timeout: float) -> subprocess.CompletedProcess:
-    """`command` in bash from the repository root, as a user would type it there."""
-    return subprocess.run(["bash", "-c", command], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    return documented("cluster.md", "One machine")
 
 
 @pytest.fixture(scope="module")

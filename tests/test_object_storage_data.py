@@ -28,6 +28,7 @@ from distrain.storage.publish import staged
 
 sys.path.append(str(REPO / "jobs"))
 from export import export, export_to  # noqa: E402
+from export import main as export_job  # noqa: E402
 from prepare_data import main as prepare_data  # noqa: E402
 
 STEPS = 4
@@ -194,3 +195,36 @@ def test_an_export_to_a_url_is_the_local_export(runs, s3, tmp_path: Path):
     with pytest.raises(ConfigError, match="already holds a complete output"):
         export_to(run_dir, url, storage=storage)
     shutil.rmtree(out)
+
+
+def test_an_output_into_a_bucket_that_does_not_exist_is_refused_unless_made(s3, tmp_path: Path, capsys):
+    """A misspelt bucket, which SeaweedFS would make at the first upload: prepare_data and export refuse it in one
+    line naming it, before anything is written; storage.create_bucket=true (an argument of export's) makes it."""
+    made = lambda: Store(s3.url()).fs.ls("", refresh=True)  # noqa: E731  (the store's buckets)
+    bucket = f"nosuchbucket-{uuid.uuid4().hex[:8]}"
+    for job, args, key, where in [
+        (prepare_data, [f"storage.cache_dir={tmp_path}"], "data.shards", "shards"),
+        (export_job, ["run.name=r", f"run.storage={tmp_path}"], "out", "hf"),
+    ]:
+        url = f"s3://{bucket}/{where}"
+        with pytest.raises(SystemExit) as refused:
+            job([*args, f"{key}={url}"])
+        line = f"{key}={url!r}: the bucket '{bucket}' does not exist; check its name, or set storage.create_bucket=true"
+        assert refused.value.code == 2 and capsys.readouterr().err == f"distrain: error: {line} to create it\n"
+    assert bucket not in made() and list(tmp_path.iterdir()) == []
+
+    with pytest.raises(SystemExit):  # the flag reaches the check: the bucket is made, then the run is not found
+        export_job(["run.name=r", f"run.storage={tmp_path}", f"out=s3://{bucket}/hf", "storage.create_bucket=true"])
+    assert "no run at" in capsys.readouterr().err and bucket in made() and Store(f"s3://{bucket}").listing() == {}
+    other = f"s3://nosuchbucket-{uuid.uuid4().hex[:8]}/shards"
+    with staged(other, StorageConfig(cache_dir=str(tmp_path), create_bucket=True), "index.json", "data.shards") as out:
+        out.mkdir()
+        (out / "index.json").write_text("{}")
+    assert Store(other).read_bytes("index.json") == b"{}"
+
+    fast = {"connect_timeout": 1, "retries": {"max_attempts": 1}}  # a closed port: the bucket's look fails at once
+    options = {"endpoint_url": f"http://127.0.0.1:{free_port()}", "config_kwargs": fast}
+    closed = StorageConfig(options=options, retries=0)
+    with pytest.raises(ConfigError, match=rf"^data.shards={other} cannot be written: looking up the bucket of"):
+        with staged(other, closed, "index.json", "data.shards"):
+            pass

@@ -8,11 +8,13 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import logging
 import os
 import socket
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -20,9 +22,9 @@ from conftest import REPO, TINY, make_config
 
 from distrain.config import ClusterConfig, ConfigError, recorded
 from distrain.driver.launch import _previous_summaries, train, worker_env
-from distrain.driver.objectrun import on_store
+from distrain.driver.objectrun import check_run_url, on_store
 from distrain.storage.fsutil import LockedError
-from distrain.storage.objectstore import Store
+from distrain.storage.objectstore import Store, quick_options
 from distrain.storage.record import LOCK_OBJECT, RecordSync, record_sync, store_lock
 from distrain.storage.tracking import TRACKER_FILES, Tracker
 
@@ -59,6 +61,33 @@ def test_a_url_is_checked_before_anything_is_written(s3, tmp_path: Path, monkeyp
     line = refusal(make_config(s3.url("refused"), *common))
     assert f"cannot write the run at {s3.url('refused', 'r')}" in line and "signature" in line, line
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_bucket_that_does_not_exist_is_refused_unless_made(s3, tmp_path: Path, monkeypatch):
+    """A misspelt bucket, which SeaweedFS would make at the first write (and the run "complete" there): refused in
+    one line naming it, before anything is written, the bucket still absent; storage.create_bucket=true makes it."""
+    monkeypatch.chdir(tmp_path)
+    made = lambda: Store(s3.url()).fs.ls("", refresh=True)  # noqa: E731  (the store's buckets)
+    bucket = f"nosuchbucket-{uuid.uuid4().hex[:8]}"
+    common = ("run.name=r", f"storage.cache_dir={tmp_path / 'cache'}")
+    line = refusal(make_config(f"s3://{bucket}/team", *common))
+    assert line == (
+        f"run.storage='s3://{bucket}/team': the bucket '{bucket}' does not exist; check its name, or set "
+        "storage.create_bucket=true to create it"
+    )
+    assert bucket not in made() and list(tmp_path.iterdir()) == []
+    Store(f"s3://{bucket}/team").check_bucket("run.storage", create=True)  # made by the check, before any write
+    assert bucket in made()
+    check_run_url(make_config(f"s3://{bucket}x/team", *common, "storage.create_bucket=true"))  # the key reaches it
+    assert f"{bucket}x" in made()
+
+
+def test_a_stores_client_says_nothing_of_the_credentials(s3, caplog):
+    """botocore's "Found credentials in environment variables." for every client made, in every process's log."""
+    caplog.set_level(logging.INFO)
+    url = s3.url("quiet")
+    assert not Store(url, quick_options(url, {})).exists("x")  # a client of its own: the credentials looked up
+    assert [r.getMessage() for r in caplog.records if r.name.startswith(("aiobotocore", "botocore"))] == []
 
 
 def test_a_sweep_on_a_url_is_refused_in_one_line():

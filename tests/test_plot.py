@@ -1,6 +1,7 @@
 """Pictures of a run without an account: jobs/plot.py draws what metrics.jsonl holds (checked on the
-figure's lines, not on the image's pixels), and logger.tensorboard=true writes the same scalars as
-TensorBoard events. Both on the run tests/test_wandb.py checks (conftest's tracked_run)."""
+figure's lines, not on the image's pixels), read where the run is (a directory, an object store), and
+logger.tensorboard=true writes the same scalars as TensorBoard events. Both on the run tests/test_wandb.py checks
+(conftest's tracked_run)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, make_config
+from conftest import REPO, free_port, make_config
 
 from distrain.config import ConfigError, to_plain
 from distrain.driver.validation import validate
-from distrain.storage.tracking import Tracker, read_metrics
+from distrain.storage.objectstore import Store
+from distrain.storage.tracking import METRICS_FILE, SUMMARY_FILE, Tracker, read_metrics
 
 sys.path.append(str(REPO / "jobs"))
 import plot  # noqa: E402  (jobs/plot.py)
@@ -88,6 +90,30 @@ def test_plot_command_writes_the_image_and_refuses_bad_input(tracked_run, tmp_pa
         assert rc == 2 and line.startswith("distrain: error: ") and says in line, stderr
     assert sorted(p.name for p in storage.iterdir()) == ["empty", "w"]  # nothing written by a refused command
     assert sorted(p.name for p in tmp_path.iterdir()) == ["both.svg", "runs"]
+
+
+def test_plot_reads_runs_on_an_object_store_alone_and_beside_local_ones(tracked_run, s3, tmp_path, monkeypatch, capsys):
+    """The run's record on a store (as a run there uploads it): the same lines and restarts as on disk; overlaid
+    with a local run (a name that is a run's URL); the picture written here, nothing to the store."""
+    run_dir, _, _ = tracked_run
+    storage = s3.url("plots")
+    Store(storage).upload(run_dir, [METRICS_FILE, SUMMARY_FILE], "w")
+    local, remote = plot.load_run(run_dir.parent, "w"), plot.load_run(storage, "w")
+    assert (remote.records, remote.restarts) == (local.records, local.restarts) and remote.restarts == [4]
+    lines = lines_of(plot.figure([local, plot.load_run(run_dir.parent, f"{storage}/w")]))
+    for key in ("loss", "val_loss", "lr", "tokens_per_s", "restart"):
+        assert lines[f"{storage}/w {key}"] == lines[f"w {key}"], key
+
+    monkeypatch.chdir(tmp_path)
+    plot.main([f"run.storage={storage}", "run.name=w"])
+    assert capsys.readouterr().out == f"distrain: plotted w to {tmp_path / 'plot-w.png'}\n"
+    assert (tmp_path / "plot-w.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(ConfigError, match=rf"^run.name=nope: no run at {storage}/nope \(runs in {storage}: w\)"):
+        plot.load_run(storage, "nope")
+    assert sorted(Store(storage).listing()) == ["w/metrics.jsonl", "w/summary.json"]
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")  # the store unreachable: said at once
+    with pytest.raises(ConfigError, match=rf"^run.name=w: cannot read the run at {storage}/w: reading .*Could not"):
+        plot.load_run(storage, "w")
 
 
 def tensorboard_scalars(run_dir: Path, key: str) -> list[tuple[int, float]]:

@@ -20,7 +20,8 @@ from distrain.config import ConfigError
 from distrain.data.shards import INDEX, SPLITS, parse_index, shard_sizes
 from distrain.storage.fsutil import atomic_write
 from distrain.storage.integrity import checksum
-from distrain.storage.objectstore import StorageError, Store, check_scheme, is_url, mirror_dir, store_for
+from distrain.storage.objectstore import StorageError, Store, mirror_dir, store_for
+from distrain.storage.urls import check_location, is_url
 
 if TYPE_CHECKING:
     from distrain.config import StorageConfig, TrainConfig
@@ -34,7 +35,7 @@ def remote_index(url: str, storage: StorageConfig) -> tuple[dict[str, Any], dict
     and the store; a one-line ConfigError naming the URL when it is unreachable, unprepared or corrupt."""
     where = f"data.shards={url!r}"
     try:
-        check_scheme(url, "data.shards")
+        check_location(url, "data.shards")
         store = store_for(url, storage)
         text = store.read_bytes(INDEX)
         listing = store.listing()

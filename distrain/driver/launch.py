@@ -38,8 +38,9 @@ from distrain.model.hf import resolve_init_from
 from distrain.progress import ProgressLine
 from distrain.storage import checkpoint, remote
 from distrain.storage.fsutil import exclusive_lock, make_writable_dir, remove_empty
-from distrain.storage.objectstore import is_url, store_for
+from distrain.storage.objectstore import store_for
 from distrain.storage.tracking import SUMMARY_FILE, read_metrics, wandb_mode, write_summary
+from distrain.storage.urls import is_url
 from distrain.strategy.layout import Layout
 from distrain.train.job import RankJob
 

@@ -10,17 +10,19 @@ from pathlib import Path
 
 from distrain.config import ConfigError, TrainConfig
 from distrain.storage.fsutil import remove_empty
-from distrain.storage.objectstore import StorageError, Store, check_scheme, quick_options, store_for
+from distrain.storage.objectstore import StorageError, Store, quick_options, store_for
 from distrain.storage.record import RecordSync, store_lock
 from distrain.storage.tracking import TRACKER_FILES
 
 
 def check_run_url(cfg: TrainConfig) -> None:
-    """One-line ConfigError unless a filesystem for run.storage's scheme is installed and an object can be
-    written, read back and deleted under the run's URL (with short timeouts: a wrong endpoint fails in seconds)."""
+    """One-line ConfigError unless run.storage's bucket exists (or storage.create_bucket makes it) and an object can
+    be written, read back and deleted under the run's URL (with short timeouts: a wrong endpoint fails in seconds).
+    After validation, which has checked the URL well-formed and its filesystem installed."""
     try:
-        check_scheme(cfg.run.storage, "run.storage")
-        Store(cfg.run_url, quick_options(cfg.run_url, cfg.storage.options), retries=0).check_writable()
+        store = Store(cfg.run_url, quick_options(cfg.run_url, cfg.storage.options), retries=0)
+        store.check_bucket(f"run.storage={cfg.run.storage!r}", cfg.storage.create_bucket)
+        store.check_writable()
     except ValueError as e:
         raise ConfigError(str(e)) from None
     except Exception as e:  # StorageError, or the filesystem's own before any try (an option it does not take)

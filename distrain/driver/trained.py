@@ -12,12 +12,7 @@ from torch import nn
 from distrain.config import ConfigError, StorageConfig, TrainConfig, from_plain
 from distrain.model.registry import build_model
 from distrain.storage import checkpoint, remote, safeload
-from distrain.storage.objectstore import is_url
-
-
-def run_location(storage: str, name: str) -> str:
-    """Where the run `name` of `run.storage` is: a directory, or a URL on an object store."""
-    return f"{storage.rstrip('/')}/{name}" if is_url(storage) else str(Path(storage) / name)
+from distrain.storage.urls import is_url
 
 
 def checkpoint_path(run_dir: str | Path, step: int | None = None, storage: StorageConfig | None = None) -> Path:

@@ -7,14 +7,14 @@ from __future__ import annotations
 import importlib.util
 import os
 
-from distrain.config import ClusterConfig, TrainConfig, attach_address
+from distrain.config import ClusterConfig, ConfigError, TrainConfig, attach_address
 from distrain.data.checks import check_data
 from distrain.data.corpus import corpus_files
 from distrain.driver.plan import rank_memory
 from distrain.model.families import shipped
 from distrain.model.registry import check_model, has_causal_attention, has_plan
 from distrain.storage import directio
-from distrain.storage.objectstore import is_url
+from distrain.storage.urls import check_location, is_url, looks_like_url
 from distrain.strategy import PARALLELISMS
 from distrain.strategy.layout import Layout
 from distrain.strategy.pipeline import SCHEDULES
@@ -37,6 +37,7 @@ PER_RANK_VARIABLES = (
 def validate(cfg: TrainConfig) -> Layout:
     """Check everything that can be checked without a cluster; raise ConfigError naming key and fix.
     Returns the run's layout on cluster.num_workers."""
+    _validate_places(cfg)
     layout = Layout.resolve(cfg)
     _validate_model(cfg)
     for parallelism in reversed(PARALLELISMS):
@@ -49,6 +50,19 @@ def validate(cfg: TrainConfig) -> Layout:
     _validate_training(cfg)
     _validate_data(cfg)
     return layout
+
+
+def _validate_places(cfg: TrainConfig) -> None:
+    """A URL is never taken for a local path (storage/urls.py), and storage.cache_dir is each node's own folder."""
+    for key, text in (("run.storage", cfg.run.storage), ("data.shards", cfg.data.shards)):
+        try:
+            check_location(text or "", key)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    require(
+        not looks_like_url(cfg.storage.cache_dir),
+        f"storage.cache_dir={cfg.storage.cache_dir!r} is a URL: it is each node's own local folder; give a path",
+    )
 
 
 def _validate_model(cfg: TrainConfig) -> None:

@@ -15,6 +15,7 @@ endpoint), and is redacted wherever a config is recorded.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import re
 import time
@@ -23,31 +24,18 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from distrain.storage.urls import URL, bucket
+
 T = TypeVar("T")
-_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$")
+# The clients' lines on every client made ("Found credentials in environment variables.", "Found endpoint for s3
+# via: environment_global."): not the run's.
+QUIET_LOGGERS = ("aiobotocore.credentials", "botocore.credentials", "botocore.configprovider")
 # Option names that may carry a secret (s3fs's key/secret/token, adlfs's account_key, gcsfs's token...).
 _SECRET = re.compile(r"key|secret|token|password|credential|sas", re.IGNORECASE)
 
 
 class StorageError(RuntimeError):
     """The object store could not do what was asked after every retry: one line naming the URL and why."""
-
-
-def is_url(text: str | None) -> bool:
-    """Whether `text` is a URL (scheme://...) rather than a local path."""
-    return bool(text and _URL.match(text))
-
-
-def check_scheme(url: str, key: str) -> None:
-    """ValueError in one line if no installed fsspec filesystem serves the URL's scheme."""
-    import fsspec
-
-    scheme = _URL.match(url)[1]
-    try:
-        fsspec.get_filesystem_class(scheme)
-    except (ValueError, ImportError) as e:
-        hint = " (pip install s3fs, or the `s3` extra: pip install -e '.[s3]')" if scheme in ("s3", "s3a") else ""
-        raise ValueError(f"{key}={url!r}: no filesystem for {scheme}:// is installed ({e}){hint}") from None
 
 
 def redact(options: dict) -> dict:
@@ -75,7 +63,7 @@ def mirror_dir(url: str, cache_dir: str | Path) -> Path:
     """The local mirror of `url` under this node's cache folder (DISTRAIN_CACHE_DIR in this process's
     environment, else `cache_dir`): readable (scheme, then the URL's path) and unique. Computed where it is
     used: each node's mirror is its own, never assumed shared."""
-    scheme, rest = _URL.match(url).groups()
+    scheme, rest = URL.match(url).groups()
     tag = hashlib.sha1(url.encode()).hexdigest()[:8]
     root = Path(os.environ.get(NODE_CACHE_ENV) or cache_dir).expanduser()
     return root / "mirror" / scheme / f"{rest.strip('/')}-{tag}"
@@ -88,10 +76,12 @@ class Store:
     def __init__(self, url: str, options: dict | None = None, retries: int = 4, backoff_s: float = 0.5):
         from fsspec.core import url_to_fs
 
+        for name in QUIET_LOGGERS:  # here, after any logging config (Hydra's) has set the levels
+            logging.getLogger(name).setLevel(logging.WARNING)
         self.url, self.options = url.rstrip("/"), dict(options or {})
         self.retries, self.backoff_s = retries, backoff_s
         # file://: a folder's files need their folders (an object store has none), made as they are written
-        local = {"auto_mkdir": True} if _URL.match(self.url)[1] in ("file", "local") else {}
+        local = {"auto_mkdir": True} if URL.match(self.url)[1] in ("file", "local") else {}
         self.fs, self.root = url_to_fs(self.url, **local, **self.options)
         self.root = self.root.rstrip("/")
 
@@ -225,6 +215,33 @@ class Store:
             raise StorageError(f"{self.url}: an object written there read back different")
         self.remove(probe)
 
+    def check_bucket(self, setting: str, create: bool) -> None:
+        """ValueError in one line naming `setting` when the URL's bucket does not exist, unless `create`: then it
+        is made. Checked before the first write, as a store that makes buckets on write (SeaweedFS) would take a
+        misspelt name for a new one. A bucket this client may not look at is left to the write that follows."""
+        name = bucket(self.url)
+        if not name:
+            return
+
+        def look() -> bool:
+            self.fs.invalidate_cache()
+            try:
+                self.fs.info(name)  # S3's HeadBucket
+            except FileNotFoundError:
+                return False
+            except PermissionError:
+                pass
+            return True
+
+        if self._retry("looking up the bucket of", look):
+            return
+        if not create:
+            raise ValueError(
+                f"{setting}: the bucket {name!r} does not exist; check its name, or set storage.create_bucket=true "
+                f"to create it"
+            )
+        self._retry("creating the bucket of", lambda: self.fs.makedirs(name, exist_ok=True))
+
 
 def _first(error: BaseException) -> str:
     text = str(error).strip().splitlines()
@@ -235,7 +252,7 @@ def quick_options(url: str, options: dict) -> dict:
     """`options` for a check that must fail fast: a fresh client (not one cached with an older environment),
     and for S3 short timeouts and one try (botocore's defaults take ~8 s per try against a closed port)."""
     quick = {**options, "skip_instance_cache": True}
-    if _URL.match(url)[1] in ("s3", "s3a"):
+    if URL.match(url)[1] in ("s3", "s3a"):
         quick["config_kwargs"] = {
             "connect_timeout": 3,
             "read_timeout": 10,

@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from distrain.config import ConfigError
-from distrain.storage.objectstore import StorageError, check_scheme, store_for
+from distrain.storage.objectstore import StorageError, store_for
+from distrain.storage.urls import check_location
 
 if TYPE_CHECKING:
     from distrain.config import StorageConfig
@@ -24,20 +25,23 @@ if TYPE_CHECKING:
 def staged(url: str, storage: StorageConfig, last: str, key: str) -> Iterator[Path]:
     """A local path (absent) to write the output to; once the block ends without error, its files are
     uploaded to `url`, `last` after all others. A one-line ConfigError naming `key` before anything is
-    written when the URL already holds a complete output or cannot be written, and if the upload fails."""
+    written when the URL is not well-formed, its bucket does not exist (unless storage.create_bucket), it
+    already holds a complete output or cannot be written, and if the upload fails."""
     try:
-        check_scheme(url, key)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    store = store_for(url, storage)
-    try:
-        if store.exists(last):
-            raise ConfigError(f"{key}={url} already holds a complete output ({last}); choose a new URL or remove it")
-        if "file" in store.fs.protocol:  # a folder, which must exist to hold files (an object store has none)
-            store.fs.makedirs(store.root, exist_ok=True)
-        store.check_writable()
+        check_location(url, key)
+        store = store_for(url, storage)
+        store.check_bucket(f"{key}={url!r}", storage.create_bucket)
+        complete = store.exists(last)
+        if not complete:
+            if "file" in store.fs.protocol:  # a folder, which must exist to hold files (an object store has none)
+                store.fs.makedirs(store.root, exist_ok=True)
+            store.check_writable()
     except (StorageError, OSError) as e:
         raise ConfigError(f"{key}={url} cannot be written: {e}") from None
+    except ValueError as e:  # not a well-formed URL, no filesystem for it, no such bucket
+        raise ConfigError(str(e)) from None
+    if complete:
+        raise ConfigError(f"{key}={url} already holds a complete output ({last}); choose a new URL or remove it")
     parent = Path(storage.cache_dir).expanduser() / "staging"
     parent.mkdir(parents=True, exist_ok=True)
     local = Path(tempfile.mkdtemp(dir=parent))

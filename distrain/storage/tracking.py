@@ -188,8 +188,13 @@ def write_summary(run_dir: str, summary: dict) -> None:
 def read_metrics(run_dir: str) -> list[dict]:
     """The run's metrics lines, without a last one torn by a crash mid-write (the resume sets it aside)."""
     path = Path(run_dir) / METRICS_FILE
+    return parse_metrics(path.read_text() if path.exists() else "")
+
+
+def parse_metrics(text: str) -> list[dict]:
+    """The lines of a metrics.jsonl, read wherever it is; a line torn by a crash mid-write left out."""
     records = []
-    for line in path.read_text().splitlines() if path.exists() else []:
+    for line in text.splitlines():
         try:
             records.append(json.loads(line))
         except ValueError:

@@ -23,6 +23,7 @@ from pathlib import Path
 from distrain.ports import free_ports
 
 BUCKET = "runs"
+VARIABLES = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION")  # `env`'s
 # A listing of the bucket with a short timeout and no retries: the store is up once it answers.
 LIST = f"""
 import sys, s3fs
@@ -65,12 +66,7 @@ class Seaweed:
     @property
     def env(self) -> dict[str, str]:
         """What an S3 client needs: the key, the secret and the endpoint (botocore reads AWS_ENDPOINT_URL)."""
-        return {
-            "AWS_ACCESS_KEY_ID": self.key,
-            "AWS_SECRET_ACCESS_KEY": self.secret,
-            "AWS_ENDPOINT_URL": self.endpoint,
-            "AWS_DEFAULT_REGION": "us-east-1",
-        }
+        return dict(zip(VARIABLES, (self.key, self.secret, self.endpoint, "us-east-1"), strict=True))
 
     def url(self, *parts: str) -> str:
         return "/".join([f"s3://{BUCKET}", *parts])

@@ -1,0 +1,60 @@
+"""A place given on the command line (run.storage, data.shards, an output): a local path, or a URL of an object
+store (s3://bucket/prefix, any fsspec URL). A URL is never taken for a local path: text that starts like one
+(`s3:`) but is not well-formed (`s3:/runs`, `s3:///runs`) would otherwise name a local folder `s3:`, so it is
+refused, as is a scheme no installed filesystem serves. Pure text but for the filesystem lookup (fsspec, lazily).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$")
+# A scheme and a colon at the start: what a URL begins with. Two letters at least: `C:` is no scheme.
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):")
+# Schemes whose URLs name a local path, not a bucket: file:///tmp/x is whole without one.
+LOCAL_SCHEMES = ("file", "local", "memory")
+
+
+def is_url(text: str | None) -> bool:
+    """Whether `text` is a URL (scheme://...) rather than a local path."""
+    return bool(text and URL.match(text))
+
+
+def looks_like_url(text: str | None) -> bool:
+    """Whether `text` starts like a URL (`scheme:`), well-formed or not: never a plain local path."""
+    return bool(text and _SCHEME.match(text))
+
+
+def bucket(url: str) -> str | None:
+    """The bucket (container) a URL names, None for a scheme without buckets (file://)."""
+    scheme, rest = URL.match(url).groups()
+    return None if scheme in LOCAL_SCHEMES else rest.split("/", 1)[0]
+
+
+def check_location(text: str, key: str) -> None:
+    """ValueError in one line, naming `key`, if `text` starts like a URL but is not a well-formed one (a scheme,
+    `://`, a bucket), or if no installed fsspec filesystem serves its scheme. A plain path passes."""
+    found = _SCHEME.match(text)
+    if not found:
+        return
+    scheme = found[1]
+    if not is_url(text) or bucket(text) == "":
+        rest = text[len(scheme) + 1 :].lstrip("/")
+        fix = f"{scheme}:///{rest}" if scheme in LOCAL_SCHEMES else f"{scheme}://{rest or 'BUCKET/PREFIX'}"
+        raise ValueError(
+            f"{key}={text!r} is not a well-formed URL: write {fix} (scheme://bucket/prefix), or ./{text} for a local "
+            f"folder of that name"
+        )
+    import fsspec
+
+    try:
+        fsspec.get_filesystem_class(scheme)
+    except (ValueError, ImportError) as e:
+        hint = " (pip install s3fs, or the `s3` extra: pip install -e '.[s3]')" if scheme in ("s3", "s3a") else ""
+        raise ValueError(f"{key}={text!r}: no filesystem for {scheme}:// is installed ({e}){hint}") from None
+
+
+def run_location(storage: str, name: str) -> str:
+    """Where the run `name` of `storage` is: a directory, or a URL on an object store."""
+    return f"{storage.rstrip('/')}/{name}" if is_url(storage) else str(Path(storage) / name)
