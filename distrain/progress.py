@@ -54,13 +54,18 @@ class WorkLine(_Line):
 
 
 class ProgressLine(_Line):
-    """Training's line, from rank 0's progress reports."""
+    """Training's line, from rank 0's progress reports: the newest step whose line the run has logged, with
+    that line's figures. A collective rank reads a step's loss back during the next step, and says which step
+    its figures are of (`logged`: from the step it starts at, with none); a parameter server's report is of its
+    `step`. A new attempt's reports carry no figures until its first logged step: the line never shows a loss
+    beside a step it is not of."""
 
     def __init__(self, interval_s: float, stream=None):
         super().__init__(interval_s, stream)
         self.first: tuple[float, int] | None = None  # (time, step) at the first report, for the rate
         self.last_print = 0.0
         self.last_step = -1
+        self.shown: tuple | None = None  # the step and figures last rendered
         self.metrics: dict = {}
         self.unprinted: str | None = None  # the newest line, held back by the interval
         self.said: set[str] = set()
@@ -70,14 +75,14 @@ class ProgressLine(_Line):
             if line not in self.said:
                 self.said.add(line)
                 self.message(line)
-        step = progress.get("step")
-        if step is None or step == self.last_step:
+        step = progress.get("logged", progress.get("step"))
+        metrics = {k: v for k, v in progress.items() if k in ("loss", "val_loss", "tokens_per_s")}
+        if step is None or (step, metrics) == self.shown:
             return
         now = time.time()
         if self.first is None:
             self.first = (now, step)
-        self.last_step = step
-        self.metrics.update({k: v for k, v in progress.items() if k in ("loss", "val_loss", "tokens_per_s")})
+        self.last_step, self.shown, self.metrics = step, (step, metrics), metrics
         self.unprinted = self.render(step, progress["max_steps"], now)
         if now - self.last_print >= self.interval_s:
             self.last_print = now

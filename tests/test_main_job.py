@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -68,6 +69,8 @@ def test_main_job_learns_well_below_the_unigram_entropy(tmp_path: Path):
     assert "reserved_at" in summary["attempts"][0]["timings"]  # its own placement group
 
     assert f"step {STEPS}/{STEPS}" in result.stdout and "ETA" in result.stdout  # the console progress line
+    shown = re.findall(r"step (\d+)/\d+ \| loss ([\d.]+)", result.stdout)  # each loss beside its own step
+    assert shown and all(f"{metrics[int(step) - 1]['loss']:.4f}" == loss for step, loss in shown), shown
     assert (run_dir / "checkpoints" / f"step_{STEPS:08d}" / "COMMITTED").exists()
     assert any((run_dir / "wandb").glob("offline-run-*"))  # W&B offline by default without an API key
     assert any(run_dir.glob("hydra/*/.hydra/config.yaml"))

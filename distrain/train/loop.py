@@ -215,7 +215,10 @@ class Trainer:
         # Under way: what a recovery from replicas started from is in this attempt's model now. (Kept until here,
         # untouched: if this attempt fails before it gets here, a kill mid-transfer, the next starts from it again.)
         peers.keep(None)
-        channel.report({"step": self.step, "max_steps": cfg.trainer.max_steps, "loaded_at": time.time()})
+        # `logged`: the step the progress line shows, with its figures once read back (log_read)
+        channel.report(
+            {"step": self.step, "logged": self.step, "max_steps": cfg.trainer.max_steps, "loaded_at": time.time()}
+        )
 
     # -- reductions over the ranks ----------------------------------------------------------------
 
@@ -357,7 +360,7 @@ class Trainer:
         self.last_read = {step: metrics}
         if self.tracker is not None:
             self.tracker.log(step, metrics)
-        self.channel.report(metrics)
+        self.channel.report({**metrics, "logged": step})  # the progress line shows these beside their step
         if not (math.isfinite(loss_total) and math.isfinite(grad_norm)):  # the same on every rank: reduced
             self.check_finite()
 
