@@ -195,6 +195,13 @@ MUTANTS = (
         ("tests/test_progress.py::test_a_collective_ranks_loss_is_shown_beside_its_own_step",),
     ),
     Mutant(
+        "restart-point-unsaid",
+        "distrain/driver/launch.py",
+        "            if attempt.number > 1:  # a restart",
+        "            if False:  # a restart",
+        ("tests/test_peer_recovery.py::test_a_survivor_that_never_returns_is_named_and_the_run_goes_on_from_the_checkpoint",),
+    ),
+    Mutant(
         "fixture-setup-unbounded",
         "tests/conftest.py",
         "outer, _ = signal.setitimer(signal.ITIMER_REAL, FIXTURE_TIMEOUT_S)",

@@ -139,6 +139,7 @@ def test_a_survivor_that_never_returns_is_named_and_the_run_goes_on_from_the_che
         for line in lines
     ), lines
     assert any("(leaving its process group)" in line for line in lines), lines
+    assert "distrain: attempt 2 starts from the checkpoint of step 4" in said.out + said.err
 
 
 @pytest.mark.timeout(240)

@@ -95,6 +95,9 @@ class AllReduceEngine:
             latest, meta = newest_checkpoint(self.job.config, self.run_dir)
             attempt.info["resumed_from_step"] = meta.get("step", 0)
             job = replace(job, resume_from=latest and str(latest))
+            if attempt.number > 1:  # a restart: from where, said (the first attempt's resume is the summary's)
+                where = f"the checkpoint of step {meta['step']}" if latest else "step 0 (no checkpoint committed yet)"
+                note = "; ".join(filter(None, [note, f"attempt {attempt.number} starts from {where}"]))
         return Work(f"{TRAINER}:run_rank", (job,), note=note)
 
     def tick(self, suspect: bool) -> None:
