@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from distrain.config import ConfigError
+from distrain.driver.jobargs import meant
 from distrain.storage.tracking import METRICS_FILE, SUMMARY_FILE, read_metrics
 
 if TYPE_CHECKING:
@@ -59,7 +60,9 @@ def load_run(storage: Path, name: str) -> Run:
     if not run_dir.is_dir():
         known = sorted(p.name for p in storage.iterdir() if (p / METRICS_FILE).exists()) if storage.is_dir() else []
         there = f"runs in {storage}: {', '.join(known)}" if known else f"{storage} holds no runs"
-        raise ConfigError(f"run.name={name}: no run at {run_dir} ({there}); give run.name (and run.storage)")
+        close = meant(name, known)
+        fix = f"did you mean run.name={close}?" if close else "give run.name (and run.storage)"
+        raise ConfigError(f"run.name={name}: no run at {run_dir} ({there}); {fix}")
     records = [r for r in read_metrics(str(run_dir)) if "step" in r]
     if not records:
         raise ConfigError(
