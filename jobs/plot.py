@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from distrain.config import ConfigError
+from distrain.driver.jobargs import meant
 from distrain.storage.objectstore import StorageError, Store, quick_options
 from distrain.storage.tracking import METRICS_FILE, SUMMARY_FILE, parse_metrics
 from distrain.storage.urls import check_location, is_url, looks_like_url, run_location
@@ -90,7 +91,9 @@ def load_run(storage: str | Path, name: str) -> Run:
             found = reader(parent)
             known = [c for c in found.children() if found.exists(f"{c}/{METRICS_FILE}")]
             there = f"runs in {parent}: {', '.join(known)}" if known else f"{parent} holds no runs"
-            raise ConfigError(f"run.name={name}: no run at {where} ({there}); give run.name (and run.storage)")
+            close = meant(name, known)
+            fix = f"did you mean run.name={close}?" if close else "give run.name (and run.storage)"
+            raise ConfigError(f"run.name={name}: no run at {where} ({there}); {fix}")
     except StorageError as e:
         raise ConfigError(f"run.name={name}: cannot read the run at {where}: {e}") from None
     records = [r for r in parse_metrics((metrics or b"").decode()) if "step" in r]

@@ -1,10 +1,10 @@
 """The main entrypoint, locally and under `ray job submit`:  python jobs/train.py [Hydra overrides]
 
 Exit status: 0 a completed run (or sweep of completed runs); 2 bad input, refused before anything is
-written; 1 a failed run, or a sweep with a point that did not complete; 128 + the signal for a run
-stopped by a signal (130 Ctrl-C, 143 SIGTERM, e.g. `ray job stop`): a stopped run is not finished,
-so neither a shell nor `ray job submit` may take it for a success. The console output is kept in
-the run directory (logs/driver-*.log)."""
+written; 1 a failed run, an embedded Ray cluster that did not start (twice), or a sweep with a point that
+did not complete; 128 + the signal for a run stopped by a signal (130 Ctrl-C, 143 SIGTERM, e.g. `ray job
+stop`): a stopped run is not finished, so neither a shell nor `ray job submit` may take it for a success.
+The console output is kept in the run directory (logs/driver-*.log)."""
 
 import signal
 import sys
@@ -31,7 +31,7 @@ def fail(message: str, code: int = 2) -> int:
 def run(config, record) -> tuple[int, dict | None]:
     """Train one run: (exit status, summary); errors printed in one line."""
     from distrain.cluster.placement import PlacementError, WorkerFailure
-    from distrain.cluster.runtime import CapacityError
+    from distrain.cluster.runtime import CapacityError, StartError
     from distrain.config import ConfigError
     from distrain.driver.launch import train
     from distrain.storage.fsutil import LockedError
@@ -45,6 +45,8 @@ def run(config, record) -> tuple[int, dict | None]:
         return fail(str(e)), None
     except WorkerFailure as e:
         return fail(f"training failed: {e}", code=1), None
+    except StartError as e:  # not the input: the same command may start it when the machine is quieter
+        return fail(str(e), code=1), None
     return report(config, summary)
 
 

@@ -19,7 +19,7 @@ from conftest import REPO, TINY, committed_step, logged_step, make_config
 from test_config import run_cli
 
 from distrain.config import ConfigError
-from distrain.driver.cli import BadInput, check_overrides
+from distrain.driver.cli import BadInput, check_overrides, overrides_of
 from distrain.driver.launch import train
 
 STEPS = ["trainer.max_steps=3", "logger.wandb.mode=disabled"]
@@ -45,6 +45,11 @@ def one_error(result: subprocess.CompletedProcess, needle: str) -> None:
         ("--strategy=zero3", "--strategy=zero3: overrides take no dashes; write strategy=zero3"),
         ("--trainer.max_steps=5", "write trainer.max_steps=5"),
         ("--steps=5", "--steps=5 is not an option: `jobs/train.py --help` lists the commands"),
+        ("+strategy.context_parallel=2", "unknown key strategy.context_parallel; did you mean strategy.cp?"),
+        (  # Hydra's own keys: its page suggested adding the misspelt one with `+`
+            "hydra.sweeper.n_trial=2",
+            "unknown key hydra.sweeper.n_trial; did you mean hydra.sweeper.n_trials (with hydra/sweeper=optuna)?",
+        ),
     ],
 )
 def test_bad_input_fails_in_one_line_and_creates_nothing(tmp_path: Path, override: str, needle: str):
@@ -76,8 +81,26 @@ def test_storage_that_is_a_file_is_refused_before_any_worker(tmp_path: Path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"]
 
 
+@pytest.mark.parametrize(
+    ("overrides", "needle"),
+    [
+        (["strategy.tensor_parallel=2"], "unknown key strategy.tensor_parallel; did you mean strategy.tp?"),
+        (["trainer.lr=0.1"], "unknown key trainer.lr; did you mean optim.lr?"),  # a name of another section
+        (["-m", "hydra/sweeper=optuna", "hydra.sweeper.n_trial=2"], "did you mean hydra.sweeper.n_trials?"),
+        (["hydra.verbos=true"], "unknown key hydra.verbos; did you mean hydra.verbose?"),
+        (["hydra.sweeper.nonsense=2"], "unknown key hydra.sweeper.nonsense; hydra.sweeper has max_batch_size, params"),
+        (["hydra.job.env_set.A=1"], "hydra.job.env_set has no key A yet: add it, +hydra.job.env_set.A=1"),
+    ],
+)
+def test_a_misspelt_key_names_the_one_meant(overrides: list[str], needle: str):
+    with pytest.raises(BadInput) as refused:
+        check_overrides(overrides_of(overrides))
+    assert needle in str(refused.value) and "\n" not in str(refused.value), str(refused.value)
+
+
 def test_keys_of_free_form_dicts_stay_allowed(tmp_path: Path):
     check_overrides(["+cluster.env_vars.NCCL_DEBUG=INFO", "model._target_=my.Model", "model=nano"])
+    check_overrides(["+hydra.job.env_set.A=1", "hydra.run.dir=.", "hydra/sweeper=optuna", "hydra.sweeper.n_trials=3"])
     assert make_config(tmp_path, "+cluster.env_vars.NCCL_DEBUG=INFO").cluster.env_vars == {"NCCL_DEBUG": "INFO"}
     with pytest.raises(BadInput, match=r"unknown key trainer\.max_step; did you mean trainer\.max_steps\?"):
         make_config(tmp_path, "+trainer.max_step=10")
@@ -272,6 +295,39 @@ def test_ctrl_c_while_attaching_stops_at_once(tmp_path: Path, silent_gcs):
     assert f"attaching to the Ray cluster at {address}" in out
     assert took < 5, (took, out)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_an_embedded_cluster_that_does_not_start_is_tried_again_then_one_line(tmp_path: Path):
+    """Ray failing to start (here: its temp dir cannot be made) is tried once more, as a user would, then ends
+    in one line (exit status 1: not the input), with the run directory it had made gone again."""
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_TMPDIR": "/sys/distrain-no-ray"}
+    env.pop("RAY_ADDRESS", None)
+    result = subprocess.run(
+        [sys.executable, str(REPO / "jobs" / "train.py"), *TINY, *STEPS, f"run.storage={tmp_path}", "run.name=s"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=tmp_path,
+    )
+    out = result.stdout + result.stderr
+    assert result.returncode == 1 and "Traceback" not in out, out
+    (again,) = [line for line in out.splitlines() if "starting it once more" in line]
+    assert again.startswith("distrain: the embedded Ray cluster did not start (PermissionError"), again
+    (error,) = [line for line in out.splitlines() if line.startswith("distrain: error:")]
+    assert "the embedded Ray cluster did not start, twice: PermissionError" in error
+    assert "/sys/distrain-no-ray/ray/session_latest/logs" in error
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_unknown_run_to_plot_names_the_one_meant(tmp_path: Path):
+    sys.path.append(str(REPO / "jobs"))
+    import plot  # jobs/plot.py
+
+    (tmp_path / "first").mkdir()
+    (tmp_path / "first" / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+    with pytest.raises(ConfigError, match=r"run.name=firts: no run at .*; did you mean run.name=first\?$"):
+        plot.load_run(tmp_path, "firts")
 
 
 def test_readme_commands_use_the_virtual_environment():

@@ -12,8 +12,9 @@ import pytest
 import ray
 import ray.cloudpickle
 from conftest import compose
+from ray.util.placement_group import remove_placement_group
 
-from distrain.cluster.placement import GroupSpec, WorkerFailure, number_nodes, rank_table
+from distrain.cluster.placement import GroupSpec, PlacementError, WorkerFailure, number_nodes, rank_table
 from distrain.cluster.runtime import CapacityError, check_capacity
 from distrain.cluster.worker_group import WorkerGroup
 from distrain.driver.launch import worker_env
@@ -147,6 +148,21 @@ def test_progress_reaches_the_driver_while_ranks_run():
             seen.append(group.progress()[0].get("step"))
     assert results == {0: "0", 1: "1"}
     assert {1, 2} & set(seen)  # polled mid-run, while `run` held the actors' other thread
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_a_placement_group_that_is_gone_fails_a_replacement_in_one_line():
+    """Ray answers a wait on a placement group that has gone with TaskPlacementGroupRemoved (a run saw it when a
+    node was marked dead): a replacement asked for then fails in one PlacementError line, which the supervisor
+    answers with a new group (its retry), not a traceback."""
+    with WorkerGroup(spec(1)) as group:
+        group.start()
+        remove_placement_group(group.pg)
+        with pytest.raises(PlacementError) as gone:
+            group.replace(0)
+    line = str(gone.value)
+    assert line.startswith("could not restart 1 workers: their placement group is gone (TaskPlacementGroupRemoved")
+    assert "\n" not in line
 
 
 @pytest.mark.usefixtures("ray_cluster")

@@ -143,6 +143,19 @@ def test_validate_names_the_key(tmp_path: Path, overrides: list[str], key: str):
     assert "\n" not in str(err.value)
 
 
+NOT_FINITE = ["optim.lr=inf", "optim.lr=nan", "model.init_std=-inf", "cluster.node_check_s=nan"]
+
+
+@pytest.mark.parametrize("override", NOT_FINITE)
+def test_a_number_that_is_not_finite_is_refused(tmp_path: Path, override: str):
+    """inf trained to NaN at the first steps (and nan was called "not positive"); outside the model and the
+    optimizer an infinite setting may mean no limit, a NaN never."""
+    with pytest.raises(ConfigError) as err:
+        validate(make_config(tmp_path, override))
+    assert str(err.value) == f"{override}: must be a finite number"
+    validate(make_config(tmp_path, "cluster.placement_timeout_s=inf"))
+
+
 @pytest.mark.parametrize(
     ("policy", "needle"),
     [

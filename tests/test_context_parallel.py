@@ -232,6 +232,7 @@ def test_activation_memory_falls_as_one_over_cp(runs, tmp_path: Path):
     ("overrides", "needle"),
     [
         (("strategy.cp=3", "cluster.num_workers=3"), "splits each sequence into 2·cp = 6 chunks"),
+        (("strategy.cp_mode=alltoall",), "strategy.cp_mode=alltoall chooses how context parallelism exchanges"),
         (
             ("strategy.cp=2", "cluster.num_workers=4", "strategy.cp_mode=ulysses"),
             "is not a context-parallel mode; choose ring or alltoall",
@@ -276,8 +277,9 @@ def test_the_plan_shows_each_ranks_tokens_and_its_memory(tmp_path: Path):
     from distrain.driver.plan import describe
     from distrain.driver.validation import validate
 
-    def plan(cp: int) -> list[str]:
-        cfg = make_config(tmp_path, "cluster.num_workers=4", f"strategy.cp={cp}", "trainer.seq_len=64")
+    def plan(cp: int, mode: str = "ring") -> list[str]:
+        given = (f"strategy.cp={cp}", *([f"strategy.cp_mode={mode}"] if cp > 1 else []), "trainer.seq_len=64")
+        cfg = make_config(tmp_path, "cluster.num_workers=4", *given)
         return describe(cfg, validate(cfg), fake_table(4, 4, gpus=False)).splitlines()
 
     lines = plan(2)
@@ -290,7 +292,12 @@ def test_the_plan_shows_each_ranks_tokens_and_its_memory(tmp_path: Path):
     def activations(lines: list[str]) -> str:
         return next(line for line in lines if line.startswith("  every rank:")).split("activations ")[1].split(" (")[0]
 
-    assert (activations(lines), activations(plan(1))) == ("432.0 KiB", "864.0 KiB")  # the blocks' share, halved
+    # 2 layers of 34·s·b·h + 5·a·s²·b fp32 bytes (s 64, b 2, h 32, a 2): 864 KiB; all-to-all halves it all (its
+    # fused kernel's scores: heads/cp of them); the ring holds no scores: 272 KiB of blocks, and 16 KiB of its
+    # tiles (4 fp32 tiles of 16 queries by a chunk's 16 keys, 2 heads, 2 sequences) while a block runs.
+    assert activations(plan(1)) == "864.0 KiB"
+    assert (activations(plan(2, "alltoall")), activations(lines)) == ("432.0 KiB", "288.0 KiB")
+    assert "attention scores counted (under ring cp none: a tile of query rows at a time)" in "\n".join(lines)
 
 
 @pytest.mark.timeout(300)

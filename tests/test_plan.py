@@ -1,5 +1,6 @@
-"""`--plan`: the layout text from fake rank tables (no Ray), then the entrypoint end to end. The memory
-estimate's numbers are checked against a measured training step in test_memory.py, not here."""
+"""`--plan`: the layout text from fake rank tables (no Ray), then the entrypoint end to end: from the config
+alone without a cluster to attach to (no Ray cluster starts), placed on one. The memory estimate's numbers
+are checked against a measured training step in test_memory.py, not here."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, TINY, fake_table, make_config
+from test_refusals import HUGE, without_ray
 
 from distrain.config import TrainConfig
 from distrain.driver.cli import plan_overrides
+from distrain.driver.launch import train
 from distrain.driver.plan import describe, rank_memory, stage_params
 from distrain.driver.validation import validate
 from distrain.model.registry import build_model
@@ -166,4 +169,49 @@ def test_plan_of_an_impossible_layout_fails_in_one_line(tmp_path: Path):
     errors = [line for line in result.stderr.splitlines() if line.startswith("distrain: error:")]
     assert len(errors) == 1 and "strategy" in errors[0], result.stderr
     assert "Traceback" not in result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.timeout(300)
+def test_a_plan_without_a_cluster_to_attach_to_starts_none(tmp_path: Path):
+    """From the config and this machine alone: the ranks' coordinates (not which node and GPU, which only
+    placement tells), and what the memory check would do; GPUs as nvidia-smi lists them (a fake one on PATH
+    here: 80 and 40 GiB) for cluster.use_gpu=null; a cluster the machine cannot be is refused as a run is."""
+    fake = tmp_path / "bin" / "nvidia-smi"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\nprintf '81920\\n40960\\n'\n")
+    fake.chmod(0o755)
+    storage = tmp_path / "runs"
+    plans = without_ray(
+        storage,
+        ["plan=true", "strategy=fsdp_tp", "cluster.num_workers=4", "cluster.local_cpus=2"],
+        ["plan=true", *HUGE],
+        ["plan=true", "cluster.use_gpu=null", "trainer.precision=auto"],
+        ["plan=true", "cluster.num_workers=64", "trainer.global_batch_size=128", "cluster.local_cpus=2"],
+        env={"PATH": f"{fake.parent}:{os.environ['PATH']}", "CUDA_VISIBLE_DEVICES": "0,1"},
+    )
+    lines = plans[0].splitlines()
+    assert lines[0].startswith("distrain plan: 4 ranks not placed, CPU, fp32; strategy fsdp_tp"), lines[0]
+    assert lines[lines.index("mesh:") + 1].split() == ["rank", *MESH_DIMS]
+    assert "  not placed: this machine's embedded Ray cluster (2 CPUs, 2 GPUs) would run every rank" in plans[0]
+    assert "  tp: [0,1] [2,3]" in lines and "  dp_shard: [0,2] [1,3]" in lines
+    assert any(line.startswith("memory check: passes: each rank needs an estimated ") for line in lines)
+    refused = [line for line in plans[1].splitlines() if line.startswith("memory check:")]
+    assert refused[0].startswith("memory check: the run would be refused: each rank needs an estimated "), refused
+    assert plans[2].startswith("distrain plan: 2 ranks not placed, GPU, bf16"), plans[2]
+    assert "and the smallest GPU has 40.0 GiB (nvidia-smi on this machine)" in plans[2]
+    assert plans[3].startswith("CapacityError: cluster.num_workers=64 needs 16 CPU"), plans[3]
+    assert not storage.exists()  # nothing written
+
+
+@pytest.mark.timeout(120)
+def test_a_plan_on_a_cluster_places_the_workers(tmp_path: Path, ray_cluster):
+    """With a cluster (attached to, or up in the process), the workers are placed and let go: the table says
+    which node and device holds each rank, and the memory check is the cluster's."""
+    text = train(make_config(tmp_path, "plan=true", "strategy=fsdp_tp", "cluster.num_workers=4"))["plan"]
+    lines = text.splitlines()
+    assert lines[0].startswith("distrain plan: 4 ranks on 1 node, CPU, fp32"), lines[0]
+    rows = lines[lines.index("mesh:") + 2 : lines.index("mesh:") + 6]
+    assert [row.split()[3:5] for row in rows] == [["127.0.0.1", "#0"]] * 4
+    assert "(Ray's memory and object store on 127.0.0.1)" in text and "not placed" not in text
     assert list(tmp_path.iterdir()) == []

@@ -7,13 +7,10 @@ import logging
 import os
 import signal
 import socket
-import subprocess
 from collections.abc import Callable, Iterator
 
 import ray
-from ray.exceptions import GetTimeoutError, RayError
 from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from distrain.cluster.placement import GroupSpec
 from distrain.config import attach_address
@@ -27,19 +24,28 @@ class AttachError(CapacityError):
     """No Ray cluster answers at the address the run attaches to."""
 
 
+class StartError(RuntimeError):
+    """The embedded cluster did not start, tried twice."""
+
+
 RAY_CLIENT_PORT = 10001  # a `ray://host` address without a port
 HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"  # a gRPC server (Ray's GCS) answers it with SETTINGS
 SETTINGS_FRAME = 0x04
 
 
 def connect(
-    address: str | None, num_cpus: int | None = None, num_gpus: int | None = None, timeout_s: float = 10.0
+    address: str | None,
+    num_cpus: int | None = None,
+    num_gpus: int | None = None,
+    timeout_s: float = 10.0,
+    say: Callable[[str], None] = print,
 ) -> None:
     """Attach to the cluster `attach_address` names, or start a local one on loopback only (see the
     package's __init__) with `num_cpus` and `num_gpus` (None: the machine's); `address="local"`
     keeps Ray from joining a stale `ray start` cluster. Attaching gives up with AttachError when no
     gRPC server answers at the address within `timeout_s` (Ray itself retries for about 12 minutes
-    with nothing but warnings, and a Ctrl-C cannot reach the driver while it does)."""
+    with nothing but warnings, and a Ctrl-C cannot reach the driver while it does). A local cluster that
+    fails to start is started once more, as a user would (`say` tells them), then StartError in one line."""
     if ray.is_initialized():
         return
     address = attach_address(address)
@@ -59,12 +65,36 @@ def connect(
     level = announcer.level
     announcer.setLevel(logging.ERROR)
     try:
-        with sigterm_held():
-            ray.init(
-                address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False, logging_level="WARNING"
-            )
+        for attempt in (1, 2):
+            try:
+                with sigterm_held():
+                    ray.init(
+                        address="local",
+                        num_cpus=num_cpus,
+                        num_gpus=num_gpus,
+                        include_dashboard=False,
+                        logging_level="WARNING",
+                    )
+                return
+            except Exception as e:  # Ray raises bare Exceptions ("The current node timed out during startup")
+                ray.shutdown()  # what it did start ends
+                why = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
+                if attempt == 2:
+                    raise StartError(not_started(why)) from None
+                say(f"the embedded Ray cluster did not start ({why}); starting it once more")
     finally:
         announcer.setLevel(level)
+
+
+def not_started(why: str) -> str:
+    """The one line an embedded cluster that failed twice to start prints: why, and what to look at (Ray's logs
+    are under RAY_TMPDIR, else TMPDIR, else /tmp, as Ray picks its temp dir)."""
+    logs = os.path.join(os.environ.get("RAY_TMPDIR") or os.environ.get("TMPDIR") or "/tmp", "ray", "session_latest")
+    return (
+        f"the embedded Ray cluster did not start, twice: {why}; on a loaded machine Ray's processes may need "
+        f"longer than its 30 s (try again when it is quieter, or start one with `jobs/cluster.py start` and attach "
+        f"with cluster.address); Ray's own logs are in {logs}/logs"
+    )
 
 
 @contextlib.contextmanager
@@ -173,11 +203,17 @@ def wait_for_gpus(spec: GroupSpec, say: Callable[[str], None]) -> None:
 
 
 def check_capacity(
-    num_workers: int, cpus_per_worker: float, gpus_per_worker: int, spares: int = 0, num_servers: int = 0
+    num_workers: int,
+    cpus_per_worker: float,
+    gpus_per_worker: int,
+    spares: int = 0,
+    num_servers: int = 0,
+    total: dict[str, float] | None = None,
 ) -> None:
     """Fail before any actor starts when the whole cluster could never place the group, its hot
-    spares (a worker's resources each) and its parameter servers (a worker's CPUs each, no GPU)."""
-    total = ray.cluster_resources()
+    spares (a worker's resources each) and its parameter servers (a worker's CPUs each, no GPU).
+    `total`: the cluster's resources (an embedded one's before it starts); None: Ray's now."""
+    total = ray.cluster_resources() if total is None else total
     extra = [f"cluster.spares={spares}"] * bool(spares) + [f"ps.num_servers={num_servers}"] * bool(num_servers)
     who = f"cluster.num_workers={num_workers}" + (f" with {' and '.join(extra)}" if extra else "")
     for resource, each, actors in (
@@ -192,53 +228,3 @@ def check_capacity(
                 f"{who} needs {need:g} {resource} ({key}={each:g} each) but the cluster has {have:g}; "
                 f"lower cluster.num_workers or {fix}"
             )
-
-
-def node_memory() -> tuple[int, str]:
-    """The largest alive node's memory for workers, in bytes, and the node's address: what Ray gives its
-    tasks and object store there (`memory` + `object_store_memory`, about the node's RAM less what is in use)."""
-    best = max(
-        (
-            (n["Resources"].get("memory", 0) + n["Resources"].get("object_store_memory", 0), n["NodeManagerAddress"])
-            for n in ray.nodes()
-            if n["Alive"]
-        ),
-        default=(0, "none"),
-    )
-    return int(best[0]), best[1]
-
-
-def gpu_memory(timeout_s: float = 30.0) -> tuple[int, str] | None:
-    """The smallest GPU's memory in bytes over the alive GPU nodes, and its node, as `nvidia-smi` reports it
-    there; None when it cannot tell in timeout_s. A CPU-less task pinned to each node asks: it takes no
-    GPU (busy GPUs do not make it wait) and imports nothing (torch would cost seconds at every start)."""
-    nodes = [n for n in ray.nodes() if n["Alive"] and n["Resources"].get("GPU", 0) > 0]
-    refs = {
-        _total_gpu_mib.options(
-            num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)
-        ).remote(): n["NodeManagerAddress"]
-        for n in nodes
-    }
-    try:
-        answers = ray.get(list(refs), timeout=timeout_s)
-    except (GetTimeoutError, RayError):
-        return None
-    sizes = [(mib * 2**20, node) for mib, node in zip(answers, refs.values(), strict=True) if mib]
-    return min(sizes) if sizes and len(sizes) == len(refs) else None
-
-
-@ray.remote(max_retries=0)
-def _total_gpu_mib() -> int | None:
-    try:
-        return smallest_mib(subprocess.run(NVIDIA_SMI, capture_output=True, text=True, timeout=20).stdout)
-    except (OSError, subprocess.SubprocessError):  # no nvidia-smi on the node, or it hung
-        return None
-
-
-NVIDIA_SMI = ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"]
-
-
-def smallest_mib(output: str) -> int | None:
-    """nvidia-smi's memory.total column (MiB, a line per GPU) → the smallest, or None if it printed none."""
-    values = [int(line) for line in output.split() if line.isdigit()]
-    return min(values) if values else None

@@ -396,7 +396,8 @@ class WorkerGroup:
         self.free_bundles.clear()
 
     def _wait_whole(self, what: str) -> None:
-        """Until the placement group is whole again (a lost node's bundles rescheduled), or PlacementError."""
+        """Until the placement group is whole again (a lost node's bundles rescheduled), or PlacementError: not
+        within placement_timeout_s, or the group is gone (the supervisor then places a new one)."""
         try:
             ray.get(self.pg.ready(), timeout=self.spec.placement_timeout_s)
         except GetTimeoutError as e:
@@ -404,6 +405,8 @@ class WorkerGroup:
                 f"{what}: their placement group lost a node and was not whole again within "
                 f"cluster.placement_timeout_s={self.spec.placement_timeout_s:g}"
             ) from e
+        except RayError as e:  # TaskPlacementGroupRemoved
+            raise PlacementError(f"{what}: their placement group is gone ({first_line(e)})") from e
 
     # -- ending, and as a warm.Kept group -------------------------------------------------------
 

@@ -1,5 +1,5 @@
 """The data's rules, checked in the driver before any worker starts (called from distrain/driver/validation.py
-and, for a resume, from launch.check_resumable): each broken one a one-line ConfigError."""
+and, for a resume, from rerun.check_resumable): each broken one a one-line ConfigError."""
 
 from __future__ import annotations
 

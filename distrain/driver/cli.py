@@ -64,10 +64,11 @@ def check_overrides(overrides: list[str] | tuple[str, ...], conf_dir: Path = CON
             str(e).splitlines()[0]
             + """ (an override is key=value; quote a value with characters Hydra reserves: "key='value'")"""
         ) from None
+    check_hydra_keys(parsed)
     for override in parsed:
         key = override.key_or_group
         if re.split(r"[./]", key)[0] == "hydra" or override.is_delete():
-            continue  # Hydra's own settings
+            continue  # Hydra's own settings: check_hydra_keys
         values = sweep_values(override, conf_dir) if override.is_sweep_override() else [override.value()]
         if (conf_dir / key).is_dir():
             check_group_choice(key, values, override.input_line, conf_dir)
@@ -84,6 +85,60 @@ def check_overrides(overrides: list[str] | tuple[str, ...], conf_dir: Path = CON
                 integers = kind is int and "interval(" in override.input_line
                 hint = "; int(interval(a,b)) samples integers" if integers else ""
                 raise BadInput(f"{override.input_line}: {key} takes {type_name(kind)}, not {value!r}{hint}") from None
+
+
+def check_hydra_keys(parsed: list) -> None:
+    """A key of Hydra's own settings that Hydra's config lacks (hydra.sweeper.n_trial), in one line naming the
+    one meant, instead of Hydra's page suggesting to add it with `+`: in Hydra's config as the given `hydra/`
+    choices (hydra/sweeper=optuna) compose it, else in another option of its group (the sweeper that has it).
+    Below a free-form dict (hydra.job.env_set) any key goes, added with `+`."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import DictConfig
+
+    own = [o for o in parsed if o.key_or_group.startswith("hydra.") and not o.is_delete()]
+    if not own or GlobalHydra.instance().is_initialized():  # none, or a compose under way: Hydra says
+        return
+    choices = [o.input_line for o in parsed if o.key_or_group.startswith("hydra/")]
+
+    def composed(group: str = "", option: str = "") -> typing.Any:
+        """Hydra's config with the given choices, or with `option` for `group`; None if Hydra refuses them."""
+        chosen = [c for c in choices if not c.startswith(f"{group}=")] + [f"{group}={option}"] * bool(group)
+        try:
+            return hydra_compose("train", overrides=chosen, return_hydra_config=True)
+        except Exception:  # a choice Hydra refuses: its own error names it
+            return None
+
+    def meant(key: str, node: typing.Any) -> str | None:
+        parent = key.rpartition(".")[0]
+        return closest(key, [f"{parent}.{k}" for k in node]) if isinstance(node, DictConfig) else None
+
+    register()
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        options = GlobalHydra.instance().config_loader().get_group_options
+        for override in own:
+            here, parent, line = composed(), "", override.input_line
+            for name in override.key_or_group.split("."):
+                if not isinstance(here, DictConfig):
+                    break  # a choice Hydra refuses, or below a value: Hydra says
+                key = f"{parent}.{name}".lstrip(".")
+                if name in here:
+                    parent, here = key, here[name]
+                elif OmegaConf.get_type(here) is dict:  # a free-form dict: any key, added with `+`
+                    if override.is_add():
+                        break
+                    raise BadInput(f"{line}: {parent} has no key {name} yet: add it, +{line}")
+                else:
+                    group = parent.replace(".", "/")
+                    found = meant(key, here)
+                    for option in [] if found else options(group):
+                        if other := meant(key, OmegaConf.select(composed(group, option), parent)):
+                            found = f"{other} (with {group}={option})"
+                            break
+                    keys = ", ".join(str(k) for k in here if not str(k).startswith("_"))
+                    hint = f"did you mean {found}?" if found else f"{parent} has {keys}"
+                    raise BadInput(f"unknown key {override.key_or_group}; {hint}")
 
 
 def sweep_values(override: typing.Any, conf_dir: Path = CONF_DIR) -> list:
@@ -133,9 +188,27 @@ def schema_keys(cls: type = TrainConfig, prefix: str = "") -> list[str]:
 
 
 def unknown_key(key: str) -> str:
-    close = difflib.get_close_matches(key, schema_keys(), n=1, cutoff=0.6)
-    hint = f"did you mean {close[0]}?" if close else "`jobs/train.py --cfg job` prints every key"
-    return f"unknown key {key}; {hint}"
+    """The line for a key the schema lacks, naming the one meant (`closest`), else a key of that name in another
+    section (trainer.lr: optim.lr), else the closest key anywhere."""
+    keys, name = schema_keys(), key.rpartition(".")[2]
+    elsewhere = [k for k in keys if k.rpartition(".")[2] == name] + difflib.get_close_matches(
+        key, keys, n=1, cutoff=0.6
+    )
+    meant = closest(key, keys) or next(iter(elsewhere), None)
+    return f"unknown key {key}; " + (
+        f"did you mean {meant}?" if meant else "`jobs/train.py --cfg job` prints every key"
+    )
+
+
+def closest(key: str, keys: list[str]) -> str | None:
+    """The key of its section in `keys` that the dotted `key` meant: the one named by its name's initials
+    (strategy.context_parallel: strategy.cp), else the closest name; None when none is close."""
+    section, _, name = key.rpartition(".")
+    names = {k.rpartition(".")[2]: k for k in keys if k.rpartition(".")[0] == section}
+    initials = "".join(word[0] for word in name.split("_") if word)
+    meant = [initials] if len(initials) > 1 and initials in names else []
+    close = meant or difflib.get_close_matches(name, [n for n in names if not n.startswith("_")], n=1, cutoff=0.6)
+    return names[close[0]] if close else None
 
 
 def type_name(kind: typing.Any) -> str:

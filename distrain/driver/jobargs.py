@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import difflib
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from distrain.config import ConfigError
 from distrain.storage.urls import check_location
@@ -33,8 +33,8 @@ def job_args(argv: list[str], spec: Spec, usage: str) -> dict:
     for arg in argv:
         key, sep, value = arg.partition("=")
         if not sep or key not in spec:
-            close = difflib.get_close_matches(key, spec, n=1)
-            hint = f"did you mean {close[0]}=?" if close else f"usage: {usage}"
+            close = meant(key, spec)
+            hint = f"did you mean {close}=?" if close else f"usage: {usage}"
             raise ConfigError(f"{arg!r} is not an argument of this job; {hint}")
         kind = spec[key][0]
         try:
@@ -50,6 +50,11 @@ def job_args(argv: list[str], spec: Spec, usage: str) -> dict:
     if missing:
         raise ConfigError(f"{missing[0]}= is required; usage: {usage}")
     return args
+
+
+def meant(given: str, known: Iterable[str]) -> str | None:
+    """The one of `known` (arguments, runs) that a misspelt `given` names, or None when none is close."""
+    return next(iter(difflib.get_close_matches(given, list(known), n=1)), None)
 
 
 def run_job(argv: list[str], spec: Spec, usage: str, work: Callable[[dict], str]) -> None:

@@ -8,11 +8,11 @@ server (`distrain.ps.engine`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
 import uuid
-import warnings
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -21,30 +21,27 @@ from typing import Any
 from distrain.cluster.attempt import Attempt
 from distrain.cluster.placement import GroupSpec
 from distrain.cluster.policy import failure_policy, policy_class
+from distrain.cluster.resources import embedded_resources
 from distrain.cluster.runtime import check_capacity, connect, gpu_count, wait_for_gpus
 from distrain.cluster.states import Finished, Work
 from distrain.cluster.supervisor import Supervisor
 from distrain.cluster.timeouts import Timeouts
 from distrain.cluster.worker_group import WorkerGroup
-from distrain.config import ClusterConfig, ConfigError, TrainConfig, attach_address, to_plain
-from distrain.data.checks import check_same_shards
-from distrain.driver.fits import check_fits
-from distrain.driver.objectrun import check_run_url, on_store
+from distrain.config import ClusterConfig, ConfigError, TrainConfig, attach_address
+from distrain.driver.fits import check_fits, verdict
+from distrain.driver.objectrun import check_run_url
 from distrain.driver.peers import HELD, plan_recovery
 from distrain.driver.plan import describe
+from distrain.driver.rerun import Found, claimed, newest_checkpoint
 from distrain.driver.stop import Stopped, stop_signals
 from distrain.driver.validation import validate
 from distrain.model.hf import resolve_init_from
 from distrain.progress import ProgressLine
-from distrain.storage import checkpoint, remote
-from distrain.storage.fsutil import exclusive_lock, make_writable_dir, remove_empty
-from distrain.storage.objectstore import store_for
 from distrain.storage.tracking import SUMMARY_FILE, read_metrics, wandb_mode, write_summary
 from distrain.storage.urls import is_url
 from distrain.strategy.layout import Layout
 from distrain.train.job import RankJob
 
-LOCK_FILE = ".lock"  # held by the driver while the run trains: one writer per run directory
 DEFAULT_STOP_GRACE_S = 30.0
 RAY_JOB_STOP_WAIT_DEFAULT_S = 3.0  # Ray's own default (dashboard/modules/job/job_supervisor.py)
 # The workers' modules, named rather than imported: they import torch, which the driver never needs
@@ -121,13 +118,19 @@ def print_event(text: str) -> None:
     print(f"distrain: {text}", flush=True)
 
 
-def group_spec(cfg: TrainConfig, layout: Layout, say: Callable[[str], None] = print_event) -> GroupSpec:
+def group_spec(
+    cfg: TrainConfig,
+    layout: Layout,
+    say: Callable[[str], None] = print_event,
+    gpus_now: Callable[[], float] = gpu_count,
+) -> GroupSpec:
     """The worker group the config asks for. With cluster.use_gpu=null, a GPU per worker if the cluster
-    has GPUs now: which one was chosen, and why, is said (an autoscaling cluster may have none up yet)."""
+    has GPUs now (`gpus_now`: Ray's count, or an embedded cluster's before it starts): which one was chosen,
+    and why, is said (an autoscaling cluster may have none up yet)."""
     c = cfg.cluster
     use_gpu = c.use_gpu
     if use_gpu is None:
-        gpus = gpu_count()
+        gpus = gpus_now()
         use_gpu = gpus > 0
         say(
             f"cluster.use_gpu=null: the cluster has {gpus:g} GPUs, so each worker gets one"
@@ -173,49 +176,47 @@ def train(
     which summary.json's `startup` holds with this driver's (started_at, connected_at: Ray is up).
     `on_run_dir`: called with the run directory once every check has passed (the command line keeps its
     record and console log there). A refusal (config, cluster, a run in use, a resume that cannot be)
-    writes nothing. A signal while attaching or checking raises `Stopped`; one while the workers are placed
-    and started ends the run at once, `stopped`; once their calls went out, it stops cleanly."""
+    writes nothing; what the config and the run directory decide (a run in use, a finished one, a resume
+    into another model) is refused before Ray starts. A signal while attaching or checking raises `Stopped`;
+    one while the workers are placed and started ends the run at once, `stopped`; once their calls went out,
+    it stops cleanly."""
     started = time.time()
     cfg, layout = resolved(cfg)
     if cfg.plan:
         return {"status": "planned", "plan": plan(cfg, layout)}
-    with stop_signals() as stop:
+    with stop_signals() as stop, contextlib.ExitStack() as held:
         progress = ProgressLine(cfg.logger.progress_interval_s)
-        run_dir, made = make_run_dir(cfg)  # first: storage that cannot hold it is refused before Ray starts
-        try:
-            spec = stop.guard(lambda: placeable_spec(cfg, layout, progress.message))
-        except BaseException:
-            remove_empty(made)  # a refusal, or a stop, leaves nothing behind
-            raise
+        # The run directory held (its lock; on an object store the lock there and the record) and its checkpoint
+        # checked, then the cluster: storage that cannot hold the run, or a rerun refused, never waits for Ray.
+        run_dir, found = stop.guard(lambda: held.enter_context(claimed(cfg, progress.message)))
+        spec = stop.guard(lambda: placeable_spec(cfg, layout, progress.message))
         connected = time.time()
-        # A run on an object store: its lock there, its record pulled and synced; then the directory's lock.
-        with on_store(cfg, run_dir, progress.message, made), exclusive_lock(run_dir / LOCK_FILE):
-            supervisor, summary = stop.guard(lambda: _prepare(cfg, layout, spec, run_dir, progress, started))
-            summary["startup"] = {**(startup or {}), "started_at": started, "connected_at": connected}
-            if on_run_dir is not None:
-                on_run_dir(run_dir)
-            stop.install()
-            stop.forward_to(supervisor.request_stop)
-            try:
-                finished = Finished(None, stopped=True) if stop.received else stop.guard(supervisor.run)
-                stopped = finished.stopped
-                summary.update(finished.results or _from_metrics(run_dir), status="stopped" if stopped else "completed")
-            except Stopped:  # nothing to save yet: stopped at once
-                summary.update(_from_metrics(run_dir), status="stopped")
-            except BaseException as e:
-                summary.update(_from_metrics(run_dir), error=f"{type(e).__name__}: {e}")
-                raise
-            finally:
-                stop.forward_to(lambda: True)  # the run has ended: a first signal now lets its record be written
-                progress.close()
-                summary["attempts"] = [a.record() for a in supervisor.attempts]
-                summary["replacements"] = supervisor.replacements
-                summary["restarts"] = supervisor.restarts
-                summary["steps_executed"] = sum(a.steps_run for a in supervisor.attempts)
-                summary["wall_s"] = time.time() - started
-                if summary["status"] == "stopped" and stop.received:
-                    summary["stop_signal"] = stop.received[0]
-                write_summary(str(run_dir), summary)
+        supervisor, summary = stop.guard(lambda: _prepare(cfg, layout, spec, run_dir, found, progress, started))
+        summary["startup"] = {**(startup or {}), "started_at": started, "connected_at": connected}
+        if on_run_dir is not None:
+            on_run_dir(run_dir)
+        stop.install()
+        stop.forward_to(supervisor.request_stop)
+        try:
+            finished = Finished(None, stopped=True) if stop.received else stop.guard(supervisor.run)
+            stopped = finished.stopped
+            summary.update(finished.results or _from_metrics(run_dir), status="stopped" if stopped else "completed")
+        except Stopped:  # nothing to save yet: stopped at once
+            summary.update(_from_metrics(run_dir), status="stopped")
+        except BaseException as e:
+            summary.update(_from_metrics(run_dir), error=f"{type(e).__name__}: {e}")
+            raise
+        finally:
+            stop.forward_to(lambda: True)  # the run has ended: a first signal now lets its record be written
+            progress.close()
+            summary["attempts"] = [a.record() for a in supervisor.attempts]
+            summary["replacements"] = supervisor.replacements
+            summary["restarts"] = supervisor.restarts
+            summary["steps_executed"] = sum(a.steps_run for a in supervisor.attempts)
+            summary["wall_s"] = time.time() - started
+            if summary["status"] == "stopped" and stop.received:
+                summary["stop_signal"] = stop.received[0]
+            write_summary(str(run_dir), summary)
     return summary
 
 
@@ -249,15 +250,18 @@ def absolute(path: str) -> str:
 
 
 def _prepare(
-    cfg: TrainConfig, layout: Layout, spec: GroupSpec, run_dir: Path, progress: ProgressLine, started: float
+    cfg: TrainConfig,
+    layout: Layout,
+    spec: GroupSpec,
+    run_dir: Path,
+    found: Found,
+    progress: ProgressLine,
+    started: float,
 ) -> tuple:
     """The supervisor of the run (its engine: collective training or the parameter server) and the summary
-    it starts from (the run's history, its W&B id); ConfigError, before anything is written, for a
-    checkpoint this config cannot resume. `started`: the driver's start."""
-    resume_from, meta = newest_checkpoint(cfg, run_dir)
-    if resume_from:
-        check_resumable(meta.get("config"), to_plain(cfg))
-        check_steps_left(meta, cfg, progress.message)
+    it starts from (the run's history, its W&B id, the checkpoint `found` to resume from, already checked).
+    `started`: the driver's start."""
+    resume_from, meta = found
     history = _previous_summaries(run_dir)
     wandb_run_id = meta.get("wandb_run_id") or next(
         (h["wandb_run_id"] for h in reversed(history) if h.get("wandb_run_id")), None
@@ -320,109 +324,46 @@ def _from_metrics(run_dir: Path) -> dict:
 
 
 def placeable_spec(cfg: TrainConfig, layout: Layout, say: Callable[[str], None] = print_event) -> GroupSpec:
-    """Connect to the cluster and fail at once if it could never hold the workers, spares and servers, or
-    (a run, not a plan) a rank's estimated memory; with cluster.use_gpu=true on a cluster attached to, first
-    wait (placement_timeout_s) for GPUs it lacks. `say` prints events."""
-    c = cfg.cluster
-    address = attach_address(c.address)
+    """The worker group, once the cluster could hold its workers, spares and servers and (a run, not a plan)
+    a rank's estimated memory fits; with cluster.use_gpu=true on a cluster attached to, first wait
+    (placement_timeout_s) for GPUs it lacks. An embedded cluster is checked against what it will have and then
+    started (a plan starts none); one attached to, or up in this process already, is asked. `say` prints events."""
+    c, address = cfg.cluster, attach_address(cfg.cluster.address)
+    here = embedded_resources(c.address, c.local_cpus, c.local_gpus)
     if address:
-        say(
-            f"attaching to the Ray cluster at {address} "
-            f"(giving up after cluster.connect_timeout_s={c.connect_timeout_s:g} s)"
-        )
-    connect(c.address, c.local_cpus, c.local_gpus, c.connect_timeout_s)
+        wait = f"giving up after cluster.connect_timeout_s={c.connect_timeout_s:g} s"
+        say(f"attaching to the Ray cluster at {address} ({wait})")
+    if here is None:
+        connect(c.address, timeout_s=c.connect_timeout_s, say=say)
     choice: list[str] = []  # which devices cluster.use_gpu=null chose: said once the run is not refused
-    spec = group_spec(cfg, layout, choice.append)
+    spec = group_spec(cfg, layout, choice.append, gpu_count if here is None else lambda: here["GPU"])
     if c.use_gpu and address:  # an embedded cluster has no autoscaler: the GPUs it lacks now never come
         wait_for_gpus(spec, say)
     servers = cfg.ps.num_servers if cfg.ps.mode is not None else 0
-    check_capacity(spec.num_workers, spec.cpus_per_worker, spec.gpus_per_worker, spec.spares, servers)
-    if not cfg.plan:  # a plan shows the estimate instead
-        check_fits(cfg, layout, spec.gpus_per_worker > 0, say)
+    check_capacity(spec.num_workers, spec.cpus_per_worker, spec.gpus_per_worker, spec.spares, servers, here)
+    if not cfg.plan:  # a plan says the check's verdict instead
+        check_fits(cfg, layout, spec.gpus_per_worker > 0, say, here)
     for line in choice:
         say(line)
+    if here is not None and not cfg.plan:
+        connect(None, c.local_cpus, c.local_gpus, say=say)
     return spec
 
 
 def plan(cfg: TrainConfig, layout: Layout) -> str:
-    """Place the workers as the run would (only placement tells which node and GPU holds each rank),
-    describe the layout, and let them go: no run directory, lock, checkpoint or metrics."""
-    with WorkerGroup(placeable_spec(cfg, layout)) as group:
-        return describe(cfg, layout, group.start())
-
-
-def check_resumable(saved: dict | None, current: dict) -> None:
-    """A checkpoint resumes only into the same model; data and batch changes are allowed but break
-    the promise of an exact resume, so they are pointed out; other token shards are refused."""
-    if saved is None:
-        return
-    check_same_shards(saved, current)
-    for key, old in saved["model"].items():
-        new = current["model"].get(key)
-        if new != old:
-            raise ConfigError(
-                f"run {current['run']['name']!r} was trained with model.{key}={old!r}, this config has {new!r}: "
-                f"resume with the same model, or start a new run.name"
-            )
-    for section, key in (
-        ("trainer", "seed"),
-        ("trainer", "global_batch_size"),
-        ("trainer", "seq_len"),
-        ("data", "path"),
-    ):
-        if saved[section][key] != current[section][key]:
-            warnings.warn(
-                f"resuming with {section}.{key}={current[section][key]!r} (the checkpoint's run used "
-                f"{saved[section][key]!r}): training continues, but not as the original run would have",
-                stacklevel=2,
-            )
-
-
-def check_steps_left(meta: dict, cfg: TrainConfig, say: Callable[[str], None] = print_event) -> None:
-    """A rerun whose checkpoint is already at trainer.max_steps would train nothing: refused. One asking
-    for more (or fewer) steps than the checkpoint's run extends (or shortens) it, which is said: the LR
-    schedule follows trainer.max_steps unless optim.decay_steps fixes its length, so its LR changes."""
-    step, steps, name = meta["step"], cfg.trainer.max_steps, cfg.run.name
-    if step >= steps:
-        raise ConfigError(
-            f"run {name!r} has trained {step} steps, so trainer.max_steps={steps} leaves nothing to train: give "
-            f"trainer.max_steps above {step} to extend it, or a new run.name"
-        )
-    before = (meta.get("config") or {}).get("trainer", {}).get("max_steps")
-    if before is not None and before != steps:
-        how = "stretches to" if before < steps else "shrinks to"
-        schedule = (
-            f"optim.decay_steps={cfg.optim.decay_steps} keeps the LR schedule"
-            if cfg.optim.decay_steps
-            else f"the LR schedule {how} the new length (set optim.decay_steps={before} to keep it)"
-        )
-        change = "extending" if before < steps else "shortening"
-        say(f"{change} run {name!r} from trainer.max_steps={before} to {steps}, from step {step}: {schedule}")
-
-
-def make_run_dir(cfg: TrainConfig) -> tuple[Path, list[Path]]:
-    """The run directory (a run on an object store: its local mirror), made and written to once, and the
-    directories made for it (deepest first); or a one-line ConfigError about run.storage (read-only, a file,
-    /sys), or storage.cache_dir, with nothing left behind."""
-    run_dir = Path(cfg.run_dir)
-    try:
-        return run_dir, make_writable_dir(run_dir)
-    except OSError as e:
-        key = f"storage.cache_dir={cfg.storage.cache_dir!r}" if cfg.run_url else f"run.storage={cfg.run.storage!r}"
-        raise ConfigError(
-            f"{key} cannot hold the run directory {str(run_dir)!r} ({e.strerror or e}): give a directory you can write"
-        ) from None
-
-
-def newest_checkpoint(cfg: TrainConfig, run_dir: Path) -> tuple[Path | None, dict]:
-    """The checkpoint a (re)start resumes from, and its metadata: the newest that verifies in the run
-    directory; with an object store, the newest committed there (its marker and meta.json read from the
-    store, nothing downloaded: each rank fetches it into its node's mirror, where this path names it)."""
-    if cfg.run_url:
-        found = remote.latest_meta(store_for(cfg.run_url, cfg.storage))
-        return (run_dir / remote.PREFIX / found[0], found[1]) if found else (None, {})
-    path = checkpoint.latest(run_dir / "checkpoints")
-    return path, (checkpoint.read_meta(path) if path else {})
+    """The layout described, and what the memory check would do; nothing written (no run directory, lock,
+    checkpoint or metrics). With a cluster to attach to (or one up in this process), the workers are placed as
+    the run would place them (only placement tells which node and GPU holds each rank) and let go; without one,
+    from the config and this machine alone: no Ray cluster starts, and the plan says the placement is not shown."""
+    c = cfg.cluster
+    spec = placeable_spec(cfg, layout)
+    gpu, here = spec.gpus_per_worker > 0, embedded_resources(c.address, c.local_cpus, c.local_gpus)
+    checked = verdict(cfg, layout, gpu, here)
+    if here is not None:
+        where = f"this machine's embedded Ray cluster ({here['CPU']:g} CPUs, {here['GPU']:g} GPUs) would run every rank"
+        return describe(cfg, layout, None, gpu, unplaced=where, checked=checked)
+    with WorkerGroup(spec) as group:
+        return describe(cfg, layout, group.start(), checked=checked)
 
 
 def _previous_summaries(run_dir: Path) -> list[dict]:

@@ -9,7 +9,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from distrain.config import ConfigError, TrainConfig
-from distrain.storage.fsutil import remove_empty
 from distrain.storage.objectstore import StorageError, Store, quick_options, store_for
 from distrain.storage.record import RecordSync, store_lock
 from distrain.storage.tracking import TRACKER_FILES
@@ -34,23 +33,16 @@ def check_run_url(cfg: TrainConfig) -> None:
 
 
 @contextlib.contextmanager
-def on_store(
-    cfg: TrainConfig, run_dir: Path, say: Callable[[str], None], made: list[Path] | None = None
-) -> Iterator[RecordSync | None]:
-    """For a run on an object store: hold its lock there (refused: the directories `made` for the mirror are
-    removed again), fill a fresh mirror with its record (the history a rerun keeps), and sync the record every
-    storage.sync_interval_s and once more at the end (summary.json written), also on failure; then release
-    the lock. Nothing for a run on a plain directory."""
+def on_store(cfg: TrainConfig, run_dir: Path, say: Callable[[str], None]) -> Iterator[RecordSync | None]:
+    """For a run on an object store: hold its lock there, fill a fresh mirror with its record (the history a
+    rerun keeps), and sync the record every storage.sync_interval_s and once more at the end (summary.json
+    written), also on failure; then release the lock. Nothing for a run on a plain directory."""
     if not cfg.run_url:
         yield None
         return
     store = store_for(cfg.run_url, cfg.storage)
     with contextlib.ExitStack() as held:
-        try:
-            held.enter_context(store_lock(store, say))
-        except BaseException:
-            remove_empty(made or [])
-            raise
+        held.enter_context(store_lock(store, say))
         record = RecordSync(store, run_dir, skip=TRACKER_FILES)  # the tracker uploads its own
         record.pull()
         record.start(cfg.storage.sync_interval_s, say)

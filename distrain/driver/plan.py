@@ -1,7 +1,7 @@
 """`--plan`: the layout a run would have (who holds which mesh coordinate, the process groups, the
-pipeline stages, an estimate of memory per rank), worked out from the config and the placed workers'
-rank table, so a layout can be checked before anything trains. Neither Ray nor torch here: the driver
-places the workers and passes the table in.
+pipeline stages, an estimate of memory per rank), worked out from the config and, where the workers were
+placed, their rank table, so a layout can be checked before anything trains. Neither Ray nor torch here:
+the driver places the workers (or does not) and passes the table in.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from distrain.config import TrainConfig, resolve_precision
 from distrain.driver.peers import survivable
 from distrain.model.size import num_params, parts
 from distrain.strategy import PARALLELISMS
+from distrain.strategy.context_parallel import ring_scores
 from distrain.strategy.layout import MESH_DIMS, Layout
 from distrain.strategy.pipeline import in_flight, stage_layers
 
@@ -77,15 +78,18 @@ def layer_activations(cfg: TrainConfig, layout: Layout, precision: str, scores: 
     `activation_split` says (tensor parallelism, always with sequence parallelism here, by tp); fp32
     doubles it; with activation checkpointing a block keeps only its 2·s·b·h input (divided alike).
     An estimate: it assumes a 4h MLP, and counts the a·s² attention scores that a fused SDPA kernel does not store
-    (`scores=False` leaves them out).
+    (`scores=False` leaves them out). Ring context parallelism never holds them: it keeps q, k, v, the output
+    and its log-sum-exp (in the 34·s·b·h), and scores a tile of query rows at a time, whose fp32 working set
+    is added to what a block needs while it runs (`ring_scores`), whatever `scores` says.
     """
     m, t = cfg.model, cfg.trainer
     sbh = t.seq_len * t.micro_batch_size * m.dim
-    attention = 5 * m.n_heads * t.seq_len**2 * t.micro_batch_size if scores else 0
+    ring = ring_scores(cfg, layout)
+    attention = 5 * m.n_heads * t.seq_len**2 * t.micro_batch_size if scores and ring is None else 0
     split = math.prod(p.activation_split(layout) for p in PARALLELISMS)
     full, kept = (34 * sbh + attention) // split, 2 * sbh // split
     scale = 2 if precision == "fp32" else 1
-    return scale * (kept if cfg.strategy.activation_checkpoint else full), scale * full
+    return scale * (kept if cfg.strategy.activation_checkpoint else full), scale * full + (ring or 0)
 
 
 def rank_memory(cfg: TrainConfig, layout: Layout, pp_rank: int, precision: str, scores: bool = True) -> Memory:
@@ -116,10 +120,15 @@ def _group(ranks: list[int]) -> str:
     return "[" + ",".join(map(str, ranks)) + "]"
 
 
-def mesh_lines(layout: Layout, table: list[dict]) -> list[str]:
-    """One row per rank: the worker (index in the placement group, pid), its node, its GPU, its coordinate."""
-    rows = [("rank", "worker", "pid", "node (ip #rank)", "device", *MESH_DIMS)]
-    for e in table:
+def mesh_lines(layout: Layout, table: list[dict] | None) -> list[str]:
+    """One row per rank: the worker (index in the placement group, pid), its node, its GPU, its coordinate;
+    without a table (not placed), its coordinate only."""
+    if table is None:
+        rows: list[tuple] = [("rank", *MESH_DIMS)]
+        rows += [(r, *layout.coordinate(r).values()) for r in range(layout.world_size)]
+    else:
+        rows = [("rank", "worker", "pid", "node (ip #rank)", "device", *MESH_DIMS)]
+    for e in table or []:
         device = "GPU " + ",".join(map(str, e["gpu_ids"])) if e["gpu_ids"] else "cpu"
         coord = layout.coordinate(e["rank"])
         rows.append(
@@ -148,9 +157,10 @@ def worker_memory(cfg: TrainConfig, layout: Layout, precision: str, scores: bool
 
 def memory_lines(cfg: TrainConfig, layout: Layout, precision: str) -> list[str]:
     o, s = cfg.optim, cfg.strategy
+    ring = " (under ring cp none: a tile of query rows at a time)" if ring_scores(cfg, layout) is not None else ""
     lines = [
         f"memory per rank (estimate: fp32 parameters, gradients and {o.name} state ({optimizer_states(cfg)} per "
-        f"parameter); {precision} activations of the blocks, Korthikanti et al. 2022):"
+        f"parameter); {precision} activations of the blocks, Korthikanti et al. 2022, attention scores counted{ring}):"
     ]
     for pp_rank, mem in enumerate(worker_memory(cfg, layout, precision)):
         ranks = [r for r in range(layout.world_size) if layout.coordinate(r)["pp"] == pp_rank]
@@ -193,23 +203,39 @@ def server_lines(cfg: TrainConfig) -> list[str]:
     ]
 
 
-def describe(cfg: TrainConfig, layout: Layout, table: list[dict]) -> str:
-    """The plan as text, for a config, its layout and the placed workers' rank table."""
+def describe(
+    cfg: TrainConfig,
+    layout: Layout,
+    table: list[dict] | None,
+    gpu: bool | None = None,
+    unplaced: str = "",
+    checked: str = "",
+) -> str:
+    """The plan as text, for a config, its layout and the placed workers' rank table; with `table` None, not
+    placed (`unplaced`: where the ranks would run; `gpu`: whether they get GPUs, else whether the table's have).
+    `checked`: what the memory check would do with the run."""
     s = cfg.strategy
-    gpu = any(e["gpu_ids"] for e in table)
+    gpu = any(e["gpu_ids"] for e in table or []) if gpu is None else gpu
     precision = resolve_precision(cfg.trainer.precision, gpu)
-    nodes = len({e["node_id"] for e in table})
-    where = f"{len(table)} ranks on {nodes} node{'s' * (nodes > 1)}, {'GPU' if gpu else 'CPU'}, {precision}"
+    nodes = len({e["node_id"] for e in table or []})
+    placed = "not placed" if table is None else f"on {nodes} node{'s' * (nodes > 1)}"
+    where = f"{layout.world_size} ranks {placed}, {'GPU' if gpu else 'CPU'}, {precision}"
     shape = " × ".join(f"{d}={v}" for d, v in layout.mesh_sizes().items())
     offload = f", offload {s.offload}" if s.offload != "none" else ""
+    not_placed = (
+        f"  not placed: {unplaced}; which node and GPU holds each rank needs the cluster: give cluster.address "
+        "(or RAY_ADDRESS) to place the workers as the run would"
+    )
     lines = [
         f"distrain plan: {where}; strategy {s.name} (zero {s.zero}{offload}); mesh {shape}; "
         f"model {num_params(cfg.model, cfg.trainer.seq_len):,} parameters",
         "mesh:",
         *mesh_lines(layout, table),
+        *([not_placed] if table is None else []),
         *(["process groups:", *group_lines(layout)] if cfg.ps.mode is None else server_lines(cfg)),
         *(line for p in reversed(PARALLELISMS) for line in p.plan(cfg, layout)),
         *memory_lines(cfg, layout, precision),
-        *(survivable(layout, table, cfg.cluster.peer_recovery) if cfg.ps.mode is None else []),
+        *([checked] if checked else []),
+        *(survivable(layout, table or [], cfg.cluster.peer_recovery) if cfg.ps.mode is None else []),
     ]
     return "\n".join(lines)

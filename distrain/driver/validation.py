@@ -4,8 +4,11 @@ what the strategy leaves open is resolved into the `Layout` it returns."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
+import math
 import os
+from typing import Any
 
 from distrain.config import ClusterConfig, ConfigError, TrainConfig, attach_address
 from distrain.data.checks import check_data
@@ -39,6 +42,7 @@ def validate(cfg: TrainConfig) -> Layout:
     Returns the run's layout on cluster.num_workers."""
     _validate_places(cfg)
     layout = Layout.resolve(cfg)
+    _validate_numbers(cfg)
     _validate_model(cfg)
     for parallelism in reversed(PARALLELISMS):
         parallelism.validate(cfg)
@@ -238,6 +242,18 @@ def _validate_parameter_server(cfg: TrainConfig) -> None:
         "cluster.min_workers does not apply to a parameter-server run: its workers are replaced one by one "
         "while the others go on; set cluster.min_workers=null",
     )
+
+
+def _validate_numbers(cfg: Any, prefix: str = "") -> None:
+    """No setting is NaN, and the model's and the optimizer's are finite: optim.lr=inf trains to NaN at its first
+    steps, and `nan > 0` is false where a rule below would call it not positive."""
+    for f in dataclasses.fields(cfg):
+        key, value = prefix + f.name, getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            _validate_numbers(value, key + ".")
+        elif isinstance(value, float):
+            finite = math.isfinite(value) or not (math.isnan(value) or key.startswith(("model.", "optim.")))
+            require(finite, f"{key}={value}: must be a finite number")
 
 
 def _validate_training(cfg: TrainConfig) -> None:

@@ -21,6 +21,8 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
+from distrain.strategy.context_parallel import TILE
+
 Pairs = list[tuple[int, int, bool]]  # (local query chunk, local key chunk, causal) for one block of K/V
 
 
@@ -45,9 +47,6 @@ def pass_on(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> tuple[list
 def _wait(requests: list) -> None:
     for request in requests:
         request.wait()
-
-
-TILE = 128  # query rows scored at once: the transient scores are TILE × a chunk's keys per head, never chunk²
 
 
 def _tiles(n: int, causal: bool) -> Iterator[tuple[slice, slice]]:

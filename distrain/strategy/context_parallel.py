@@ -13,6 +13,8 @@ if TYPE_CHECKING:
     from distrain.strategy.layout import Layout
 
 CP_MODES = ("ring", "alltoall")
+TILE = 128  # query rows the ring scores at once: the transient scores are TILE × a chunk's keys per head, never chunk²
+TILE_TENSORS = 4  # tile-sized fp32 tensors live at once in the ring's backward: scores, probabilities, dP, dS
 
 
 def chunks(seq_len: int, cp: int, rank: int) -> tuple[range, range]:
@@ -31,6 +33,11 @@ def fields(cfg: TrainConfig, sizes: dict[str, int]) -> dict[str, Any]:
 def validate(cfg: TrainConfig) -> None:
     m, s, t = cfg.model, cfg.strategy, cfg.trainer
     if s.cp == 1:
+        require(
+            s.cp_mode == "ring",
+            f"strategy.cp_mode={s.cp_mode} chooses how context parallelism exchanges the sequence, but strategy.cp=1: "
+            f"set strategy.cp (2 or more; strategy=cp_alltoall is cp 2), or leave strategy.cp_mode out",
+        )
         return
     cp = f"strategy.cp={s.cp}"
     require(
@@ -81,6 +88,17 @@ def attention_traffic(mode: str, cp: int, tokens: int, heads: int, kv_heads: int
     return 2 * (cp - 1) / cp * (2 * q + 2 * kv) * element
 
 
+def ring_scores(cfg: TrainConfig, layout: Layout) -> int | None:
+    """Bytes of the scores ring attention holds at once on a rank (fp32, in its backward: TILE_TENSORS tiles of
+    TILE query rows against one chunk's keys, for each of the rank's heads and sequences); None without ring cp,
+    whose attention (the fused kernel's, or all-to-all's) the plan counts as Korthikanti does."""
+    if layout.cp == 1 or layout.cp_mode != "ring":
+        return None
+    chunk = cfg.trainer.seq_len // (2 * layout.cp)
+    heads = cfg.model.n_heads // layout.tp
+    return TILE_TENSORS * cfg.trainer.micro_batch_size * heads * min(TILE, chunk) * chunk * 4
+
+
 def _tokens(r: range) -> str:
     return f"{r.start}-{r.stop - 1}"
 
@@ -117,6 +135,7 @@ CONTEXT_PARALLEL = Parallelism(
     fields=fields,
     validate=validate,
     plan=plan,
-    # every activation of a block is its tokens' (the attention scores too: a rank's queries × one block of keys)
+    # every activation of a block is its tokens' (all-to-all's attention scores too: heads/cp of them; the ring
+    # holds none, ring_scores)
     activation_split=lambda layout: layout.cp,
 )

@@ -169,7 +169,10 @@ def body(grown: dict, times: dict, model: dict, lengths: list, budget: int, time
             "overlaps each hop with a block of attention, but its blocks are plain PyTorch matmuls (the scores "
             "of TILE query rows at a time, in fp32); all-to-all moves Q, K, V and the output once each way and runs "
             "the fused attention kernel on the whole sequence with heads/cp heads, which on a CPU is the faster of "
-            "the two. All-to-all needs cp | heads (and kv-heads); the ring has no such limit.",
+            "the two. All-to-all needs cp | heads (and kv-heads); the ring has no such limit. `--plan` counts the "
+            "two so: all-to-all's attention scores (heads/cp of them, over the whole sequence) as it counts them "
+            "without cp, and for the ring none, but the fp32 tiles a block's backward holds while it runs (4 tiles "
+            "of TILE query rows by a chunk's keys, per head and sequence: `strategy/context_parallel.ring_scores`).",
         ]
     )
 
