@@ -185,7 +185,9 @@ MUTANTS = (
         "distrain/cluster/supervisor.py",
         "                for rank in ranks:\n                    self.on_event(",
         "                for rank in []:\n                    self.on_event(",
-        ("tests/test_peer_recovery.py::test_a_survivor_that_never_returns_is_named_and_the_run_goes_on_from_the_checkpoint",),
+        (
+            "tests/test_peer_recovery.py::test_a_survivor_that_never_returns_is_named_and_the_run_goes_on_from_the_checkpoint",
+        ),
     ),
     Mutant(
         "loss-beside-the-step-after",
@@ -199,7 +201,9 @@ MUTANTS = (
         "distrain/driver/launch.py",
         "            if attempt.number > 1:  # a restart",
         "            if False:  # a restart",
-        ("tests/test_peer_recovery.py::test_a_survivor_that_never_returns_is_named_and_the_run_goes_on_from_the_checkpoint",),
+        (
+            "tests/test_peer_recovery.py::test_a_survivor_that_never_returns_is_named_and_the_run_goes_on_from_the_checkpoint",
+        ),
     ),
     Mutant(
         "fixture-setup-unbounded",
