@@ -174,6 +174,20 @@ MUTANTS = (
         ("tests/test_object_storage_data.py::test_an_output_into_a_bucket_that_does_not_exist_is_refused_unless_made",),
     ),
     Mutant(
+        "not-finite-numbers-accepted",
+        "distrain/driver/validation.py",
+        'require(finite, f"{key}={value}: must be a finite number")',
+        'require(True, f"{key}={value}: must be a finite number")',
+        ("tests/test_config.py::test_a_number_that_is_not_finite_is_refused",),
+    ),
+    Mutant(
+        "plan-starts-a-cluster",
+        "distrain/driver/launch.py",
+        "    if here is not None:\n        where = ",
+        "    if False:\n        where = ",
+        ("tests/test_plan.py::test_a_plan_without_a_cluster_to_attach_to_starts_none",),
+    ),
+    Mutant(
         "survivors-cut-short",
         "distrain/cluster/timeouts.py",
         "limit = self.step_limit(step_s) if returning else max(self.survivor_grace_s, 3 * (step_s or 0.0))",
