@@ -133,6 +133,27 @@ def pytest_fixture_setup(fixturedef, request):
         signal.signal(signal.SIGALRM, previous)
 
 
+def _cpu_busy_s() -> float:
+    """Seconds of CPU time the whole machine has spent busy (every process, every core), from /proc/stat."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")  # less idle and iowait
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """With DISTRAIN_TEST_TIMES=<file>: each test's wall seconds (setup, call, teardown) and the machine's busy CPU
+    seconds meanwhile, a line each, to find where the suite's time goes and whether it waits or computes."""
+    out = os.environ.get("DISTRAIN_TEST_TIMES")
+    if not out:
+        return (yield)
+    wall, busy = time.monotonic(), _cpu_busy_s()
+    try:
+        return (yield)
+    finally:
+        with open(out, "a") as f:
+            f.write(f"{time.monotonic() - wall:.2f} {_cpu_busy_s() - busy:.2f} {item.nodeid}\n")
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     import ray
