@@ -13,7 +13,7 @@ import argparse
 import ast
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -91,9 +91,10 @@ def read_ledger(path: Path = CHECKS) -> dict[str, tuple[str, str | None]]:
     return ledger
 
 
-def record_fired_requires(log: str) -> None:
-    """Wrap distrain's `require` (before any module binds it) so that each refusal appends its caller's file and
-    line to `log`: a require's line runs whether it refuses or not, so coverage alone cannot tell."""
+def record_fired_requires(log: str) -> Callable[[], object]:
+    """Wrap distrain's `require`, in every module that has bound it and for those that will, so that each refusal
+    appends its caller's file and line to `log`: a require's line runs whether it refuses or not, so coverage
+    alone cannot tell. Returns what puts the plain `require` back."""
     from distrain.strategy import record
 
     check = record.require
@@ -105,7 +106,10 @@ def record_fired_requires(log: str) -> None:
                 f.write(f"{caller.f_code.co_filename}:{caller.f_lineno}\n")
         check(ok, message)
 
-    record.require = require
+    bound = [m for m in list(sys.modules.values()) if getattr(m, "require", None) is check]  # imported with it
+    for module in bound:
+        module.require = require
+    return lambda: [setattr(module, "require", check) for module in bound]
 
 
 def fired(checks: list[Check], coverage_file: str, requires_log: Path, root: Path = REPO) -> set[str]:

@@ -64,20 +64,24 @@ def test_a_measurement_says_which_checks_fired(tmp_path: Path, monkeypatch):
 
     (tmp_path / "mod.py").write_text(textwrap.dedent(MODULE))
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(record, "require", record.require)  # put back after the test
-    record_fired_requires(str(tmp_path / "requires"))
-    sys.modules.pop("mod", None)
-    cov = coverage.Coverage(data_file=str(tmp_path / "data"), include=[str(tmp_path / "mod.py")], config_file=False)
-    cov.start()
-    mod = importlib.import_module("mod")
-    for x, error in ((0, Exception), (10, ValueError), (1, None)):
-        try:
-            mod.check(x)
-        except Exception as e:
-            assert error is not None and isinstance(e, error)
-    cov.stop()
-    cov.save()
-    sys.modules.pop("mod", None)
+    check_before = record.require
+    plain = record_fired_requires(str(tmp_path / "requires"))
+    try:
+        sys.modules.pop("mod", None)
+        cov = coverage.Coverage(data_file=str(tmp_path / "data"), include=[str(tmp_path / "mod.py")], config_file=False)
+        cov.start()
+        mod = importlib.import_module("mod")
+        for x, error in ((0, Exception), (10, ValueError), (1, None)):
+            try:
+                mod.check(x)
+            except Exception as e:
+                assert error is not None and isinstance(e, error)
+        cov.stop()
+        cov.save()
+    finally:
+        plain()
+        sys.modules.pop("mod", None)
+    assert record.require is check_before
     checks = checks_in(tmp_path / "mod.py", tmp_path)
     assert fired(checks, str(tmp_path / "data"), tmp_path / "requires", tmp_path) == {c.name for c in checks[:2]}
 
