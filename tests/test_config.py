@@ -143,6 +143,47 @@ def test_validate_names_the_key(tmp_path: Path, overrides: list[str], key: str):
     assert "\n" not in str(err.value)
 
 
+# Each refusal of validation that no other test made fire (tests/checks.txt), with its own words.
+REFUSALS = {
+    "head dim odd (rotary)": (["model.dim=30", "model.n_heads=2"], "model.dim / model.n_heads = 15 must be even"),
+    "kv heads": (["model.n_heads=4", "model.n_kv_heads=3"], "model.n_kv_heads=3 must divide model.n_heads=4"),
+    "vocab": (["model.vocab_size=100"], "model.vocab_size=100: byte tokens need at least 256"),
+    "positions over tp": (
+        ["model=gpt2_nano", "model.n_positions=33", "strategy=tp", "cluster.num_workers=2"],
+        "strategy.tp=2 does not divide model.n_positions=33",
+    ),
+    "cpus per worker": (["cluster.cpus_per_worker=0"], "cluster.cpus_per_worker=0.0: must be positive"),
+    "threads per worker": (["cluster.threads_per_worker=0"], "cluster.threads_per_worker=0: must be ≥ 1"),
+    "max steps": (["trainer.max_steps=0"], "trainer.max_steps=0: must be ≥ 1"),
+    "seq len": (["trainer.seq_len=1"], "trainer.seq_len=1: must be ≥ 2"),
+    "log interval": (["trainer.log_interval=0"], "trainer.log_interval=0: must be ≥ 1"),
+    "eval batches": (["trainer.eval_batches=0"], "trainer.eval_batches=0: must be ≥ 1"),
+    "precision": (["trainer.precision=fp8"], "trainer.precision='fp8': choose one of"),
+    "lr": (["optim.lr=-1"], "optim.lr=-1.0: must be positive"),
+    "warmup": (["optim.warmup_steps=-1"], "optim.warmup_steps=-1: must be ≥ 0"),
+    "decay": (["optim.decay_steps=1"], "optim.decay_steps=1 must exceed optim.warmup_steps=2"),
+    "grad clip": (["optim.grad_clip=-1"], "optim.grad_clip=-1.0: must be ≥ 0"),
+    "checkpoint interval": (["checkpoint.interval=-1"], "checkpoint.interval=-1: must be ≥ 0"),
+    "run name": (["run.name=a/b"], "run.name='a/b': must be a plain name"),
+    "val fraction": (["data.val_fraction=0"], "data.val_fraction=0.0: must be in (0, 1)"),
+}
+
+
+@pytest.mark.parametrize(("overrides", "says"), list(REFUSALS.values()), ids=list(REFUSALS))
+def test_each_rule_refuses_in_its_own_words(tmp_path: Path, overrides: list[str], says: str):
+    with pytest.raises(ConfigError) as err:
+        validate(make_config(tmp_path, *overrides))
+    assert says in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+def test_a_corpus_too_small_to_validate_on_is_refused(tmp_path: Path):
+    corpus = tmp_path / "tiny.txt"
+    corpus.write_text("x" * 200)
+    with pytest.raises(ConfigError, match=r"leaves \d+ bytes for validation") as err:
+        validate(make_config(tmp_path, f"data.path={corpus}"))
+    assert "\n" not in str(err.value)
+
+
 NOT_FINITE = ["optim.lr=inf", "optim.lr=nan", "model.init_std=-inf", "cluster.node_check_s=nan"]
 
 
