@@ -184,7 +184,7 @@ class ClusterConfig:
     # a slow checkpoint write on one rank must not fail the others waiting for it at a barrier.
     collective_timeout_s: float = 600.0
     restart_backoff_s: float = 1.0  # first wait between retries that make no progress; doubles up to 60 s
-    stop_grace_s: float | None = None  # on SIGTERM, time to checkpoint and exit; None: see launch.stop_grace_s
+    stop_grace_s: float | None = None  # on SIGTERM, time to checkpoint and exit; None: see driver/stop.stop_grace_s
     node_check_s: float = 5.0  # how often to look for draining nodes, and (shrunk) for room to grow back
 
 

@@ -18,7 +18,7 @@ from distrain.driver.console import DriverLog  # noqa: E402
 from distrain.driver.sweep import Point, point_name, point_values, sweep_overrides, swept_keys, table, write_record  # noqa: E402
 
 LOG = DriverLog()
-SWEEP: dict = {"keys": set(), "points": [], "dir": None}
+SWEEP: dict = {"keys": set(), "points": [], "dir": None, "planned": []}  # planned: a basic sweep's points, in order
 CURRENT: dict = {}  # the run being started: what a Ctrl-C reports on
 
 
@@ -125,6 +125,10 @@ def main(cfg) -> float | None:
         print(f"distrain: run {config.run.name!r} completed this point with this config: its result again")
     try:
         code, summary = (0, earlier) if earlier else run(config, record)
+    except KeyboardInterrupt:  # stopped before its first step: the sweep's table lists it all the same
+        if sweeping:
+            SWEEP["points"].append(point(values, config, "stopped", None, None))
+        raise
     except Exception as e:
         if not sweeping:
             raise
@@ -138,20 +142,23 @@ def main(cfg) -> float | None:
         return None
     status = "reused" if earlier else {0: "completed", 2: "refused", 1: "failed"}.get(code, "stopped")
     value = objective(summary, config.run.objective)
-    SWEEP["points"].append(
-        Point(
-            overrides=" ".join(values),
-            run_dir=config.run_dir if Path(config.run_dir).is_dir() else None,
-            status=status,
-            final_loss=(summary or {}).get("final_loss"),
-            final_val_loss=(summary or {}).get("final_val_loss"),
-            error=CURRENT.pop("error", None),
-            objective=value,
-        )
-    )
+    SWEEP["points"].append(point(values, config, status, summary, value))
     if status == "stopped":
         raise SystemExit(code)  # a signal stops the sweep, not only its point (the table still ends it)
     return value
+
+
+def point(values: list[str], config, status: str, summary: dict | None, value: float | None) -> Point:
+    """A sweep's point as its table and record show it."""
+    return Point(
+        overrides=" ".join(values),
+        run_dir=config.run_dir if Path(config.run_dir).is_dir() else None,
+        status=status,
+        final_loss=(summary or {}).get("final_loss"),
+        final_val_loss=(summary or {}).get("final_val_loss"),
+        error=CURRENT.pop("error", None),
+        objective=value,
+    )
 
 
 def upload_log(config) -> None:
@@ -201,7 +208,7 @@ def check_sweep_storage(overrides: list[str]) -> None:
 def entry(argv: list[str]) -> int:
     import hydra
 
-    from distrain.driver.sweep import check_points
+    from distrain.driver.sweep import check_points, not_run
 
     multirun = [a for a in argv if a in ("-m", "--multirun")]
     argv = [*multirun, *plan_overrides([a for a in argv if a not in multirun])]  # Hydra's parser wants it first
@@ -212,7 +219,7 @@ def entry(argv: list[str]) -> int:
         if multirun:
             SWEEP["keys"] = swept_keys(overrides)
             argv = sweep_overrides(argv)
-            check_points(overrides_of(argv), SWEEP["keys"])
+            SWEEP["planned"] = check_points(overrides_of(argv), SWEEP["keys"]) or []
             check_sweep_storage(overrides)
     except BadInput as e:
         return fail(str(e))
@@ -226,12 +233,20 @@ def entry(argv: list[str]) -> int:
         print(f"distrain: stopped by {name}: {run_state()} (exit status {128 + sig})", file=sys.stderr)
         return 128 + sig
     finally:
-        if SWEEP["points"]:
-            print(table(SWEEP["points"]))
-            write_record(SWEEP["dir"], SWEEP["points"])
+        if SWEEP["points"]:  # and, if it was stopped, the points it never reached
+            points = [*SWEEP["points"], *not_run(SWEEP["planned"], SWEEP["points"])]
+            print(table(points))
+            write_record(SWEEP["dir"], points)
     return 1 if any(p.status not in ("completed", "reused") for p in SWEEP["points"]) else 0
 
 
 if __name__ == "__main__":
+    from distrain.driver.stop import exit_at_signal
+
     LOG.start()
-    sys.exit(entry(sys.argv[1:]))
+    try:
+        status = entry(sys.argv[1:])
+    except SystemExit as e:  # a run's own status, from main
+        status = e.code if isinstance(e.code, int) else int(e.code is not None)
+    exit_at_signal(status)
+    sys.exit(status)

@@ -21,6 +21,7 @@ from test_config import run_cli
 from distrain.config import ConfigError
 from distrain.driver.cli import BadInput, check_overrides, overrides_of
 from distrain.driver.launch import train
+from distrain.driver.stop import Stopped, stop_signals
 
 STEPS = ["trainer.max_steps=3", "logger.wandb.mode=disabled"]
 
@@ -202,14 +203,73 @@ def group_alive(pgid: int) -> bool:
     return True
 
 
-def test_ctrl_c_during_start_up_stops_at_once(tmp_path: Path):
-    """SIGINT once the run directory exists, while workers are placed and start: nothing to save, so the
-    run ends at once (it used to wait for the ranks' first step) with one line saying it trained nothing."""
-    code, out, took = interrupt_when(tmp_path, lambda run_dir: list(run_dir.glob("logs/driver-*.log")), *STEPS)
+def test_ctrl_c_before_the_first_step_stops_at_once_in_one_line_and_leaves_nothing(tmp_path: Path):
+    """SIGINT once the ranks' calls went out, the ranks held before their first step (fault.hold_file): nothing to
+    save, so the run ends at once (it used to train a step and checkpoint it, in three lines), says so in one
+    line, and the run directory it made is gone (Hydra's record, the console log, placement.json: it had
+    trained nothing)."""
+    hold = tmp_path / "hold"
+    hold.touch()
+
+    def launched(run_dir: Path) -> bool:
+        return (run_dir / "placement.json").exists()
+
+    code, out, took = interrupt_when(tmp_path, launched, *STEPS, f"fault.hold_file={hold}")
     assert code == 130, out
-    assert "stopped by SIGINT: run 'c' has trained nothing (exit status 130)" in out
+    said = [line for line in out.splitlines() if line.startswith("distrain:")]
+    assert said == ["distrain: stopped by SIGINT: run 'c' has trained nothing (exit status 130)"], out
     assert took < 10, (took, out)
-    assert committed_step(tmp_path / "c") == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hold"]
+
+
+def test_a_stop_whose_interrupt_was_swallowed_still_stops():
+    """A signal that stops at once raises KeyboardInterrupt wherever the main thread is: inside a fork handler
+    (Ray starting its processes) or a finaliser, Python prints it as ignored and goes on, and the run went on
+    starting. The wait it came in, or the next, ends as Stopped all the same."""
+    with stop_signals() as stop:
+
+        def swallowed() -> str:
+            with contextlib.suppress(KeyboardInterrupt):
+                signal.raise_signal(signal.SIGINT)
+            return "went on"
+
+        with pytest.raises(Stopped) as stopped:
+            stop.guard(swallowed)
+        assert stopped.value.signum == signal.SIGINT
+        with pytest.raises(Stopped):
+            stop.guard(lambda: "the next wait")
+
+
+def test_a_second_signal_stops_at_once_and_says_so_in_one_line():
+    said: list[str] = []
+    with stop_signals() as stop:
+        stop.forward_to(lambda: True, said.append)  # the first is taken: a clean stop under way
+
+        def stopping() -> None:
+            signal.raise_signal(signal.SIGINT)
+            assert said == []
+            signal.raise_signal(signal.SIGINT)
+
+        with pytest.raises(Stopped):
+            stop.guard(stopping)
+    assert said == ["SIGINT again: stopping now, without waiting for the ranks' checkpoint"]
+
+
+AT_EXIT = """
+import atexit, os, runpy, signal, sys, time
+atexit.register(lambda: (os.kill(os.getpid(), signal.SIGINT), time.sleep(5)))  # runs last: as Ray's exit hook ends
+sys.argv = ["jobs/train.py", "+trainer.max_step=10"]
+runpy.run_path("jobs/train.py", run_name="__main__")
+"""
+
+
+def test_a_signal_while_the_driver_exits_ends_it_in_one_line():
+    """After its last line the driver runs Ray's exit hook (a second Ctrl-C lands there): a signal then ends it
+    at once with the status it was exiting with, in one line, not with a traceback out of the hook."""
+    done = subprocess.run([sys.executable, "-c", AT_EXIT], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines()[-1] == "distrain: SIGINT: exiting now (exit status 2)", done.stderr
+    assert "Traceback" not in done.stderr
 
 
 def test_ctrl_c_during_training_checkpoints_and_exits_130(tmp_path: Path):

@@ -12,6 +12,7 @@ import pytest
 import ray
 import ray.cloudpickle
 from conftest import compose
+from ray._private.state import state
 from ray.util.placement_group import remove_placement_group
 
 from distrain.cluster.placement import GroupSpec, PlacementError, WorkerFailure, number_nodes, rank_table
@@ -64,11 +65,24 @@ def environment(channel):
     return {k: os.environ[k] for k in ENV_KEYS}
 
 
+def ids_of(group: WorkerGroup) -> list[str]:
+    return [worker._actor_id.hex() for worker in group.workers]
+
+
+def assert_killed(ids: list[str]) -> None:
+    """Each actor ended by the group's kill (cluster/kill.py): none let go before the kill reached the GCS, which
+    then ended it its own way, a graceful exit whose interpreter teardown could crash on the console."""
+    causes = {i: str(state.actor_table(i)["DeathCause"]).replace("\n", " ") for i in ids}
+    assert all("ray.kill" in cause for cause in causes.values()), causes
+
+
 @pytest.mark.usefixtures("ray_cluster")
 def test_workers_get_torchrun_environment_on_loopback():
     with WorkerGroup(spec(3)) as group:
         table = group.start()
         envs = group.run(environment)
+        ids = ids_of(group)
+    assert_killed(ids)
     assert [e["RANK"] for e in envs] == ["0", "1", "2"]
     assert {e["WORLD_SIZE"] for e in envs} == {"3"}
     assert {e["MASTER_ADDR"] for e in envs} == {"127.0.0.1"}
@@ -102,6 +116,22 @@ def test_workers_get_their_nodes_interface_and_the_users_variables(monkeypatch):
         assert {e["CUDA_VISIBLE_DEVICES"] for e in group.run(environment)} == {""}
         group.spec = replace(group.spec, env=worker_env(compose(["+cluster.env_vars.GLOO_SOCKET_IFNAME=eth7"]).cluster))
         assert [e["GLOO_SOCKET_IFNAME"] for e in group.run(network_environment)] == ["eth7", "eth7"]
+        ids = ids_of(group)
+    assert_killed(ids)
+
+
+@pytest.mark.usefixtures("ray_cluster")
+@pytest.mark.timeout(120)
+def test_every_worker_of_an_ended_group_dies_by_its_kill():
+    """Ray does not order the kill of an actor and the release of its handle: let go at once, most of a group's
+    workers were ended the GCS's own way (a graceful exit) and a run's workers then crashed now and then tearing
+    their interpreter down, on the console after the run. Three groups, that the race shows whichever way it
+    would go."""
+    for _ in range(3):
+        with WorkerGroup(spec(4)) as group:
+            group.start()
+            ids = ids_of(group)
+        assert_killed(ids)
 
 
 def fail_on_rank_one(channel):
@@ -146,6 +176,8 @@ def test_progress_reaches_the_driver_while_ranks_run():
         while group.calls and time.monotonic() < deadline:
             results.update((rank, value) for rank, value, _ in group.poll(timeout_s=0.2))
             seen.append(group.progress()[0].get("step"))
+        ids = ids_of(group)
+    assert_killed(ids)
     assert results == {0: "0", 1: "1"}
     assert {1, 2} & set(seen)  # polled mid-run, while `run` held the actors' other thread
 
@@ -179,16 +211,24 @@ def test_capacity_check_refuses_what_can_never_be_placed():
 
 
 @pytest.mark.timeout(120)
-def test_a_program_that_imported_ray_first_starts_the_embedded_cluster_quietly(tmp_path):
+def test_a_program_that_imported_ray_first_starts_the_embedded_cluster_quietly_and_ends_it_at_once(tmp_path):
     """Ray caches its auth mode when imported: distrain must not set RAY_AUTH_MODE behind its back (a cluster
-    started with token auth and a driver connecting without it fail), nor print Ray's auth warning."""
+    started with token auth and a driver connecting without it fail), nor print Ray's auth warning. The cluster's
+    processes block SIGTERM (runtime.sigterm_held): Ray's shutdown sends them none, which it then waited a second
+    on for each (five in all, at every end of the driver), and ends every one of them."""
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_AUTH_MODE", "RAY_ADDRESS")}
     code = "\n".join(
         (
-            "import ray",
+            "import os, subprocess, ray",
             "from distrain.cluster.runtime import connect",
             "connect(None, 1, 0)",
             "print('up', ray.is_initialized())",
+            "node = ray._private.worker._global_node",
+            "pids = [p.process.pid for each in node.all_processes.values() for p in each]",
+            "terminated, terminate = [], subprocess.Popen.terminate",
+            "subprocess.Popen.terminate = lambda p: (terminated.append(p.pid), terminate(p))[1]",
+            "ray.shutdown()",
+            "print('SIGTERM', len(terminated), 'alive', [p for p in pids if os.path.exists(f'/proc/{p}')])",
         )
     )
     done = subprocess.run(
@@ -196,3 +236,4 @@ def test_a_program_that_imported_ray_first_starts_the_embedded_cluster_quietly(t
     )
     assert done.returncode == 0 and "up True" in done.stdout, done.stderr[-2000:]
     assert "Token authentication" not in done.stdout + done.stderr
+    assert "SIGTERM 0 alive []" in done.stdout, done.stdout

@@ -283,6 +283,21 @@ def test_auto_says_it_chose_cpus_on_a_cluster_without_gpus(tmp_path: Path):
 
 
 @pytest.mark.usefixtures("ray_cluster")
+def test_auto_says_its_choice_once_for_every_run_of_a_sweep(tmp_path: Path, monkeypatch):
+    """Each point of a sweep checks its run as it starts: the same devices on the same cluster, said at the first."""
+    from distrain.driver import console
+    from distrain.driver.launch import placeable_spec
+    from distrain.driver.validation import validate
+
+    monkeypatch.setattr(console, "SAID", set())  # what this process said before (other tests) aside
+    said: list[str] = []
+    for lr in ("0.001", "0.003"):
+        cfg = make_config(tmp_path, "cluster.use_gpu=null", f"optim.lr={lr}")
+        placeable_spec(cfg, validate(cfg), said.append)
+    assert len(said) == 1 and said[0].startswith("cluster.use_gpu=null: the cluster has no GPU now"), said
+
+
+@pytest.mark.usefixtures("ray_cluster")
 @pytest.mark.timeout(60)
 def test_use_gpu_true_waits_for_gpus_then_fails_in_one_line(tmp_path: Path):
     from ray.util.placement_group import placement_group_table

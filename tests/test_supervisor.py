@@ -437,8 +437,13 @@ def until_stopped(attempt: int, folder: str, channel) -> dict:
 @pytest.mark.usefixtures("ray_cluster")
 @pytest.mark.timeout(60)
 def test_a_stop_request_reaches_every_rank_with_a_deadline(tmp_path: Path):
-    sup = supervisor(tmp_path, until_stopped, timeouts=replace(FAST, stop_grace_s=7.0))
-    threading.Timer(2.0, sup.request_stop).start()
+    """Once a step is made (before it there is nothing to save: the attempt ends at once)."""
+
+    def stop_after_a_step(progress: dict) -> None:
+        if progress.get("step"):
+            sup.request_stop()
+
+    sup = supervisor(tmp_path, until_stopped, timeouts=replace(FAST, stop_grace_s=7.0), on_progress=stop_after_a_step)
     finished = sup.run()
     assert [a.outcome for a in sup.attempts] == [Outcome.STOPPED] and finished.stopped
     deadlines = {r["deadline"] for r in finished.results["ranks"]}

@@ -4,13 +4,16 @@ optimises what the points return (their final validation loss), a point it sampl
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
+import subprocess
 import sys
 from pathlib import Path
 
 import optuna
 import pytest
-from conftest import REPO, TINY, make_config
+from conftest import REPO, TINY, in_background, make_config, when
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
@@ -98,7 +101,7 @@ def test_an_unknown_objective_is_refused(tmp_path: Path):
 @pytest.fixture
 def fresh_entrypoint(monkeypatch):
     """jobs/train.py's per-process state, new for each in-process call."""
-    monkeypatch.setattr(entrypoint, "SWEEP", {"keys": set(), "points": [], "dir": None})
+    monkeypatch.setattr(entrypoint, "SWEEP", {"keys": set(), "points": [], "dir": None, "planned": []})
     monkeypatch.setattr(entrypoint, "CURRENT", {})
     monkeypatch.setattr(sys, "argv", sys.argv[:1])
 
@@ -185,3 +188,48 @@ def test_a_sampled_point_is_refused_when_it_comes_and_names_no_directory(tmp_pat
     ((point,),) = [json.loads(record.read_text())]
     assert point["status"] == "refused" and point["run_dir"] is None
     assert sorted(p.name for p in tmp_path.iterdir()) == ["sweeps"]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.usefixtures("ray_cluster", "fresh_entrypoint")
+def test_a_sweep_stopped_midway_lists_the_points_it_never_ran(tmp_path: Path, capsys):
+    """SIGTERM (`ray job stop`) while the first of three points starts, its ranks held before their first step:
+    that point stops at once and leaves no directory, the others never run, and the table (and sweep.json) list
+    all three."""
+    hold = tmp_path / "hold"
+    hold.touch()
+    first = tmp_path / "s-optim.lr_0.001"
+
+    def stop_the_first() -> None:
+        when((first / "placement.json").exists)  # the ranks' calls went out
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    argv = ["-m", *TINY, "optim.lr=0.001,0.002,0.003", "trainer.max_steps=3", f"fault.hold_file={hold}"]
+    stopper = in_background(stop_the_first)
+    try:
+        assert entrypoint.entry([*argv, f"run.storage={tmp_path}", "run.name=s"]) == 143
+    finally:
+        GlobalHydra.instance().clear()
+    stopper.join(10)
+    assert not stopper.errors, stopper.errors
+    out = capsys.readouterr()
+    assert "stopped by SIGTERM: run 's-optim.lr_0.001' has trained nothing (exit status 143)" in out.err
+    table = out.out[out.out.index("distrain: sweep of 3 points") :]
+    assert re.search(r"\n0 +optim.lr=0.001 +stopped +- +- +-\n", table), table
+    assert re.search(r"\n1 +optim.lr=0.002 +not run +- +- +-\n2 +optim.lr=0.003 +not run +- +- +-", table), table
+    (record,) = (tmp_path / "sweeps").glob("*/sweep.json")
+    assert [p["status"] for p in json.loads(record.read_text())] == ["stopped", "not run", "not run"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hold", "sweeps"]
+
+
+def test_optunas_sweeper_adds_no_lines_of_its_own_start(tmp_path: Path):
+    """Optuna imports alembic, whose seven "setup plugin" INFO lines Hydra's logging printed at every sweep. (A
+    point refused in one line: nothing trains, no cluster starts.)"""
+    tiny = [o for o in TINY if not o.startswith("trainer.global_batch_size=")]
+    argv = ["-m", "hydra/sweeper=optuna", "hydra.sweeper.n_trials=1", "trainer.global_batch_size=choice(30,31)"]
+    argv += [*tiny, f"run.storage={tmp_path}", "run.name=o"]
+    done = subprocess.run(
+        [sys.executable, "jobs/train.py", *argv], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert "[HYDRA] Launching 1 jobs locally" in done.stdout, done.stdout + done.stderr  # Hydra's logging is on
+    assert "setup plugin" not in done.stdout + done.stderr

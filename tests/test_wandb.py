@@ -1,6 +1,7 @@
 """W&B offline, as `wandb sync` uploads it later: the run's .wandb files hold the resolved config, every
 metric, the summary and (opt-in) each committed checkpoint as a reference artifact; a resumed run
-writes the same run id again, and its history carries on where the last invocation stopped."""
+writes the same run id again, and its history carries on where the last invocation stopped; a rank 0 that
+survives a failure goes on with its run."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from conftest import REPO, make_config
 
+from distrain.driver.launch import train
 from distrain.storage.tracking import read_metrics
 
 BLOCK, HEADER = 32768, 7  # the .wandb file: a LevelDB-style log of protobuf Records in 32 KiB blocks
@@ -86,6 +88,26 @@ def test_offline_run_is_complete_and_one_run_across_a_resume(tracked_run):
         assert refs and all(ref.startswith(f"{step_dir.resolve().as_uri()}/") for ref in refs)
     kept = run_dir / "checkpoints" / "step_00000006"  # (checkpoint.keep=2 pruned step 2's directory)
     assert refs == {f"{kept.resolve().as_uri()}/{p.name}" for p in kept.iterdir()}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.usefixtures("ray_cluster")
+def test_a_recovery_from_replicas_keeps_one_wandb_run_and_ray_says_nothing(tmp_path: Path, capfd):
+    """Rank 1 is killed after step 3 and rank 0, which survives, hands its replica to the spare that takes rank 1:
+    rank 0's W&B run goes on, in its one offline-run folder with every step once (wandb.init in the same process
+    made a second folder, empty, and returned the same run). The console says the death in distrain's one line,
+    without Ray's paragraph on the OOM killer and SIGSEGV."""
+    kill = ["fault.kill_at_step=3", "fault.kill_rank=1", "cluster.spares=1", "cluster.restart_backoff_s=0"]
+    cfg = make_config(tmp_path, "run.name=r", "logger.wandb.mode=offline", "trainer.max_steps=6", *kill)
+    summary = train(cfg)
+    assert summary["restarts"] == 1 and summary["attempts"][1]["info"]["resumed_from"] == "replicas"
+    (folder,) = (Path(cfg.run_dir) / "wandb").glob("offline-run-*")
+    records = list(wandb_records(next(folder.glob("*.wandb"))))
+    assert [h.step.num for h in of_type(records, "history")] == list(range(1, 7))
+    assert [run.run_id for run in of_type(records, "run")] == [summary["wandb_run_id"]]
+    said = "".join(capfd.readouterr())
+    assert "rank 1 (pid" in said and "; recovering (failure 1 of 3)" in said, said
+    assert "A worker died or was killed" not in said and "(raylet)" not in said, said
 
 
 AT_EXIT = """

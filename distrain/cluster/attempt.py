@@ -100,6 +100,11 @@ class Attempt:
                 self.timings.setdefault(mark, progress[0][mark])
 
     @property
+    def progressed(self) -> bool:
+        """Whether a step has ended since the state it started from (a checkpoint's, the replicas', nothing)."""
+        return self.step_reached > self.info.get("resumed_from_step", 0)
+
+    @property
     def steps_run(self) -> int:
         """The steps this attempt began (finished or not) after the one it resumed from."""
         return max(0, self.step_begun - self.info.get("resumed_from_step", 0))

@@ -30,6 +30,10 @@ class Verdict:
     reason: str = ""  # GIVE_UP: why, for the error the run ends with; else a note for the event line
     size: int = 0  # SHRINK: the worker count to go on with
 
+    def noted(self, event: str) -> str:
+        """An event line with the policy's note on this verdict (the failure budget), if it gave one."""
+        return f"{event} ({self.reason})" if self.reason else event
+
 
 class FailurePolicy(abc.ABC):
     """Decides what each failure of a supervised run means. Built once per run on the run's cluster

@@ -10,8 +10,10 @@ import socket
 from collections.abc import Callable, Iterator
 
 import ray
+from ray._private import worker as ray_worker
 from ray.util.placement_group import placement_group, remove_placement_group
 
+from distrain.cluster.notices import hide_worker_deaths
 from distrain.cluster.placement import GroupSpec
 from distrain.config import attach_address
 
@@ -45,7 +47,9 @@ def connect(
     keeps Ray from joining a stale `ray start` cluster. Attaching gives up with AttachError when no
     gRPC server answers at the address within `timeout_s` (Ray itself retries for about 12 minutes
     with nothing but warnings, and a Ctrl-C cannot reach the driver while it does). A local cluster that
-    fails to start is started once more, as a user would (`say` tells them), then StartError in one line."""
+    fails to start is started once more, as a user would (`say` tells them), then StartError in one line.
+    Ray's notices of worker deaths are kept off the console (`notices`)."""
+    hide_worker_deaths()
     if ray.is_initialized():
         return
     address = attach_address(address)
@@ -75,7 +79,7 @@ def connect(
                         include_dashboard=False,
                         logging_level="WARNING",
                     )
-                return
+                break
             except Exception as e:  # Ray raises bare Exceptions ("The current node timed out during startup")
                 ray.shutdown()  # what it did start ends
                 why = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
@@ -84,6 +88,16 @@ def connect(
                 say(f"the embedded Ray cluster did not start ({why}); starting it once more")
     finally:
         announcer.setLevel(level)
+    kill_at_shutdown()
+
+
+def kill_at_shutdown() -> None:
+    """Ray's shutdown sends each process of the cluster it started SIGTERM and gives it a second to end before
+    its SIGKILL. The embedded cluster's block SIGTERM (`sigterm_held`): that was a second each, five at every
+    end of the driver (a Ctrl-C's too), for nothing. They get the SIGKILL at once."""
+    node = ray_worker._global_node  # this driver's node: the processes ray.init started
+    kill_all = node.kill_all_processes
+    node.kill_all_processes = lambda *args, **kwargs: kill_all(*args, **{**kwargs, "allow_graceful": False})
 
 
 def not_started(why: str) -> str:
@@ -102,8 +116,8 @@ def sigterm_held() -> Iterator[None]:
     """SIGTERM blocked in this thread while an embedded cluster starts: its processes (GCS, raylet and what
     they start) inherit the mask, as Ray has them inherit a blocked SIGINT. They share the driver's process
     group, so a SIGTERM to the group (`timeout`, systemd, a scheduler) would otherwise end the cluster under
-    the driver, which then waits a minute on the dead GCS instead of stopping cleanly. Ray ends them at exit
-    with SIGKILL 1 s after its SIGTERM. A Python handler the caller had (the driver's stop) is put back
+    the driver, which then waits a minute on the dead GCS instead of stopping cleanly. Ray's shutdown ends
+    them with SIGKILL (`kill_at_shutdown`). A Python handler the caller had (the driver's stop) is put back
     before the mask is lifted, which delivers a SIGTERM that came meanwhile: ray.init replaced it with one
     that aborts."""
     before = signal.getsignal(signal.SIGTERM)

@@ -93,9 +93,9 @@ class Supervisor:
         return len(self.replacements) + max(len(self.attempts) - 1, 0)
 
     def request_stop(self) -> bool:
-        """Ask for a clean stop (SIGTERM, Ctrl-C): the ranks checkpoint if time allows, then return. False
-        when no attempt's ranks run (workers being placed or started, a restart's back-off): nothing to
-        save, and the caller may end the run at once."""
+        """Ask for a clean stop (SIGTERM, Ctrl-C): the ranks checkpoint if time allows, then return (at once if
+        none has made a step yet: `_stopping`). False when no attempt's ranks run (workers being placed or
+        started, a restart's back-off): nothing to save, and the caller may end the run at once."""
         self.stop_requested_at = self.stop_requested_at or time.time()
         launched = self.group is not None and bool(self.group.calls)  # the ranks' calls went out in Placing
         return isinstance(self.state, Watching) or launched
@@ -194,7 +194,7 @@ class Supervisor:
             return Recovering(s, failures)
         if self._done(s):
             return self._finish(s)
-        if s.attempt.step_reached > s.attempt.info.get("resumed_from_step", 0):
+        if s.attempt.progressed:
             self.group.restock()  # the attempt made a step: a new spare's warm-up no longer slows its start
         self._write_placement(s.attempt)  # when a spare has come up
         if self.stop_requested_at:
@@ -235,8 +235,13 @@ class Supervisor:
             return self._stopping(s)
         return s
 
-    def _stopping(self, s: Watching) -> Stopping:
-        """A stop was requested: ask every rank (and the engine) to checkpoint and return by the deadline."""
+    def _stopping(self, s: Watching) -> Stopping | Finished:
+        """A stop was requested: ask every rank (and the engine) to checkpoint and return by the deadline; or,
+        while no attempt has made a step (as the ranks say now: polls lag), end the attempt: nothing to save."""
+        s.attempt.note(list(self.group.final_progress(timeout_s=self.timeouts.poll_s).values()))  # in rank order
+        if not any(a.progressed for a in self.attempts):
+            s.attempt.end(Outcome.STOPPED)
+            return Finished(None, stopped=True)
         deadline = self.stop_requested_at + self.timeouts.stop_grace_s
         self.on_event("stop requested: checkpointing, then stopping")
         self._ask_to_stop(deadline - 1.0)  # a second kept for the driver
@@ -418,7 +423,7 @@ class Supervisor:
         self.engine.end()
         if self.stop_requested_at:
             return Finished(None, stopped=True)
-        self.on_event(noted(f"{failure.cause}; recovering", verdict))
+        self.on_event(verdict.noted(f"{failure.cause}; recovering"))
         since = attempt.timings[Mark.ENDED]
         shrunk = attempt.world_size < self.world_sizes[0]
         if not shrunk:
@@ -440,7 +445,7 @@ class Supervisor:
     def _replace(self, watching: Watching, failure: Failure, verdict: Verdict) -> None:
         """One worker replaced while the others go on (a hot spare if one is warm)."""
         rank = failure.rank
-        self.on_event(noted(f"{failure.cause}; replacing it while the others go on", verdict))
+        self.on_event(verdict.noted(f"{failure.cause}; replacing it while the others go on"))
         step = self.group.last_progress(rank, timeout_s=0.5).get("step")
         self.group.replace(rank)
         watching.beats.restart(rank)
@@ -461,8 +466,3 @@ class Supervisor:
         end = time.monotonic() + seconds
         while time.monotonic() < end and not self.stop_requested_at:
             time.sleep(max(0.0, min(0.1, end - time.monotonic())))  # end may pass meanwhile
-
-
-def noted(event: str, verdict: Verdict) -> str:
-    """An event line with the policy's note on its verdict (the failure budget), if it gave one."""
-    return f"{event} ({verdict.reason})" if verdict.reason else event

@@ -13,6 +13,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from distrain.cluster import warm
+from distrain.cluster.kill import end
 from distrain.cluster.placement import (
     GroupSpec,
     PlacementError,
@@ -432,8 +433,7 @@ class WorkerGroup:
         warm.keep(self)
 
     def shutdown(self) -> None:
-        for w in [*self.workers, *(spare.actor for spare in self.spares)]:
-            ray.kill(w, no_restart=True)
+        end([*self.workers, *(spare.actor for spare in self.spares)])
         self.workers, self.spares, self.calls = [], [], {}
         if self.pg is not None:
             remove_placement_group(self.pg)

@@ -4,7 +4,8 @@
 The run directory exists only once the config is valid, so what is printed before is held in memory
 and written when the log opens; a refused command writes nothing. Python-level streams only: the
 terminal still sees the same stream (a progress line still redraws), and output that bypasses Python
-(a C library writing to fd 2) reaches the terminal but not the file.
+(a C library writing to fd 2) reaches the terminal but not the file. A line that holds for every point of
+a sweep is said once (`once`).
 """
 
 from __future__ import annotations
@@ -13,10 +14,20 @@ import io
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
 LOG_DIR = "logs"
+SAID: set[str] = set()  # lines `once` has said in this process
+
+
+def once(say: Callable[[str], None], line: str) -> None:
+    """`say(line)` unless this process has said it before: what holds for every run of a sweep (the cluster's
+    devices, a sweep's points on one cluster) is said at its first point, and again only when it changes."""
+    if line not in SAID:
+        SAID.add(line)
+        say(line)
 
 
 class _Tee(io.TextIOBase):

@@ -23,17 +23,18 @@ from distrain.cluster.placement import GroupSpec
 from distrain.cluster.policy import failure_policy, policy_class
 from distrain.cluster.resources import embedded_resources
 from distrain.cluster.runtime import check_capacity, connect, gpu_count, wait_for_gpus
-from distrain.cluster.states import Finished, Work
+from distrain.cluster.states import Work
 from distrain.cluster.supervisor import Supervisor
 from distrain.cluster.timeouts import Timeouts
 from distrain.cluster.worker_group import WorkerGroup
 from distrain.config import ClusterConfig, ConfigError, TrainConfig, attach_address
+from distrain.driver.console import once
 from distrain.driver.fits import check_fits, verdict
 from distrain.driver.objectrun import check_run_url
 from distrain.driver.peers import HELD, plan_recovery
 from distrain.driver.plan import describe
 from distrain.driver.rerun import Found, claimed, newest_checkpoint
-from distrain.driver.stop import Stopped, stop_signals
+from distrain.driver.stop import Stopped, stop_grace_s, stop_signals
 from distrain.driver.validation import validate
 from distrain.model.hf import resolve_init_from
 from distrain.progress import ProgressLine
@@ -42,8 +43,6 @@ from distrain.storage.urls import is_url
 from distrain.strategy.layout import Layout
 from distrain.train.job import RankJob
 
-DEFAULT_STOP_GRACE_S = 30.0
-RAY_JOB_STOP_WAIT_DEFAULT_S = 3.0  # Ray's own default (dashboard/modules/job/job_supervisor.py)
 # The workers' modules, named rather than imported: they import torch, which the driver never needs
 # (seconds of its start, on the path to the first step).
 TRAINER, PROCESS_GROUP = "distrain.train.loop", "distrain.parallel.process_group"
@@ -177,9 +176,9 @@ def train(
     `on_run_dir`: called with the run directory once every check has passed (the command line keeps its
     record and console log there). A refusal (config, cluster, a run in use, a resume that cannot be)
     writes nothing; what the config and the run directory decide (a run in use, a finished one, a resume
-    into another model) is refused before Ray starts. A signal while attaching or checking raises `Stopped`;
-    one while the workers are placed and started ends the run at once, `stopped`; once their calls went out,
-    it stops cleanly."""
+    into another model) is refused before Ray starts. A signal before the ranks' first step raises `Stopped`
+    and leaves the run directory as it was (a new one: none); after it, the run stops cleanly, `stopped` (at
+    once at a second signal)."""
     started = time.time()
     cfg, layout = resolved(cfg)
     if cfg.plan:
@@ -196,12 +195,17 @@ def train(
         if on_run_dir is not None:
             on_run_dir(run_dir)
         stop.install()
-        stop.forward_to(supervisor.request_stop)
+        stop.forward_to(supervisor.request_stop, progress.message)
         try:
-            finished = Finished(None, stopped=True) if stop.received else stop.guard(supervisor.run)
+            finished = stop.guard(supervisor.run)
+            if finished.stopped and not any(a.progressed for a in supervisor.attempts):
+                raise Stopped(stop.received[0])  # before the first step
             stopped = finished.stopped
             summary.update(finished.results or _from_metrics(run_dir), status="stopped" if stopped else "completed")
-        except Stopped:  # nothing to save yet: stopped at once
+        except Stopped:  # at once: nothing to save yet, a second signal, a restart's back-off
+            if not any(a.progressed for a in supervisor.attempts):
+                summary = None  # nothing trained: nothing recorded (rerun.claimed empties a new directory)
+                raise
             summary.update(_from_metrics(run_dir), status="stopped")
         except BaseException as e:
             summary.update(_from_metrics(run_dir), error=f"{type(e).__name__}: {e}")
@@ -209,14 +213,15 @@ def train(
         finally:
             stop.forward_to(lambda: True)  # the run has ended: a first signal now lets its record be written
             progress.close()
-            summary["attempts"] = [a.record() for a in supervisor.attempts]
-            summary["replacements"] = supervisor.replacements
-            summary["restarts"] = supervisor.restarts
-            summary["steps_executed"] = sum(a.steps_run for a in supervisor.attempts)
-            summary["wall_s"] = time.time() - started
-            if summary["status"] == "stopped" and stop.received:
-                summary["stop_signal"] = stop.received[0]
-            write_summary(str(run_dir), summary)
+            if summary is not None:
+                summary["attempts"] = [a.record() for a in supervisor.attempts]
+                summary["replacements"] = supervisor.replacements
+                summary["restarts"] = supervisor.restarts
+                summary["steps_executed"] = sum(a.steps_run for a in supervisor.attempts)
+                summary["wall_s"] = time.time() - started
+                if summary["status"] == "stopped" and stop.received:
+                    summary["stop_signal"] = stop.received[0]
+                write_summary(str(run_dir), summary)
     return summary
 
 
@@ -309,15 +314,6 @@ def timeouts(c: ClusterConfig) -> Timeouts:
     )
 
 
-def stop_grace_s() -> float:
-    """How long after SIGTERM the driver still lives: under `ray job submit` (which sets
-    RAY_JOB_CONFIG_JSON_ENV_VAR for the driver), RAY_JOB_STOP_WAIT_TIME_S, 3 s unless the job's
-    env_vars say otherwise; elsewhere (a terminal, a scheduler) 30 s unless that variable is set."""
-    under_ray_job = "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ
-    default = RAY_JOB_STOP_WAIT_DEFAULT_S if under_ray_job else DEFAULT_STOP_GRACE_S
-    return float(os.environ.get("RAY_JOB_STOP_WAIT_TIME_S", default))
-
-
 def _from_metrics(run_dir: Path) -> dict:
     logged = read_metrics(str(run_dir))
     return {"final_step": logged[-1]["step"] if logged else 0, "final_loss": logged[-1]["loss"] if logged else None}
@@ -344,7 +340,7 @@ def placeable_spec(cfg: TrainConfig, layout: Layout, say: Callable[[str], None] 
     if not cfg.plan:  # a plan says the check's verdict instead
         check_fits(cfg, layout, spec.gpus_per_worker > 0, say, here)
     for line in choice:
-        say(line)
+        once(say, line)
     if here is not None and not cfg.plan:
         connect(None, c.local_cpus, c.local_gpus, say=say)
     return spec

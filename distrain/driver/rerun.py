@@ -13,6 +13,7 @@ from pathlib import Path
 from distrain.config import ConfigError, TrainConfig, to_plain
 from distrain.data.checks import check_same_shards
 from distrain.driver.objectrun import on_store
+from distrain.driver.stop import leaving_nothing
 from distrain.storage import checkpoint, remote
 from distrain.storage.fsutil import exclusive_lock, make_writable_dir, remove_empty
 from distrain.storage.objectstore import store_for
@@ -25,10 +26,12 @@ Found = tuple[Path | None, dict]  # the checkpoint a (re)start resumes from, and
 def claimed(cfg: TrainConfig, say: Callable[[str], None]) -> Iterator[tuple[Path, Found]]:
     """The run directory, held (its lock, and on an object store the store's lock and the record pulled and
     synced) for as long as the run trains, and its newest checkpoint, checked against `cfg`. A refusal, or
-    anything raised while it is held, leaves behind no directory made for it that is still empty."""
+    anything raised while it is held, leaves behind no directory made for it that is still empty; a stop before
+    the first step (a KeyboardInterrupt: `launch.train`), none made for it at all."""
     run_dir, made = make_run_dir(cfg)
+    new = run_dir if run_dir in made and not cfg.run_url else None  # (on a store, the record may be there already)
     try:
-        with on_store(cfg, run_dir, say), exclusive_lock(run_dir / LOCK_FILE):
+        with on_store(cfg, run_dir, say), exclusive_lock(run_dir / LOCK_FILE), leaving_nothing(new, LOCK_FILE):
             found = newest_checkpoint(cfg, run_dir)
             if found[0] is not None:
                 check_resumable(found[1].get("config"), to_plain(cfg))

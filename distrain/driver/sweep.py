@@ -24,7 +24,7 @@ SWEEP_RECORD = "sweep.json"  # beside Hydra's multirun.yaml in the sweep's direc
 class Point:
     overrides: str  # the point's swept values, e.g. "optim.lr=0.001"
     run_dir: str | None  # None: a point refused before its run directory was made
-    status: str  # completed | reused | stopped | refused | failed
+    status: str  # completed | reused | stopped | refused | failed | not run (a stopped sweep's later points)
     final_loss: float | None = None
     final_val_loss: float | None = None
     error: str | None = None
@@ -84,11 +84,11 @@ def point_name(base: str, values: list[str], swept: set[str]) -> str:
     return "-".join([base, *(v.replace("=", "_").replace("/", "_") for v in values)])
 
 
-def check_points(overrides: list[str], swept: set[str]) -> int | None:
+def check_points(overrides: list[str], swept: set[str]) -> list[str] | None:
     """Validate every point of a sweep Hydra's basic sweeper runs, as `main` will train it (its run.name
-    included), before any trains: BadInput naming the first point that cannot run and why. Returns how
-    many points were checked; None for a sweeper that samples (hydra/sweeper=optuna), whose points are
-    not known up front and are each checked as it comes."""
+    included), before any trains: BadInput naming the first point that cannot run and why. Returns the
+    points checked, in the order they run (each as its swept values, `a=1 b=2`); None for a sweeper that
+    samples (hydra/sweeper=optuna), whose points are not known up front and are each checked as it comes."""
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.errors import HydraException
     from omegaconf import OmegaConf
@@ -101,6 +101,7 @@ def check_points(overrides: list[str], swept: set[str]) -> int | None:
     if any(o.startswith("hydra/sweeper=") and o != "hydra/sweeper=basic" for o in overrides):
         return None
     own = [o for o in overrides if not re.match(r"\+*hydra[./]", o)]  # Hydra's settings: its, not the config's
+    checked = []
     with PointComposer() as composer:
         try:
             (points,) = BasicSweeper.split_arguments(composer.parser.parse_overrides(own), None)
@@ -117,7 +118,8 @@ def check_points(overrides: list[str], swept: set[str]) -> int | None:
                 raise BadInput(
                     f"sweep point #{i} of {len(points)} ({where}) cannot run: {e}; nothing was trained"
                 ) from None
-    return len(points)
+            checked.append(" ".join(values))
+    return checked
 
 
 class PointComposer:
@@ -159,6 +161,11 @@ class PointComposer:
         cfg = copy.deepcopy(self.groups[key])
         ConfigLoaderImpl._apply_overrides_to_config(values, cfg)
         return cfg
+
+
+def not_run(planned: list[str], ran: list[Point]) -> list[Point]:
+    """The points of a sweep stopped midway that it never reached: `planned` (check_points) after those that ran."""
+    return [Point(overrides, None, "not run") for overrides in planned[len(ran) :]]
 
 
 def table(points: list[Point]) -> str:

@@ -12,6 +12,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
 
 from distrain.cluster import warm
+from distrain.cluster.kill import end
 from distrain.cluster.placement import PlacementError, WorkerFailure
 from distrain.cluster.states import AttemptLost
 from distrain.cluster.worker_group import first_line
@@ -118,6 +119,5 @@ class ServerGroup:
         warm.keep(self)
 
     def shutdown(self) -> None:
-        for srv in self.actors:
-            ray.kill(srv, no_restart=True)
+        end(self.actors)
         self.actors, self.drains = [], {}

@@ -61,7 +61,10 @@ class Tracker:
         if mode != "disabled":
             import wandb
 
-            self.wandb_run = wandb.init(
+            # A rank 0 that survived a failure (a recovery from replicas, a restart that kept it) goes on with its
+            # run: wandb.init would return it anyway, but only after making a second, empty offline-run folder.
+            kept = wandb.run if wandb.run is not None and wandb.run.id == wandb_run_id else None
+            self.wandb_run = kept or wandb.init(
                 project=wb["project"],
                 entity=wb["entity"],
                 name=config["run"]["name"],
