@@ -326,9 +326,7 @@ class WorkerGroup:
                 alive = False
             if not alive:
                 self.returned.discard(rank)
-        for entry in self.table:
-            if entry["rank"] not in self.returned:
-                ray.kill(self.workers[entry["rank"]], no_restart=True)
+        end([self.workers[e["rank"]] for e in self.table if e["rank"] not in self.returned])  # dead once it returns
 
     def refill(self) -> list[dict]:
         """Put workers in place of those `release_unhealthy` let go, hot spares first, each under the rank it
