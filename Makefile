@@ -29,7 +29,8 @@ test: setup
 COVERAGE_DIR := $(CURDIR)/.coverage-data
 coverage: setup
 	rm -rf $(COVERAGE_DIR) && mkdir -p $(COVERAGE_DIR)
-	COVERAGE_FILE=$(COVERAGE_DIR)/data DISTRAIN_FIRED_REQUIRES=$(COVERAGE_DIR)/requires \
+	COVERAGE_FILE=$(COVERAGE_DIR)/data DISTRAIN_FIRED_REQUIRES=$(COVERAGE_DIR)/requires DISTRAIN_TIMEOUT_SCALE=2 \
+		DISTRAIN_TEST_TIMES=$(COVERAGE_DIR)/times \
 		PYTHONPATH=$(CURDIR)/tests/covhook$${PYTHONPATH:+:$$PYTHONPATH} \
 		$(PY) -m coverage run -m pytest -q $(ARGS); echo $$? > $(COVERAGE_DIR)/pytest-status
 	cd $(COVERAGE_DIR) && $(CURDIR)/$(PY) -m coverage combine -q --data-file=data

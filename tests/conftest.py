@@ -116,7 +116,17 @@ CLUSTER_CPUS = 4
 
 # A fixture's setup (a cluster, a module's reference runs, a spawn of ranks) is bounded on its own, not inside the
 # first test that asks for it: pytest-timeout's limits cover a test's own call only (`timeout_func_only`).
-FIXTURE_TIMEOUT_S = 900
+# DISTRAIN_TIMEOUT_SCALE stretches every limit for a slower run of the suite (`make coverage` measures under 2).
+TIMEOUT_SCALE = float(os.environ.get("DISTRAIN_TIMEOUT_SCALE", "1"))
+FIXTURE_TIMEOUT_S = 900 * TIMEOUT_SCALE
+
+
+def pytest_collection_modifyitems(config, items):
+    if TIMEOUT_SCALE != 1:
+        for item in items:
+            marker = item.get_closest_marker("timeout")
+            limit = marker.args[0] if marker and marker.args else config.getini("timeout")
+            item.add_marker(pytest.mark.timeout(float(limit) * TIMEOUT_SCALE), append=False)
 
 
 @pytest.hookimpl(wrapper=True)
