@@ -58,13 +58,12 @@ class ProgressLine(_Line):
     that line's figures. A collective rank reads a step's loss back during the next step, and says which step
     its figures are of (`logged`: from the step it starts at, with none); a parameter server's report is of its
     `step`. A new attempt's reports carry no figures until its first logged step: the line never shows a loss
-    beside a step it is not of."""
+    beside a step it is not of (the newest validation loss stands beside the steps after its own)."""
 
     def __init__(self, interval_s: float, stream=None):
         super().__init__(interval_s, stream)
         self.first: tuple[float, int] | None = None  # (time, step) at the first report, for the rate
         self.last_print = 0.0
-        self.last_step = -1
         self.shown: tuple | None = None  # the step and figures last rendered
         self.metrics: dict = {}
         self.unprinted: str | None = None  # the newest line, held back by the interval
@@ -82,7 +81,7 @@ class ProgressLine(_Line):
         now = time.time()
         if self.first is None:
             self.first = (now, step)
-        self.last_step, self.shown, self.metrics = step, (step, metrics), metrics
+        self.shown, self.metrics = (step, metrics), metrics
         self.unprinted = self.render(step, progress["max_steps"], now)
         if now - self.last_print >= self.interval_s:
             self.last_print = now
@@ -114,6 +113,6 @@ class ProgressLine(_Line):
         """Print the newest state if the interval held it back; end the terminal's line."""
         if self.unprinted is not None:
             self._write(self.unprinted)
-        if self.tty and self.last_step >= 0:
+        if self.tty and self.shown is not None:
             self.stream.write("\n")
             self.stream.flush()

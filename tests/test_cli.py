@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, TINY, committed_step, logged_step, make_config
+from conftest import REPO, TINY, committed_step, free_port, logged_step, make_config
 from test_config import run_cli
 
 from distrain.config import ConfigError
@@ -122,8 +122,18 @@ def test_a_finished_run_is_extended_or_refused(tmp_path: Path, ray_cluster, caps
 
 @pytest.mark.timeout(400)
 def test_a_sweep_trains_each_point_as_its_own_run(tmp_path: Path):
-    # (A point that cannot run is refused before any trains: test_sweepers.py.)
-    result = run_cli(tmp_path, "-m", *TINY, *STEPS, "trainer.global_batch_size=8,16", "optim.lr=0.001", "run.name=sw")
+    # (A point that cannot run is refused before any trains: test_sweepers.py.) On the embedded cluster that
+    # cluster.address=local asks for, whatever RAY_ADDRESS names (here a port nothing listens on).
+    args = (
+        "-m",
+        *TINY,
+        *STEPS,
+        "trainer.global_batch_size=8,16",
+        "optim.lr=0.001",
+        "run.name=sw",
+        "cluster.address=local",
+    )
+    result = run_cli(tmp_path, *args, ray_address=f"127.0.0.1:{free_port()}")
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout + result.stderr
     assert "Token authentication" not in out and "Traceback" not in out  # Ray's auth mode is set, not warned about
@@ -377,6 +387,7 @@ def test_an_embedded_cluster_that_does_not_start_is_tried_again_then_one_line(tm
     (error,) = [line for line in out.splitlines() if line.startswith("distrain: error:")]
     assert "the embedded Ray cluster did not start, twice: PermissionError" in error
     assert "/sys/distrain-no-ray/ray/session_latest/logs" in error
+    assert "loaded machine" not in error  # that advice is for a start that timed out
     assert list(tmp_path.iterdir()) == []
 
 

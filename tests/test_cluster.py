@@ -237,3 +237,11 @@ def test_a_program_that_imported_ray_first_starts_the_embedded_cluster_quietly_a
     assert done.returncode == 0 and "up True" in done.stdout, done.stderr[-2000:]
     assert "Token authentication" not in done.stdout + done.stderr
     assert "SIGTERM 0 alive []" in done.stdout, done.stdout
+
+
+def test_a_start_that_timed_out_is_told_what_to_do_on_a_loaded_machine():
+    from distrain.cluster.runtime import not_started
+
+    slow = not_started("Exception: The current node timed out during startup")
+    assert "on a loaded machine Ray's processes may need longer" in slow and "jobs/cluster.py start" in slow
+    assert "loaded machine" not in not_started("PermissionError: [Errno 1] Operation not permitted")

@@ -184,17 +184,24 @@ def test_a_corpus_too_small_to_validate_on_is_refused(tmp_path: Path):
     assert "\n" not in str(err.value)
 
 
-NOT_FINITE = ["optim.lr=inf", "optim.lr=nan", "model.init_std=-inf", "cluster.node_check_s=nan"]
+NOT_FINITE = [
+    "optim.lr=inf",
+    "optim.lr=nan",
+    "model.init_std=-inf",
+    "cluster.node_check_s=nan",
+    "cluster.collective_timeout_s=inf",  # a timedelta in every rank: OverflowError, retried to the failure budget
+    "cluster.setup_timeout_s=inf",
+    "cluster.connect_timeout_s=inf",
+]
 
 
 @pytest.mark.parametrize("override", NOT_FINITE)
 def test_a_number_that_is_not_finite_is_refused(tmp_path: Path, override: str):
-    """inf trained to NaN at the first steps (and nan was called "not positive"); outside the model and the
-    optimizer an infinite setting may mean no limit, a NaN never."""
+    """inf trained to NaN at the first steps (and nan was called "not positive"); an infinite timeout failed in
+    every rank: a large one means no limit."""
     with pytest.raises(ConfigError) as err:
         validate(make_config(tmp_path, override))
     assert str(err.value) == f"{override}: must be a finite number"
-    validate(make_config(tmp_path, "cluster.placement_timeout_s=inf"))
 
 
 @pytest.mark.parametrize(
@@ -262,10 +269,12 @@ def test_the_layout_fills_the_open_mesh_dims(tmp_path: Path, overrides: list[str
     assert (layout.pp, layout.dp_replicate, layout.dp_shard, layout.tp) == sizes
 
 
-def run_cli(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
-    """The entrypoint on an embedded cluster of 2 CPUs and no GPU, whatever this machine has."""
+def run_cli(tmp_path: Path, *overrides: str, ray_address: str | None = None) -> subprocess.CompletedProcess:
+    """The entrypoint on an embedded cluster of 2 CPUs and no GPU, whatever this machine has (RAY_ADDRESS unset,
+    or `ray_address`)."""
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
     env.pop("RAY_ADDRESS", None)
+    env.update({"RAY_ADDRESS": ray_address} if ray_address else {})
     cluster = ["cluster.local_cpus=2", "cluster.local_gpus=0"]
     return subprocess.run(
         [

@@ -75,3 +75,38 @@ def test_workers_get_the_users_wandb_settings(tmp_path: Path, monkeypatch):
     cfg = make_config(tmp_path, "run.name=r")
     env = dict(group_spec(cfg, validate(cfg)).env)
     assert env["WANDB_API_KEY"] == "k" * 40 and env["WANDB_ENTITY"] == "team"
+
+
+def test_only_a_stop_before_anything_happened_empties_a_new_run_directory(tmp_path: Path):
+    """A stop before the first step (StoppedBeforeStart) leaves no new run directory behind but its lock; any other
+    interrupt (a second Ctrl-C while a run that trained writes its record) and a run holding checkpoints keep it all."""
+    from distrain.driver.rerun import leaving_nothing
+    from distrain.driver.stop import Stopped, StoppedBeforeStart
+
+    cases = ((StoppedBeforeStart(2), False, True), (Stopped(2), False, False), (KeyboardInterrupt(), False, False))
+    for raised, checkpoints, emptied in (*cases, (StoppedBeforeStart(2), True, False)):
+        run = tmp_path / f"{type(raised).__name__}-{checkpoints}"
+        (run / "logs").mkdir(parents=True)
+        for name in (".lock", "metrics.jsonl", "logs/driver-1.log", *(["checkpoints/x"] * checkpoints)):
+            (run / name).parent.mkdir(exist_ok=True)
+            (run / name).write_text("1")
+        before = sorted(p.relative_to(run).as_posix() for p in run.rglob("*"))
+        with pytest.raises(type(raised)), leaving_nothing(run, ".lock"):
+            raise raised
+        after = sorted(p.relative_to(run).as_posix() for p in run.rglob("*"))
+        assert after == ([".lock"] if emptied else before), (raised, checkpoints)
+
+
+def test_a_stop_leaves_a_record_once_a_step_was_trained_or_an_attempt_failed():
+    from types import SimpleNamespace
+
+    from distrain.cluster.attempt import Outcome
+    from distrain.driver.launch import nothing_happened
+
+    def attempt(progressed: bool, outcome: Outcome) -> SimpleNamespace:
+        return SimpleNamespace(progressed=progressed, outcome=outcome)
+
+    assert nothing_happened([attempt(False, Outcome.STOPPED)])
+    assert not nothing_happened([attempt(True, Outcome.STOPPED)])
+    assert not nothing_happened([attempt(False, Outcome.FAILED), attempt(False, Outcome.STOPPED)])
+    assert not nothing_happened([attempt(False, Outcome.HUNG), attempt(False, Outcome.RUNNING)])

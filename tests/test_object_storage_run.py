@@ -78,6 +78,8 @@ def test_a_bucket_that_does_not_exist_is_refused_unless_made(s3, tmp_path: Path,
     assert bucket not in made() and list(tmp_path.iterdir()) == []
     Store(f"s3://{bucket}/team").check_bucket("run.storage", create=True)  # made by the check, before any write
     assert bucket in made()
+    check_run_url(make_config(f"s3://{bucket}y/team", *common, "storage.create_bucket=true", "plan=true"))
+    assert f"{bucket}y" not in made()  # a plan makes none
     check_run_url(make_config(f"s3://{bucket}x/team", *common, "storage.create_bucket=true"))  # the key reaches it
     assert f"{bucket}x" in made()
 

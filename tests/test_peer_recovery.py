@@ -142,6 +142,26 @@ def test_a_survivor_that_never_returns_is_named_and_the_run_goes_on_from_the_che
     assert "distrain: attempt 2 starts from the checkpoint of step 4" in said.out + said.err
 
 
+@pytest.mark.timeout(120)
+def test_a_stop_is_not_held_up_by_survivors_on_their_way_back(tmp_path: Path):
+    """A stop (SIGTERM) while the survivors of a failure are waited for (300 s each here: the step limit) ends the
+    wait within the stop's grace: the run stops, its record written, long before any survivor's limit."""
+    kill = ["fault.kill_at_step=7", "fault.kill_rank=1", "fault.slow_return_s=600", "cluster.hang_timeout_s=300"]
+    cfg = make_config(tmp_path, "run.name=stop", *COMMON, *kill, "cluster.stop_grace_s=3")
+    run_dir = Path(cfg.run_dir)
+
+    def stop_while_waiting() -> None:
+        when(lambda: logged_step(run_dir) >= 6)  # rank 1 dies after step 7: the others then sleep on their way back
+        time.sleep(2.0)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    helper = in_background(stop_while_waiting)
+    result = train(cfg)
+    helper.join(timeout=10)
+    assert not helper.errors, helper.errors
+    assert result["status"] == "stopped" and summary(cfg)["status"] == "stopped"
+
+
 @pytest.mark.timeout(240)
 def test_a_kill_in_the_middle_of_the_transfer_is_recovered_from_the_replicas_again(tmp_path: Path, references):
     # Rank 1 dies after step 7; its replacement dies again halfway through receiving its state from rank 3's

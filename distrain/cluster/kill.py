@@ -17,6 +17,8 @@ def end(actors: list[Any]) -> None:
     GCS end the actor its own way ("all references to the actor were removed"): a graceful exit that tears the
     interpreter down with torch's and gloo's threads about, which crashed now and then (a SIGSEGV in
     tstate_delete_common, a double free), its stack on the console after the run had ended."""
+    if not actors:
+        return
     for actor in actors:
         ray.kill(actor, no_restart=True)
     ids = {actor._actor_id.hex() for actor in actors}

@@ -19,8 +19,9 @@ WORKER_DIED = "A worker died or was killed while executing a task by an unexpect
 def hide_worker_deaths() -> None:
     """Put the filter in front of the printer Ray's notice listener calls (by its module name, on each notice:
     a notice it is already waiting for is filtered too), before or after ray.init. Once per process."""
-    if getattr(ray_worker.print_to_stdstream, "hides", None) != WORKER_DIED:
-        ray_worker.print_to_stdstream = without_worker_deaths(ray_worker.print_to_stdstream)
+    show = getattr(ray_worker, "print_to_stdstream", None)  # a Ray that renamed it: its paragraph shows again
+    if show is not None and getattr(show, "hides", None) != WORKER_DIED:
+        ray_worker.print_to_stdstream = without_worker_deaths(show)
 
 
 def without_worker_deaths(show: Any) -> Any:

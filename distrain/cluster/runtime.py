@@ -101,14 +101,18 @@ def kill_at_shutdown() -> None:
 
 
 def not_started(why: str) -> str:
-    """The one line an embedded cluster that failed twice to start prints: why, and what to look at (Ray's logs
-    are under RAY_TMPDIR, else TMPDIR, else /tmp, as Ray picks its temp dir)."""
+    """The one line an embedded cluster that failed twice to start prints: why, what to look at (Ray's logs are
+    under RAY_TMPDIR, else TMPDIR, else /tmp, as Ray picks its temp dir), and for a start that timed out (Ray's
+    processes too slow on a loaded machine) what to do instead."""
     logs = os.path.join(os.environ.get("RAY_TMPDIR") or os.environ.get("TMPDIR") or "/tmp", "ray", "session_latest")
-    return (
-        f"the embedded Ray cluster did not start, twice: {why}; on a loaded machine Ray's processes may need "
-        f"longer than its 30 s (try again when it is quieter, or start one with `jobs/cluster.py start` and attach "
-        f"with cluster.address); Ray's own logs are in {logs}/logs"
+    slow = "timed out" in why.lower()
+    advice = (
+        "on a loaded machine Ray's processes may need longer than its 30 s (try again when it is quieter, or start "
+        "one with `jobs/cluster.py start` and attach with cluster.address); "
+        if slow
+        else ""
     )
+    return f"the embedded Ray cluster did not start, twice: {why}; {advice}Ray's own logs are in {logs}/logs"
 
 
 @contextlib.contextmanager

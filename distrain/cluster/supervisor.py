@@ -327,6 +327,8 @@ class Supervisor:
             said.update(self.group.final_progress(ranks, timeout_s=self.timeouts.poll_s))  # asked: polls lag
             waited = time.monotonic() - start
             doing = {rank: said.get(rank, {}).get("returning") for rank in ranks}
+            if self.stop_requested_at and time.time() > self.stop_requested_at + self.timeouts.stop_grace_s - 1:
+                break  # a stop asked for: the driver's grace is what is left to wait
             if all(waited > self.timeouts.return_limit(bool(doing[rank]), step_s) for rank in ranks):
                 for rank in ranks:
                     self.on_event(

@@ -12,8 +12,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from distrain.cluster import warm
-from distrain.cluster.kill import end
+from distrain.cluster import kill, warm
 from distrain.cluster.placement import (
     GroupSpec,
     PlacementError,
@@ -326,7 +325,7 @@ class WorkerGroup:
                 alive = False
             if not alive:
                 self.returned.discard(rank)
-        end([self.workers[e["rank"]] for e in self.table if e["rank"] not in self.returned])  # dead once it returns
+        kill.end([self.workers[e["rank"]] for e in self.table if e["rank"] not in self.returned])  # dead on return
 
     def refill(self) -> list[dict]:
         """Put workers in place of those `release_unhealthy` let go, hot spares first, each under the rank it
@@ -431,7 +430,7 @@ class WorkerGroup:
         warm.keep(self)
 
     def shutdown(self) -> None:
-        end([*self.workers, *(spare.actor for spare in self.spares)])
+        kill.end([*self.workers, *(spare.actor for spare in self.spares)])
         self.workers, self.spares, self.calls = [], [], {}
         if self.pg is not None:
             remove_placement_group(self.pg)

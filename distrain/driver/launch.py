@@ -18,7 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from distrain.cluster.attempt import Attempt
+from distrain.cluster.attempt import Attempt, Outcome
 from distrain.cluster.placement import GroupSpec
 from distrain.cluster.policy import failure_policy, policy_class
 from distrain.cluster.resources import embedded_resources
@@ -34,7 +34,7 @@ from distrain.driver.objectrun import check_run_url
 from distrain.driver.peers import HELD, plan_recovery
 from distrain.driver.plan import describe
 from distrain.driver.rerun import Found, claimed, newest_checkpoint
-from distrain.driver.stop import Stopped, stop_grace_s, stop_signals
+from distrain.driver.stop import Stopped, StoppedBeforeStart, stop_grace_s, stop_signals
 from distrain.driver.validation import validate
 from distrain.model.hf import resolve_init_from
 from distrain.progress import ProgressLine
@@ -177,7 +177,7 @@ def train(
     record and console log there). A refusal (config, cluster, a run in use, a resume that cannot be)
     writes nothing; what the config and the run directory decide (a run in use, a finished one, a resume
     into another model) is refused before Ray starts. A signal before the ranks' first step raises `Stopped`
-    and leaves the run directory as it was (a new one: none); after it, the run stops cleanly, `stopped` (at
+    (StoppedBeforeStart: a run directory it made is removed again); after it, the run stops cleanly, `stopped` (at
     once at a second signal)."""
     started = time.time()
     cfg, layout = resolved(cfg)
@@ -187,10 +187,13 @@ def train(
         progress = ProgressLine(cfg.logger.progress_interval_s)
         # The run directory held (its lock; on an object store the lock there and the record) and its checkpoint
         # checked, then the cluster: storage that cannot hold the run, or a rerun refused, never waits for Ray.
-        run_dir, found = stop.guard(lambda: held.enter_context(claimed(cfg, progress.message)))
-        spec = stop.guard(lambda: placeable_spec(cfg, layout, progress.message))
-        connected = time.time()
-        supervisor, summary = stop.guard(lambda: _prepare(cfg, layout, spec, run_dir, found, progress, started))
+        try:
+            run_dir, found = stop.guard(lambda: held.enter_context(claimed(cfg, progress.message)))
+            spec = stop.guard(lambda: placeable_spec(cfg, layout, progress.message))
+            connected = time.time()
+            supervisor, summary = stop.guard(lambda: _prepare(cfg, layout, spec, run_dir, found, progress, started))
+        except Stopped as e:
+            raise StoppedBeforeStart(e.signum) from None
         summary["startup"] = {**(startup or {}), "started_at": started, "connected_at": connected}
         if on_run_dir is not None:
             on_run_dir(run_dir)
@@ -198,14 +201,14 @@ def train(
         stop.forward_to(supervisor.request_stop, progress.message)
         try:
             finished = stop.guard(supervisor.run)
-            if finished.stopped and not any(a.progressed for a in supervisor.attempts):
-                raise Stopped(stop.received[0])  # before the first step
+            if finished.stopped and nothing_happened(supervisor.attempts):
+                raise StoppedBeforeStart(stop.received[0])
             stopped = finished.stopped
             summary.update(finished.results or _from_metrics(run_dir), status="stopped" if stopped else "completed")
-        except Stopped:  # at once: nothing to save yet, a second signal, a restart's back-off
-            if not any(a.progressed for a in supervisor.attempts):
-                summary = None  # nothing trained: nothing recorded (rerun.claimed empties a new directory)
-                raise
+        except Stopped as e:  # at once: nothing to save yet, a second signal, a restart's back-off
+            if nothing_happened(supervisor.attempts):
+                summary = None  # nothing trained or failed: nothing recorded (rerun.claimed empties a new directory)
+                raise StoppedBeforeStart(e.signum) from None
             summary.update(_from_metrics(run_dir), status="stopped")
         except BaseException as e:
             summary.update(_from_metrics(run_dir), error=f"{type(e).__name__}: {e}")
@@ -223,6 +226,11 @@ def train(
                     summary["stop_signal"] = stop.received[0]
                 write_summary(str(run_dir), summary)
     return summary
+
+
+def nothing_happened(attempts: list[Attempt]) -> bool:
+    """Whether no attempt trained a step or ended in a failure: a stop then leaves no record (a failure's is kept)."""
+    return not any(a.progressed or a.outcome in (Outcome.FAILED, Outcome.HUNG) for a in attempts)
 
 
 def resolved(given: TrainConfig) -> tuple[TrainConfig, Layout]:
@@ -341,8 +349,8 @@ def placeable_spec(cfg: TrainConfig, layout: Layout, say: Callable[[str], None] 
         check_fits(cfg, layout, spec.gpus_per_worker > 0, say, here)
     for line in choice:
         once(say, line)
-    if here is not None and not cfg.plan:
-        connect(None, c.local_cpus, c.local_gpus, say=say)
+    if here is not None and not cfg.plan:  # "local": the embedded cluster checked, whatever RAY_ADDRESS says
+        connect("local", c.local_cpus, c.local_gpus, say=say)
     return spec
 
 

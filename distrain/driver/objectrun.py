@@ -17,11 +17,12 @@ from distrain.storage.tracking import TRACKER_FILES
 def check_run_url(cfg: TrainConfig) -> None:
     """One-line ConfigError unless run.storage's bucket exists (or storage.create_bucket makes it) and an object can
     be written, read back and deleted under the run's URL (with short timeouts: a wrong endpoint fails in seconds).
-    After validation, which has checked the URL well-formed and its filesystem installed."""
+    After validation, which has checked the URL well-formed and its filesystem installed. A plan makes no bucket
+    (and writes nothing to one it would make)."""
     try:
         store = Store(cfg.run_url, quick_options(cfg.run_url, cfg.storage.options), retries=0)
-        store.check_bucket(f"run.storage={cfg.run.storage!r}", cfg.storage.create_bucket)
-        store.check_writable()
+        if store.check_bucket(f"run.storage={cfg.run.storage!r}", cfg.storage.create_bucket, make=not cfg.plan):
+            store.check_writable()
     except ValueError as e:
         raise ConfigError(str(e)) from None
     except Exception as e:  # StorageError, or the filesystem's own before any try (an option it does not take)

@@ -6,6 +6,7 @@ starts, and leaves the directory as it was."""
 from __future__ import annotations
 
 import contextlib
+import shutil
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -13,7 +14,7 @@ from pathlib import Path
 from distrain.config import ConfigError, TrainConfig, to_plain
 from distrain.data.checks import check_same_shards
 from distrain.driver.objectrun import on_store
-from distrain.driver.stop import leaving_nothing
+from distrain.driver.stop import StoppedBeforeStart
 from distrain.storage import checkpoint, remote
 from distrain.storage.fsutil import exclusive_lock, make_writable_dir, remove_empty
 from distrain.storage.objectstore import store_for
@@ -39,6 +40,25 @@ def claimed(cfg: TrainConfig, say: Callable[[str], None]) -> Iterator[tuple[Path
             yield run_dir, found
     except BaseException:
         remove_empty(made)
+        raise
+
+
+@contextlib.contextmanager
+def leaving_nothing(run_dir: Path | None, keep: str) -> Iterator[None]:
+    """A stop before the run trained a step or recorded a failure (StoppedBeforeStart) empties `run_dir`, a run
+    directory this invocation made, but for `keep` (its lock, still held; the directory itself goes once that is
+    let go). None: a directory that was there, never touched; nor is one that holds checkpoints (a step's save
+    committed before the supervisor heard of the step). Any other interrupt (a second Ctrl-C while a run that
+    has trained writes its record, say) leaves every file."""
+    try:
+        yield
+    except StoppedBeforeStart:
+        if run_dir is not None and not (run_dir / "checkpoints").exists():
+            for entry in run_dir.iterdir():
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.rmtree(entry)
+                elif entry.name != keep:
+                    entry.unlink()
         raise
 
 

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -24,6 +22,11 @@ class Stopped(KeyboardInterrupt):
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
+
+
+class StoppedBeforeStart(Stopped):
+    """A signal ended the run before it had trained a step or recorded a failure: a run directory this invocation
+    made holds nothing worth keeping (`rerun.claimed` empties it). Any other interrupt keeps every file."""
 
 
 def _say(text: str) -> None:
@@ -107,24 +110,6 @@ def exit_at_signal(code: int) -> None:
 
     for sig in StopRequests.SIGNALS:
         signal.signal(sig, leave)
-
-
-@contextlib.contextmanager
-def leaving_nothing(run_dir: Path | None, keep: str) -> Iterator[None]:
-    """A stop that ends the run as a KeyboardInterrupt (`Stopped`: before its first step, nothing recorded)
-    empties `run_dir`, a run directory this invocation made, but for `keep` (its lock, still held; the
-    directory itself goes once that is let go). None: a directory that was there, never touched; nor is one
-    that holds checkpoints (a step's save committed before the supervisor heard of the step)."""
-    try:
-        yield
-    except KeyboardInterrupt:
-        if run_dir is not None and not (run_dir / "checkpoints").exists():
-            for entry in run_dir.iterdir():
-                if entry.is_dir() and not entry.is_symlink():
-                    shutil.rmtree(entry)
-                elif entry.name != keep:
-                    entry.unlink()
-        raise
 
 
 def stop_grace_s() -> float:

@@ -245,15 +245,15 @@ def _validate_parameter_server(cfg: TrainConfig) -> None:
 
 
 def _validate_numbers(cfg: Any, prefix: str = "") -> None:
-    """No setting is NaN, and the model's and the optimizer's are finite: optim.lr=inf trains to NaN at its first
-    steps, and `nan > 0` is false where a rule below would call it not positive."""
+    """Every setting is a finite number: optim.lr=inf trains to NaN at its first steps, an infinite timeout fails
+    in every rank where it becomes a timedelta (a large one means no limit), and `nan > 0` is false where a rule
+    below would call it not positive."""
     for f in dataclasses.fields(cfg):
         key, value = prefix + f.name, getattr(cfg, f.name)
         if dataclasses.is_dataclass(value):
             _validate_numbers(value, key + ".")
         elif isinstance(value, float):
-            finite = math.isfinite(value) or not (math.isnan(value) or key.startswith(("model.", "optim.")))
-            require(finite, f"{key}={value}: must be a finite number")
+            require(math.isfinite(value), f"{key}={value}: must be a finite number")
 
 
 def _validate_training(cfg: TrainConfig) -> None:

@@ -11,8 +11,7 @@ from pathlib import Path
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
 
-from distrain.cluster import warm
-from distrain.cluster.kill import end
+from distrain.cluster import kill, warm
 from distrain.cluster.placement import PlacementError, WorkerFailure
 from distrain.cluster.states import AttemptLost
 from distrain.cluster.worker_group import first_line
@@ -119,5 +118,5 @@ class ServerGroup:
         warm.keep(self)
 
     def shutdown(self) -> None:
-        end(self.actors)
+        kill.end(self.actors)
         self.actors, self.drains = [], {}

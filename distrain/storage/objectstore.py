@@ -215,13 +215,14 @@ class Store:
             raise StorageError(f"{self.url}: an object written there read back different")
         self.remove(probe)
 
-    def check_bucket(self, setting: str, create: bool) -> None:
+    def check_bucket(self, setting: str, create: bool, make: bool = True) -> bool:
         """ValueError in one line naming `setting` when the URL's bucket does not exist, unless `create`: then it
-        is made. Checked before the first write, as a store that makes buckets on write (SeaweedFS) would take a
-        misspelt name for a new one. A bucket this client may not look at is left to the write that follows."""
+        is made (with `make`; without, a plan's look: False, it would be). Checked before the first write, as a
+        store that makes buckets on write (SeaweedFS) would take a misspelt name for a new one. A bucket this
+        client may not look at is left to the write that follows. Whether the bucket is there now."""
         name = bucket(self.url)
         if not name:
-            return
+            return True
 
         def look() -> bool:
             self.fs.invalidate_cache()
@@ -234,13 +235,15 @@ class Store:
             return True
 
         if self._retry("looking up the bucket of", look):
-            return
+            return True
         if not create:
             raise ValueError(
                 f"{setting}: the bucket {name!r} does not exist; check its name, or set storage.create_bucket=true "
                 f"to create it"
             )
-        self._retry("creating the bucket of", lambda: self.fs.makedirs(name, exist_ok=True))
+        if make:
+            self._retry("creating the bucket of", lambda: self.fs.makedirs(name, exist_ok=True))
+        return make
 
 
 def _first(error: BaseException) -> str:

@@ -11,6 +11,8 @@ from collections.abc import Callable
 from distrain.channel import Channel, Phase
 from distrain.config import FaultConfig
 
+AFTER_STEP, AFTER_BACKWARD, MID_UPLOAD = "after the step", "after the backward", "mid-upload"  # where a kill lands
+
 
 class Faults:
     def __init__(self, cfg: FaultConfig, rank: int, channel: Channel):
@@ -31,20 +33,14 @@ class Faults:
         if self.cfg.straggler == self.rank:
             time.sleep((self.cfg.straggler_slowdown - 1) * compute_s)
 
-    def kill(self, step: int, began: int, settle: Callable[[], object]) -> None:
-        """SIGKILL this process (as the OOM killer or a lost node ends one, with no chance to clean up) after
-        step fault.kill_at_step on rank fault.kill_rank, in an attempt that began at step 0 (`began`): the
-        attempt that resumes from a checkpoint goes on to the end. `settle` runs first: it finishes the step's
-        logged loss on its way to the other ranks, which a kill in that very instant would take with it (a
-        kill at a known step is for tests that compare every logged line)."""
-        if self._where() == "after the step" and self._due(step, began):
-            settle()
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    def kill_after_backward(self, step: int, began: int, settle: Callable[[], object]) -> None:
-        """fault.kill_after_backward: `kill` made instead right after step fault.kill_at_step's backward; `settle`
-        finishes the step before's logged loss on its way to the other ranks, which this rank has not written."""
-        if self._where() == "after the backward" and self._due(step, began):
+    def kill(self, where: str, step: int, began: int, settle: Callable[[], object]) -> None:
+        """SIGKILL this process (as the OOM killer or a lost node ends one, with no chance to clean up) at `where`
+        in step fault.kill_at_step (AFTER_STEP: once done, its checkpoint if due begun; AFTER_BACKWARD, with
+        fault.kill_after_backward: right after its backward) on rank fault.kill_rank, in an attempt that began at
+        step 0 (`began`): the attempt that resumes from a checkpoint goes on to the end. `settle` runs first: it
+        finishes the logged loss in flight on its way to the other ranks, which a kill in that very instant would
+        take with it (a kill at a known step is for tests that compare every logged line)."""
+        if self._where() == where and self._due(step, began):
             settle()
             os.kill(os.getpid(), signal.SIGKILL)
 
@@ -56,7 +52,7 @@ class Faults:
     def kill_uploading(self, step: int, began: int) -> None:
         """fault.kill_mid_upload: `kill` made instead while step fault.kill_at_step's checkpoint is being
         uploaded to the object store, once this rank's first object is there (the others are not)."""
-        if self._where() == "mid-upload" and self._due(step, began):
+        if self._where() == MID_UPLOAD and self._due(step, began):
             os.kill(os.getpid(), signal.SIGKILL)
 
     def kill_mid_transfer(self, recovery: int) -> None:
@@ -68,8 +64,8 @@ class Faults:
     def _where(self) -> str:
         """Where fault.kill_at_step's kill happens."""
         if self.cfg.kill_mid_upload:
-            return "mid-upload"
-        return "after the backward" if self.cfg.kill_after_backward else "after the step"
+            return MID_UPLOAD
+        return AFTER_BACKWARD if self.cfg.kill_after_backward else AFTER_STEP
 
     def _due(self, step: int, began: int) -> bool:
         return self.cfg.kill_at_step == step and self.cfg.kill_rank == self.rank and began == 0

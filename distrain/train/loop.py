@@ -34,7 +34,7 @@ from distrain.storage.record import record_sync
 from distrain.storage.safeload import DamagedCheckpointError
 from distrain.storage.tracking import TRACKER_FILES, Tracker, read_metrics, run_results
 from distrain.train import peers
-from distrain.train.faults import Faults
+from distrain.train.faults import AFTER_BACKWARD, AFTER_STEP, Faults
 from distrain.train.finite import NonFinite
 from distrain.train.job import PeerPlan, RankJob
 from distrain.train.learner import Learner
@@ -107,7 +107,7 @@ def rng_states(device: torch.device) -> dict:
 def seed_rngs(seed: int, stage: int) -> None:
     """Seed this process's generators for a fresh start from the run's seed and the rank's pipeline stage: a run
     draws the same numbers whatever ran in its worker before (warm workers are reused), and every rank of a stage
-    draws alike (as torchtitan and Megatron-LM seed data and tensor parallelism), so the generators a replacement
+    draws alike (as torchtitan and Megatron-LM seed data parallelism), so the generators a replacement
     takes from a replica are the ones the rank it replaces had."""
     torch.manual_seed(seed + stage * 2**32)
 
@@ -281,7 +281,7 @@ class Trainer:
             # the summed micro-batch losses (local) and the norm before clipping; one optimizer step.
             set_lr(self.optimizer, lr_at(self.step, self.cfg.optim, t.max_steps))
             loss_sum = self.learner.forward_backward(self.step)
-            self.learner.faults.kill_after_backward(self.step, began, settle=self.settle)
+            self.learner.faults.kill(AFTER_BACKWARD, self.step, began, settle=self.finish_readback)
             grad_norm = self.learner.parallel.clip_grad_norm(self.cfg.optim.grad_clip)
             self.nonfinite.watch(self.step, loss_sum, grad_norm)
             # The last logged step's line, read back now (its sum over the ranks has had this step's compute to
@@ -310,7 +310,7 @@ class Trainer:
                 self.checkpoint(wait=last or stopped)
             elif stopped and save_fits:
                 self.checkpoint(wait=True)
-            self.learner.faults.kill(self.step, began, settle=self.settle)
+            self.learner.faults.kill(AFTER_STEP, self.step, began, settle=self.finish_readback)
             if stopped:
                 break
         if self.vote is not None:
@@ -343,7 +343,7 @@ class Trainer:
         self.unread = (self.step, metrics, Readback(loss_sum, grad_norm))
         self.window = [time.perf_counter(), 0]
 
-    def settle(self) -> None:
+    def finish_readback(self) -> None:
         """Wait until the logged step in flight has its loss summed over the ranks, without logging it."""
         if self.unread is not None:
             self.unread[2].read()
