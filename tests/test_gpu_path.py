@@ -109,14 +109,15 @@ def store_port() -> int:
 
 
 def init_twice(index: int, ports: list[int], out: str) -> None:
-    """Two attempts in one process, the first never ended; then a group someone else formed (Ray Train)."""
+    """Two attempts in one process, the first never ended; then a group someone else formed (Ray Train).
+    On gloo (gpu=False) on any machine: on a GPU one, NCCL's abort would free the collective."""
     import torch.distributed as dist
 
     rank_env(0, 1, ports[0])
-    process_group.init_from_env(timeout_s=10)
+    process_group.init_from_env(timeout_s=10, gpu=False)
     first = dist.group.WORLD
     rank_env(0, 1, ports[1])
-    process_group.init_from_env(timeout_s=10)
+    process_group.init_from_env(timeout_s=10, gpu=False)
     total = torch.ones(1)
     dist.all_reduce(total)
     result = {"fresh": dist.group.WORLD is not first, "port": store_port(), "sum": total.item()}
@@ -124,7 +125,7 @@ def init_twice(index: int, ports: list[int], out: str) -> None:
     result["after_abort"] = dist.is_initialized()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ports[2]}", rank=0, world_size=1)
     theirs = dist.group.WORLD
-    process_group.init_from_env(timeout_s=10)
+    process_group.init_from_env(timeout_s=10, gpu=False)
     result["adopted"] = dist.group.WORLD is theirs
     process_group.destroy()
     Path(out).write_text(json.dumps(result))

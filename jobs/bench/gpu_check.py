@@ -60,22 +60,21 @@ strategies, journey, ps, sticky; the benchmarks mfu and collectives are optional
 It writes docs/gpu.md (--out); every page's header names the GPU, torch and its CUDA. The benchmarks run as
 commands of their own, so their pages name their own command and each finds the GPU free.
 
-The budget on one H100, under the 10 minutes one command may take. Parts 1 and 2 and the benchmarks were
-timed on one (2026-11-24, docs/gpu.md); the rest are **estimates**, to be replaced by the first GPU run's:
+The budget, under the 10 minutes one command may take: parts 1 to 5 measured on one H200 (2026-11-28,
+docs/gpu.md), collectives on one H100 (2026-11-24):
 
 | part                                                                   | seconds |
 | ---------------------------------------------------------------------- | ------: |
 | 1. Ray's start and ddp at 1 worker (CUDA, NCCL), 20 steps              |      18 |
-| 1. zero1, zero2, zero3, offload at 1 worker, kept warm, 20 steps each  |      15 |
-| 1. nvme at 1 worker (estimate)                                         |       5 |
+| 1. zero1, zero2, zero3, offload, nvme at 1 worker, kept warm           |      14 |
 | 2. ddp in fp32                                                         |       2 |
-| 3. journey nano, gpt2_nano: 2 runs, a new worker after the kill (est.) |      50 |
-| 3. journey llama_124m, gpt2_124m: the same, 2 GB checkpoints (est.)    |      70 |
-| 3. journey llama_1b: the same, 12 GB checkpoints, 4 GB export (est.)   |     150 |
-| 4. ps at 1 worker, its server (estimate)                               |      20 |
-| 5. sticky: one fresh GPU worker (estimate)                             |      15 |
-| total by default                                                       |     345 |
-| 6. optional: bench_mfu, 3 runs of llama_1b × 30 steps, compiled (est.) |     200 |
+| 3. journey nano, gpt2_nano: 2 runs, a new worker after the kill        |      32 |
+| 3. journey llama_124m, gpt2_124m: the same, 2 GB checkpoints           |      86 |
+| 3. journey llama_1b: the same, 12 GB checkpoints, 4 GB export          |     222 |
+| 4. ps at 1 worker, its server                                          |      13 |
+| 5. sticky: one fresh GPU worker                                        |       5 |
+| total by default                                                       |     406 |
+| 6. optional: bench_mfu, 6 runs of llama_1b × 30 steps (3 sides × 2)    |     330 |
 | 7. optional: bench_collectives, 1 KB–256 MB, 2 passes of each side     |     184 |
 
 Without a GPU it runs in CPU mode, which checks that the scripts work: the same parts at tiny sizes (the
