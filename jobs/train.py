@@ -60,7 +60,7 @@ def report(config, summary: dict) -> tuple[int, dict]:
         f"distrain: {summary['status']} at step {summary['final_step']}: "
         f"loss {f'{loss:.4f}' if loss is not None else '(no step trained)'}, "
         f"{f'val loss {val:.4f}' if val is not None else 'no evaluation'}, {summary['wall_s']:.1f}s, "
-        f"{summary['restarts']} restarts; {where(config)}"
+        f"{summary['restarts']} restart{'' if summary['restarts'] == 1 else 's'}; {where(config)}"
     )
     if summary["status"] != "stopped":
         return 0, summary
