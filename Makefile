@@ -35,7 +35,7 @@ coverage: setup
 		$(PY) -m coverage run -m pytest -q $(ARGS); echo $$? > $(COVERAGE_DIR)/pytest-status
 	cd $(COVERAGE_DIR) && $(CURDIR)/$(PY) -m coverage combine -q --data-file=data
 	$(PY) -m coverage report --data-file=$(COVERAGE_DIR)/data --precision=1 > $(COVERAGE_DIR)/report.txt
-	tail -1 $(COVERAGE_DIR)/report.txt
+	grep TOTAL $(COVERAGE_DIR)/report.txt
 	$(PY) tests/checks.py update $(if $(ARGS),--part) --coverage-file=$(COVERAGE_DIR)/data --requires=$(COVERAGE_DIR)/requires
 	exit $$(cat $(COVERAGE_DIR)/pytest-status)
 

@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -47,6 +48,7 @@ def one_error(result: subprocess.CompletedProcess, needle: str) -> None:
         ("--trainer.max_steps=5", "write trainer.max_steps=5"),
         ("--steps=5", "--steps=5 is not an option: `jobs/train.py --help` lists the commands"),
         ("+strategy.context_parallel=2", "unknown key strategy.context_parallel; did you mean strategy.cp?"),
+        ("optim.lr=interval(0.001,0.1)", "interval() needs a sweeper that samples, e.g. hydra/sweeper=optuna"),
         (  # Hydra's own keys: its page suggested adding the misspelt one with `+`
             "hydra.sweeper.n_trial=2",
             "unknown key hydra.sweeper.n_trial; did you mean hydra.sweeper.n_trials (with hydra/sweeper=optuna)?",
@@ -343,6 +345,33 @@ def silent_gcs():
     port = SilentPort()
     yield port
     port.close()
+
+
+@pytest.mark.timeout(30)
+def test_an_address_where_no_gcs_answers_is_named_at_once(tmp_path: Path):
+    """Before ray.init: an address that is no host:port, a port nothing listens on, and something that answers
+    but not in HTTP/2 (a web server: the dashboard's port given for the GCS's), each in its own words."""
+    from distrain.cluster.runtime import AttachError, probe
+
+    with pytest.raises(AttachError, match=r"'head:port' is not host:port \(the head's GCS port"):
+        probe("head:port", 2)
+    closed = f"127.0.0.1:{free_port()}"
+    with pytest.raises(AttachError, match=rf"cannot attach to the Ray cluster at {closed} .*: connection refused;"):
+        probe(closed, 2)
+    with socket.create_server(("127.0.0.1", 0)) as web:
+        address = f"127.0.0.1:{web.getsockname()[1]}"
+
+        def answer() -> None:
+            conn, _ = web.accept()
+            with conn:
+                conn.recv(64)
+                conn.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+
+        server = threading.Thread(target=answer, daemon=True)
+        server.start()
+        with pytest.raises(AttachError, match="something answers there, but not a Ray cluster's GCS"):
+            probe(address, 5)
+        server.join(5)
 
 
 def test_attaching_to_a_silent_address_gives_up_in_bounded_time(tmp_path: Path, silent_gcs):

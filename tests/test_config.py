@@ -166,6 +166,24 @@ REFUSALS = {
     "checkpoint interval": (["checkpoint.interval=-1"], "checkpoint.interval=-1: must be ≥ 0"),
     "run name": (["run.name=a/b"], "run.name='a/b': must be a plain name"),
     "val fraction": (["data.val_fraction=0"], "data.val_fraction=0.0: must be in (0, 1)"),
+    "dp shard": (["strategy.dp_shard=0"], "strategy.dp_shard=0: must be at least 1, or -1 for the workers left"),
+    "tp": (["strategy.tp=0"], "strategy.tp=0: must be at least 1"),
+    "micro batch": (["trainer.micro_batch_size=0"], "trainer.micro_batch_size=0: must be ≥ 1"),
+    "zero without shards": (
+        ["strategy.zero=3", "strategy.dp_shard=1", "strategy.dp_replicate=2", "cluster.num_workers=2"],
+        "strategy.zero=3 shards over strategy.dp_shard, which is 1 (dp_replicate=2)",
+    ),
+    "tp depth": (["strategy=tp2p5d", "cluster.num_workers=8", "strategy.tp_depth=0"], "strategy.tp_depth=0: must be"),
+    "tp depth divides": (
+        ["strategy=tp2p5d", "cluster.num_workers=8", "strategy.tp_depth=3"],
+        "strategy.tp=8 is not divisible by strategy.tp_depth=3",
+    ),
+    "grid offload": (
+        ["strategy=tp2d", "cluster.num_workers=4", "strategy.offload=cpu"],
+        "strategy.tp_mode=2d (tp=4) does not support strategy.offload=cpu; set it to none",
+    ),
+    "tokenizer": (["tokenizer.name=foo"], "tokenizer.name='foo': choose bytes or bpe"),
+    "model target": (["model._target_=nodots"], "model._target_=nodots: not a dotted path pkg.module.name"),
 }
 
 
@@ -173,6 +191,27 @@ REFUSALS = {
 def test_each_rule_refuses_in_its_own_words(tmp_path: Path, overrides: list[str], says: str):
     with pytest.raises(ConfigError) as err:
         validate(make_config(tmp_path, *overrides))
+    assert says in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("source", "says"),
+    [
+        (
+            "import distrain_no_such_dependency\n",
+            "importing broken failed: No module named 'distrain_no_such_dependency'",
+        ),
+        ("raise RuntimeError('boom')\n", "importing broken failed: RuntimeError: boom"),
+    ],
+    ids=["its dependency missing", "raises"],
+)
+def test_a_model_module_that_fails_to_import_is_named_in_one_line(tmp_path: Path, monkeypatch, source: str, says: str):
+    """The user's module is found but fails itself: the error is its own, not 'no module named broken'."""
+    (tmp_path / "broken.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "broken", raising=False)
+    with pytest.raises(ConfigError) as err:
+        validate(make_config(tmp_path, "model._target_=broken.Model"))
     assert says in str(err.value) and "\n" not in str(err.value), str(err.value)
 
 

@@ -13,7 +13,7 @@ import torch
 from conftest import DAMAGES, damage
 from torch import nn
 
-from distrain.storage import checkpoint, safeload, saver
+from distrain.storage import checkpoint, integrity, safeload, saver
 
 pytestmark = pytest.mark.usefixtures("process_group")
 
@@ -105,3 +105,22 @@ def test_a_checkpoint_committed_without_checksums_loads_by_its_sizes(tmp_path: P
     damage(path, "meta_garbled")
     with pytest.raises(safeload.DamagedCheckpointError, match="step_00000010: meta.json is unreadable"):
         checkpoint.latest(tmp_path)
+
+
+def test_a_manifest_whose_checksums_miss_a_file_or_a_meta_without_a_step_is_not_loaded(tmp_path: Path):
+    """Two damages no byte check sees: a commit marker whose crc32 list leaves a file out (that file would load
+    unchecked), and a meta.json rewritten whole, its checksum recorded anew, that no longer says its step."""
+    save_steps(tmp_path, 10)
+    (path,) = checkpoint.checkpoints(tmp_path)
+    marker = path / checkpoint.COMMIT_MARKER
+    manifest = json.loads(marker.read_text())
+    assert checkpoint.problem(path) is None
+    short = dict(manifest, crc32={k: v for k, v in manifest["crc32"].items() if k != "meta.json"})
+    marker.write_text(json.dumps(short))
+    assert checkpoint.problem(path) == "unreadable commit marker (its checksums do not cover its files)"
+    meta = path / checkpoint.META_FILE
+    meta.write_text(json.dumps({k: v for k, v in json.loads(meta.read_text()).items() if k != "step"}))
+    files = dict(manifest["files"], **{meta.name: meta.stat().st_size})
+    sums = dict(manifest["crc32"], **{meta.name: integrity.checksum(meta)})
+    marker.write_text(json.dumps(dict(manifest, files=files, crc32=sums)))
+    assert checkpoint.problem(path) == f"{checkpoint.META_FILE} is unreadable (no step in it)"

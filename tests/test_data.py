@@ -30,6 +30,8 @@ def test_global_batch_is_the_same_whatever_the_world_size(tokens, world):
     parts = [batches.get(step=5, rank=r, world=world) for r in range(world)]
     assert torch.equal(torch.cat([x for x, _ in parts]), whole_x)
     assert torch.equal(torch.cat([y for _, y in parts]), whole_y)
+    with pytest.raises(ValueError, match="batch of 8 does not split over 3 data-parallel ranks"):
+        batches.get(step=5, rank=0, world=3)
 
 
 def test_batches_are_deterministic_per_step_and_targets_are_shifted(tokens):

@@ -233,3 +233,18 @@ def test_bpe_run_exports_its_tokenizer(ray_cluster, tmp_path: Path):
     with torch.no_grad():
         x = torch.tensor([ids])
         assert (trained(x) - model(x).logits).abs().max() <= TOL
+
+
+def test_a_model_transformers_cannot_hold_is_refused_by_name():
+    """Export refuses before writing: grouped-query attention in a GPT-2 (Hugging Face's has none), and a
+    model of the user's own, which has no Hugging Face class at all."""
+    from distrain.config import ModelConfig
+    from distrain.model.hf import hf_config
+
+    shape = dict(dim=64, n_layers=1, n_heads=4, ffn_dim=128, vocab_size=256, n_positions=64)
+    gqa = ModelConfig(_target_="distrain.model.gpt2.GPT2", name="g", n_kv_heads=2, **shape)
+    with pytest.raises(ConfigError, match="model.n_kv_heads=2: Hugging Face's GPT-2 has no grouped-query attention"):
+        hf_config(gqa, 64)
+    own = ModelConfig(_target_="dropout_model.DropoutLlama", name="d", **shape)
+    with pytest.raises(ConfigError, match="model._target_=dropout_model.DropoutLlama has no Hugging Face counterpart"):
+        hf_config(own, 64)

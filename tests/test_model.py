@@ -67,6 +67,12 @@ def test_model_sizes_are_what_their_names_say():
     assert 100e6 < sizes["llama_124m"] < 130e6
     assert 85e6 < sizes["gpt2_124m"] < 90e6  # GPT-2 small's 124M less 50K − 256 vocabulary rows: 85.8M
     assert 0.9e9 < sizes["llama_1b"] < 1.3e9
+    gpt2 = next(c for c in conf_models() if c.name == "gpt2_nano")
+    gpt2.n_positions = None  # a learned positions' table sized by the run: without its seq_len, no size
+    assert num_params(gpt2, 256) == sizes["gpt2_nano"]  # 256 rows, as its n_positions said
+    assert num_params(gpt2, 16) == sizes["gpt2_nano"] - 240 * gpt2.dim
+    with pytest.raises(ValueError, match="model.n_positions is unset: pass the run's seq_len"):
+        num_params(gpt2)
 
 
 def test_attention_is_causal_and_grouped_query_attention_works():

@@ -190,6 +190,20 @@ def test_a_failed_prepare_leaves_nothing_and_an_existing_one_is_kept(tmp_path: P
     with pytest.raises(ConfigError, match=r"a.jsonl:51 is not a JSON object with a 'text' field"):
         shards_of(tmp_path, "out", f"data.path={tmp_path}/in")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in"]  # no shards, no temporary directory
+    (tmp_path / "in" / "a.jsonl").write_text('{"text": "fine"}\n' * 50 + '{"text": 7}\n')
+    with pytest.raises(ConfigError, match=r"a.jsonl:51: data.text_field='text' holds a int, not text"):
+        shards_of(tmp_path, "out", f"data.path={tmp_path}/in")
+    (tmp_path / "in" / "a.jsonl").write_text('{"text": "one document only"}\n')
+    with pytest.raises(ConfigError, match=r"split is empty \(1 documents, data.val_fraction=0.1\); add text"):
+        shards_of(tmp_path, "out", f"data.path={tmp_path}/in", "data.val_fraction=0.1")
+    (tmp_path / "in" / "a.jsonl").write_text('{"text": "fine"}\n' * 50)
+    for bad, says in (
+        ("data.val_fraction=1", r"data.val_fraction=1.0: must be in \(0, 1\)"),
+        ("tokenizer.vocab_size=200", "tokenizer.vocab_size=200: a BPE needs more than the 256 bytes"),
+    ):
+        with pytest.raises(ConfigError, match=says):
+            shards_of(tmp_path, "out", f"data.path={tmp_path}/in", "tokenizer=bpe", bad)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in"]
     (tmp_path / "out").mkdir()
     with pytest.raises(ConfigError, match="already exists"):
         shards_of(tmp_path, "out", f"data.path={tmp_path}/in")
@@ -321,3 +335,18 @@ def test_a_resume_on_shards_is_exact(tmp_path: Path, bpe_shards: Path):
     a, b = final_weights(straight), final_weights(second)
     for name in a:
         assert torch.equal(a[name], b[name]), name
+
+
+def test_shards_of_another_format_or_a_run_without_a_checkpoint_are_refused_in_one_line(tmp_path: Path):
+    """An index written by another version of the format (prepare again), and export/generate on a run that
+    has not committed a checkpoint yet."""
+    from distrain.data.shards import FORMAT, SPLITS, parse_index
+    from distrain.driver.trained import checkpoint_path
+
+    index = {"format": FORMAT + 1, "tokenizer": {"kind": "bytes", "fingerprint": "x", "vocab_size": 256}}
+    index |= {"dtype": "uint8", "splits": {s: {"shards": []} for s in SPLITS}}
+    with pytest.raises(ConfigError, match=rf"has format {FORMAT + 1}, this distrain reads {FORMAT}; prepare it again"):
+        parse_index(json.dumps(index), "data.shards='x'", {})
+    (tmp_path / "fresh").mkdir()
+    with pytest.raises(ConfigError, match="run fresh has no committed checkpoint yet: train it"):
+        checkpoint_path(tmp_path / "fresh")
