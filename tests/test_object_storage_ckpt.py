@@ -17,9 +17,9 @@ import pytest
 import torch
 from conftest import final_weights, logged, make_config
 
-from distrain.config import StorageConfig
+from distrain.config import ConfigError, StorageConfig
 from distrain.driver.launch import train
-from distrain.driver.trained import load_trained
+from distrain.driver.trained import checkpoint_path, load_trained
 from distrain.storage import checkpoint, remote, saver
 from distrain.storage.checkpoint import COMMIT_MARKER
 from distrain.storage.objectstore import store_for
@@ -70,6 +70,29 @@ def test_what_is_on_the_store_is_checked_before_it_is_loaded(s3, tmp_path: Path,
     assert path == tmp_path / "elsewhere" / "step_00000004" and checkpoint.problem(path) is None
     said = capsys.readouterr().err
     assert f"skipping checkpoint {store.url}/checkpoints/step_00000006: __0_0.distcp no longer matches" in said
+
+
+@pytest.mark.usefixtures("process_group")
+def test_export_of_a_run_on_the_store_without_a_whole_checkpoint_is_refused_in_one_line(s3, tmp_path: Path):
+    """What export and generate read (driver/trained.py): a run whose saves on the store never committed, then
+    one whose only commit is damaged there, each in one line."""
+    url, local = s3.url("ckpt", "export"), StorageConfig(cache_dir=str(tmp_path / "cache"))
+    store = store_for(url, local)
+    store.write_bytes("checkpoints/step_00000001/__0_0.distcp", b"torn")
+    with pytest.raises(ConfigError, match=f"run {url} has no committed checkpoint yet on the object store"):
+        checkpoint_path(url, storage=local)
+    writer = saver.Saver(tmp_path / "mirror", keep=2, background=False, remote=remote.Remote(store))
+    writer.save(2, {"model": torch.nn.Linear(8, 8).state_dict()}, {"step": 2, "world_size": 1}, {})
+    writer.close()
+    with pytest.raises(ConfigError, match=f"run {url} has no committed checkpoint of step=4 on the object store"):
+        checkpoint_path(url, step=4, storage=local)
+    shard = "checkpoints/step_00000002/__0_0.distcp"
+    data = bytearray(store.read_bytes(shard))
+    data[-64:] = bytes(64)
+    store.write_bytes(shard, bytes(data))
+    with pytest.raises(ConfigError) as err:
+        checkpoint_path(url, storage=local)
+    assert "step_00000002" in str(err.value) and "\n" not in str(err.value), str(err.value)
 
 
 @pytest.mark.usefixtures("process_group")
