@@ -296,6 +296,34 @@ MUTANTS = (
         "outer = 0.0",
         ("tests/test_suite.py::test_a_fixture_that_overruns_its_setup_bound_fails_there",),
     ),
+    Mutant(
+        "stop-while-starting-not-before-start",
+        "distrain/driver/launch.py",
+        '            raise StoppedBeforeStart(e.signum) from None\n        summary["startup"]',
+        '            raise Stopped(e.signum) from None\n        summary["startup"]',
+        ("tests/test_cli.py::test_a_stop_before_the_first_step_is_stoppedbeforestart_to_a_caller_of_train",),
+    ),
+    Mutant(
+        "clean-stop-before-a-step-kept",
+        "distrain/driver/launch.py",
+        "raise StoppedBeforeStart(stop.received[0])",
+        "pass",
+        ("tests/test_cli.py::test_ctrl_c_before_the_first_step_stops_at_once_in_one_line_and_leaves_nothing",),
+    ),
+    Mutant(
+        "stop-at-once-before-a-step-kept",
+        "distrain/driver/launch.py",
+        "                raise StoppedBeforeStart(e.signum) from None",
+        "                raise Stopped(e.signum) from None",
+        ("tests/test_sweepers.py::test_a_sweep_stopped_midway_lists_the_points_it_never_ran",),
+    ),
+    Mutant(
+        "guard-lets-a-stop-through",
+        "distrain/driver/stop.py",
+        "raise Stopped(self.received[0]) from None",
+        "return None",
+        ("tests/test_cli.py::test_a_second_signal_stops_at_once_and_says_so_in_one_line",),
+    ),
 )
 
 

@@ -396,6 +396,35 @@ def test_ctrl_c_while_attaching_stops_at_once(tmp_path: Path, silent_gcs):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.timeout(120)
+def test_a_stop_before_the_first_step_is_stoppedbeforestart_to_a_caller_of_train(tmp_path: Path, silent_gcs):
+    """The API's side of the test above: `train()` stopped while it attaches raises StoppedBeforeStart (a Stopped),
+    which tells its caller nothing trained and has a run directory it made emptied (rerun.leaving_nothing)."""
+    script = f"""
+import pathlib, sys
+sys.path.insert(0, {str(REPO / "tests")!r})
+from conftest import make_config
+from distrain.driver.launch import train
+from distrain.driver.stop import Stopped
+cfg = make_config(pathlib.Path({str(tmp_path)!r}), "run.name=c", "cluster.address={silent_gcs.address}",
+                  "cluster.connect_timeout_s=300", "logger.wandb.mode=disabled")
+try:
+    train(cfg)
+except Stopped as e:
+    print("raised", type(e).__name__, e.signum)
+"""
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=tmp_path, stdout=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not silent_gcs.accepted() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert f"raised StoppedBeforeStart {int(signal.SIGINT)}" in out, out
+
+
 def test_an_embedded_cluster_that_does_not_start_is_tried_again_then_one_line(tmp_path: Path):
     """Ray failing to start (here: its temp dir cannot be made) is tried once more, as a user would, then ends
     in one line (exit status 1: not the input), with the run directory it had made gone again."""
