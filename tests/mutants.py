@@ -324,6 +324,13 @@ MUTANTS = (
         "return None",
         ("tests/test_cli.py::test_a_second_signal_stops_at_once_and_says_so_in_one_line",),
     ),
+    Mutant(
+        "agents-outlive-the-killed-raylet",
+        "distrain/cluster/runtime.py",
+        "        for pid in below:",
+        "        for pid in []:",
+        ("tests/test_cli.py::test_no_process_of_the_embedded_cluster_outlives_the_run",),
+    ),
 )
 
 

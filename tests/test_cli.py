@@ -425,6 +425,27 @@ except Stopped as e:
     assert f"raised StoppedBeforeStart {int(signal.SIGINT)}" in out, out
 
 
+@pytest.mark.timeout(120)
+def test_no_process_of_the_embedded_cluster_outlives_the_run(tmp_path: Path):
+    """Ray's shutdown SIGKILLs the embedded cluster at once (`runtime.kill_at_shutdown`): what its processes
+    started (the raylet's agents) must end too. Each of them started here works in the run's folder."""
+    result = run_cli(tmp_path, *TINY, "trainer.max_steps=2", "logger.wandb.mode=disabled")
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    def left() -> list[str]:
+        here = []
+        for cwd in Path("/proc").glob("[0-9]*/cwd"):
+            with contextlib.suppress(OSError):
+                if Path(os.readlink(cwd)).is_relative_to(tmp_path):
+                    here.append((cwd.parent / "comm").read_text().strip())
+        return here
+
+    deadline = time.monotonic() + 10
+    while left() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left(), left()
+
+
 def test_an_embedded_cluster_that_does_not_start_is_tried_again_then_one_line(tmp_path: Path):
     """Ray failing to start (here: its temp dir cannot be made) is tried once more, as a user would, then ends
     in one line (exit status 1: not the input), with the run directory it had made gone again."""

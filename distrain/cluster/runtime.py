@@ -8,6 +8,7 @@ import os
 import signal
 import socket
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import ray
 from ray._private import worker as ray_worker
@@ -94,10 +95,33 @@ def connect(
 def kill_at_shutdown() -> None:
     """Ray's shutdown sends each process of the cluster it started SIGTERM and gives it a second to end before
     its SIGKILL. The embedded cluster's block SIGTERM (`sigterm_held`): that was a second each, five at every
-    end of the driver (a Ctrl-C's too), for nothing. They get the SIGKILL at once."""
-    node = ray_worker._global_node  # this driver's node: the processes ray.init started
+    end of the driver (a Ctrl-C's too), for nothing. They get the SIGKILL at once, and so do the processes they
+    started: the raylet's agents, which a raylet ended gracefully ends itself, outlive one that is killed."""
+    node = ray_worker._global_node  # this driver's node: the processes ray.init started (none when attached)
     kill_all = node.kill_all_processes
-    node.kill_all_processes = lambda *args, **kwargs: kill_all(*args, **{**kwargs, "allow_graceful": False})
+
+    def kill_all_at_once(*args, **kwargs):
+        started = {info.process.pid for infos in node.all_processes.values() for info in infos}
+        below = descendants(started)
+        kill_all(*args, **{**kwargs, "allow_graceful": False})
+        for pid in below:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+    node.kill_all_processes = kill_all_at_once
+
+
+def descendants(pids: set[int]) -> list[int]:
+    """The processes below `pids` (their children, theirs, ...), as /proc shows them now; none where it does not."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):  # a process that ended meanwhile
+            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+    found, level = [], set(pids)
+    while level:
+        level = {pid for pid, parent in parents.items() if parent in level}
+        found += sorted(level)
+    return found
 
 
 def not_started(why: str) -> str:
