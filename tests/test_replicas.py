@@ -11,9 +11,9 @@ import torch.multiprocessing as mp
 from conftest import fake_table, free_port, rank_env
 
 from distrain.driver.peers import plan_recovery, survivable
-from distrain.strategy.layout import Layout
+from distrain.strategy.resolve import layout_of
 
-HSDP = Layout(pp=1, dp_replicate=2, dp_shard=2, tp=1)  # shards: ranks 0 and 2 hold one, 1 and 3 the other
+HSDP = layout_of(pp=1, dp_replicate=2, dp_shard=2, tp=1)  # shards: ranks 0 and 2 hold one, 1 and 3 the other
 
 
 def held(rank: int, step: int = 9, run: str = "r", world: int = 4) -> dict:
@@ -28,7 +28,7 @@ def test_the_plan_takes_each_rank_from_itself_or_a_replica_of_its_shard_at_the_n
     plan, _ = plan_recovery(HSDP, {0: held(0), 1: held(1, step=8), 2: held(2), 3: held(3)}, "r", 1)
     assert plan.sources == (0, 3, 2, 3)
     # Sending is spread: in DDP over 4, two replacements take theirs from two different survivors.
-    ddp = Layout(pp=1, dp_replicate=4, dp_shard=1, tp=1)
+    ddp = layout_of(pp=1, dp_replicate=4, dp_shard=1, tp=1)
     plan, _ = plan_recovery(ddp, {0: held(0), 3: held(3)}, "r", 1)
     assert plan.sources[0] == 0 and plan.sources[3] == 3 and sorted(plan.sources[1:3]) == [0, 3]
 
@@ -54,10 +54,10 @@ def test_the_plan_says_which_lost_hosts_a_layout_survives_without_a_checkpoint()
     assert "any 1 rank lost cost only the step in flight" in lines[0] and "replica 1: ranks 2-3" in lines[0]
     assert [line.endswith("the step in flight") for line in lines[1:]] == [True, True]  # a replica per host
     # dp_shard outermost of the two would put a shard's both copies on one host: then a host is not survivable.
-    across = Layout(pp=1, dp_replicate=2, dp_shard=2, tp=1)
+    across = layout_of(pp=1, dp_replicate=2, dp_shard=2, tp=1)
     lines = survivable(across, [dict(e, rank=r) for r, e in zip([0, 2, 1, 3], two_hosts, strict=True)])
     assert all(line.endswith("a restart from the last checkpoint") for line in lines[1:])
-    assert "no data-parallel replica" in survivable(Layout(pp=1, dp_replicate=1, dp_shard=4, tp=1), two_hosts)[0]
+    assert "no data-parallel replica" in survivable(layout_of(pp=1, dp_replicate=1, dp_shard=4, tp=1), two_hosts)[0]
 
 
 # -- the transfer and the digests, on two gloo ranks ----------------------------------------------------------

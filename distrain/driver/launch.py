@@ -41,6 +41,7 @@ from distrain.progress import ProgressLine
 from distrain.storage.tracking import SUMMARY_FILE, read_metrics, wandb_mode, write_summary
 from distrain.storage.urls import is_url
 from distrain.strategy.layout import Layout
+from distrain.strategy.resolve import smaller
 from distrain.train.job import RankJob
 
 # The workers' modules, named rather than imported: they import torch, which the driver never needs
@@ -294,7 +295,7 @@ def _prepare(
         engine = ParameterServerEngine(cfg, layout, spec, run_dir, wandb_run_id, started, progress.update)
         on_rank_progress, sizes = lambda p: None, [layout.world_size]
     else:
-        layouts = {layout.world_size: layout, **layout.smaller(cfg)}
+        layouts = {layout.world_size: layout, **smaller(layout, cfg)}
         job = RankJob(cfg, layout, str(run_dir), started, wandb_run_id, run_id=uuid.uuid4().hex)
         engine, on_rank_progress, sizes = AllReduceEngine(job, layouts), progress.update, list(layouts)
     c = cfg.cluster

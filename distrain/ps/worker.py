@@ -22,6 +22,7 @@ from distrain.channel import Channel, Phase
 from distrain.config import from_plain
 from distrain.data.loader import run_batches
 from distrain.ps.shard import ShardView, as_tensor, model_shards
+from distrain.strategy import resolve
 from distrain.strategy.layout import Layout
 from distrain.train.faults import Faults
 from distrain.train.learner import Learner, local_device
@@ -53,7 +54,7 @@ class PSWorker:
         self.rank = int(os.environ["RANK"])
         faults = Faults(cfg.fault, self.rank, channel)
         # The whole model in this process (no process group), this worker's data-parallel slice.
-        single = Layout.single(layout.micro_batches)
+        single = resolve.single(layout.micro_batches)
         device = local_device(job.get("use_gpu"))  # absent: whatever torch sees, as under torchrun
         self.learner = Learner(cfg, single, layout.data_shard(self.rank), device, faults, collective=False)
         self.model = self.learner.module
