@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, replace
 
 from distrain.config import TrainConfig, resolve_precision
-from distrain.driver.peers import survivable
+from distrain.driver.survival import survivable
 from distrain.model.size import num_params, parts
 from distrain.strategy import MESH_DIMS, PARALLELISMS
 from distrain.strategy.context_parallel import ring_scores
