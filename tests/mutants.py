@@ -196,7 +196,7 @@ MUTANTS = (
     ),
     Mutant(
         "late-survivor-unnamed",
-        "distrain/cluster/supervisor.py",
+        "distrain/cluster/diagnosis.py",
         "                for rank in ranks:\n                    self.on_event(",
         "                for rank in []:\n                    self.on_event(",
         (
@@ -277,8 +277,8 @@ MUTANTS = (
     ),
     Mutant(
         "stop-waits-for-survivors",
-        "distrain/cluster/supervisor.py",
-        "if self.stop_requested_at and time.time() > self.stop_requested_at + self.timeouts.stop_grace_s - 1:",
+        "distrain/cluster/diagnosis.py",
+        "if stop_at and time.time() > stop_at + self.timeouts.stop_grace_s - 1:",
         "if False:",
         ("tests/test_peer_recovery.py::test_a_stop_is_not_held_up_by_survivors_on_their_way_back",),
     ),
