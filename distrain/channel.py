@@ -1,10 +1,11 @@
 """What a rank's function and the supervisor share while it runs: the channel (progress up, a stop
-request down) and the phases a rank reports. Neither Ray nor torch: both layers use it."""
+request down), the phases a rank reports and the record of its reports. Neither Ray nor torch: both
+layers use it."""
 
 from __future__ import annotations
 
 import enum
-import time
+from dataclasses import dataclass, field, replace
 
 
 class Phase(enum.StrEnum):
@@ -19,16 +20,67 @@ class Phase(enum.StrEnum):
     WAIT = "wait"  # on something outside the rank (a server, a held run): never a hang
 
 
+@dataclass(frozen=True)
+class Progress:
+    """What a rank has reported, each field as last said: the supervisor judges it by its step and phase, the
+    console line shows its step and figures, the attempt's record takes its start-up marks. It crosses Ray
+    whole (the worker actor answers the supervisor's questions with it); None: not said yet."""
+
+    phase: Phase | None = None
+    step: int | None = None  # the step under way
+    max_steps: int | None = None
+    began: int | None = None  # the last step begun: after a failure, the one that was in flight
+    logged: int | None = None  # the step `metrics` are of (a collective rank reads a loss back a step later)
+    metrics: dict[str, float] = field(default_factory=dict)  # the newest logged figure of each name
+    said: tuple[str, ...] = ()  # the rank's lines for the user (a checkpoint not committed)
+    returning: str | None = None  # after a failure, what the rank does on its way back
+    # Start-up marks, wall-clock: the process's call began, it joined the process group, its state loaded.
+    running_at: float | None = None
+    joined_at: float | None = None
+    loaded_at: float | None = None
+    first_step_at: float | None = None
+
+
 class Channel:
-    """The supervisor's line to a rank: progress up (`report` phase, step, timestamps), a stop request
-    down (`stop_deadline`: the wall-clock time by which it wants the rank to have returned, or None).
-    The worker actor holds it and answers the supervisor's questions from it while the rank runs."""
+    """The supervisor's line to a rank: progress up (`report`), a stop request down (`stop_deadline`: the
+    wall-clock time by which it wants the rank to have returned, or None). The worker actor holds it and
+    answers the supervisor's questions from it while the rank runs."""
 
     def __init__(self) -> None:
-        self.progress: dict = {}
+        self.progress = Progress()
         self.stop_deadline: float | None = None
 
-    def report(self, progress: dict) -> None:
-        """Merge `progress` into what the supervisor reads. After a failure a rank says what it does on its
-        way back under "returning" (its phase stays the one it failed in)."""
-        self.progress = {**self.progress, **progress, "time": time.time()}
+    def report(
+        self,
+        *,
+        phase: Phase | None = None,
+        step: int | None = None,
+        max_steps: int | None = None,
+        began: int | None = None,
+        logged: int | None = None,
+        metrics: dict[str, float] | None = None,
+        said: tuple[str, ...] | None = None,
+        returning: str | None = None,
+        running_at: float | None = None,
+        joined_at: float | None = None,
+        loaded_at: float | None = None,
+        first_step_at: float | None = None,
+    ) -> None:
+        """Say what changed (None: unchanged); figures join those said before. After a failure a rank says
+        what it does on its way back (`returning`: its phase stays the one it failed in)."""
+        said_now = {
+            "phase": phase,
+            "step": step,
+            "max_steps": max_steps,
+            "began": began,
+            "logged": logged,
+            "said": said,
+            "returning": returning,
+            "running_at": running_at,
+            "joined_at": joined_at,
+            "loaded_at": loaded_at,
+            "first_step_at": first_step_at,
+        }
+        changed = {name: value for name, value in said_now.items() if value is not None}
+        figures = {**self.progress.metrics, **(metrics or {})}
+        self.progress = replace(self.progress, **changed, metrics=figures)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import sys
 import time
 
+from distrain.channel import Progress
+
 
 def _duration(seconds: float) -> str:
     seconds = int(seconds)
@@ -69,20 +71,20 @@ class ProgressLine(_Line):
         self.unprinted: str | None = None  # the newest line, held back by the interval
         self.said: set[str] = set()
 
-    def update(self, progress: dict) -> None:
-        for line in progress.get("said", ()):  # rank 0's own lines (a checkpoint not committed), each once
+    def update(self, progress: Progress) -> None:
+        for line in progress.said:  # rank 0's own lines (a checkpoint not committed), each once
             if line not in self.said:
                 self.said.add(line)
                 self.message(line)
-        step = progress.get("logged", progress.get("step"))
-        metrics = {k: v for k, v in progress.items() if k in ("loss", "val_loss", "tokens_per_s")}
+        step = progress.step if progress.logged is None else progress.logged
+        metrics = {k: v for k, v in progress.metrics.items() if k in ("loss", "val_loss", "tokens_per_s")}
         if step is None or (step, metrics) == self.shown:
             return
         now = time.time()
         if self.first is None:
             self.first = (now, step)
         self.shown, self.metrics = (step, metrics), metrics
-        self.unprinted = self.render(step, progress["max_steps"], now)
+        self.unprinted = self.render(step, progress.max_steps, now)
         if now - self.last_print >= self.interval_s:
             self.last_print = now
             self._write(self.unprinted)

@@ -206,8 +206,8 @@ MUTANTS = (
     Mutant(
         "loss-beside-the-step-after",
         "distrain/progress.py",
-        'step = progress.get("logged", progress.get("step"))',
-        'step = progress.get("step")',
+        "step = progress.step if progress.logged is None else progress.logged",
+        "step = progress.step",
         ("tests/test_progress.py::test_a_collective_ranks_loss_is_shown_beside_its_own_step",),
     ),
     Mutant(

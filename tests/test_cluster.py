@@ -61,7 +61,7 @@ def test_a_replaced_rank_gets_the_local_rank_of_where_it_came_back():
 
 
 def environment(channel):
-    channel.report({"step": 1})
+    channel.report(step=1)
     return {k: os.environ[k] for k in ENV_KEYS}
 
 
@@ -158,7 +158,7 @@ def test_a_failing_rank_is_reported_at_once(fn, rank, what):
 
 def report_steps(channel):
     for step in range(1, 4):
-        channel.report({"step": step})
+        channel.report(step=step)
         time.sleep(0.6)
     return os.environ["RANK"]
 
@@ -175,7 +175,7 @@ def test_progress_reaches_the_driver_while_ranks_run():
         deadline = time.monotonic() + 60
         while group.calls and time.monotonic() < deadline:
             results.update((rank, value) for rank, value, _ in group.poll(timeout_s=0.2))
-            seen.append(group.progress()[0].get("step"))
+            seen.append(group.progress()[0].step)
         ids = ids_of(group)
     assert_killed(ids)
     assert results == {0: "0", 1: "1"}

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import ray.cloudpickle
 
+from distrain.channel import Phase, Progress
 from distrain.cluster.attempt import Attempt, Failure, FailureKind, Heartbeats, Outcome
 from distrain.cluster.placement import GroupSpec, WorkerFailure
 from distrain.cluster.policy import Decision, DefaultPolicy, FailurePolicy, Verdict, policy_class
@@ -94,7 +95,7 @@ def supervisor(tmp_path: Path, fn, n: int = 3, policy: FailurePolicy | None = No
 def steps(attempt: int, folder: str, channel, until: int = 6, stall=lambda rank, step: None) -> dict:
     rank = int(os.environ["RANK"])
     for step in range(1, until + 1):
-        channel.report({"phase": "train", "step": step})
+        channel.report(phase=Phase.TRAIN, step=step)
         stall(rank, step)
         time.sleep(0.05)
     return {"rank": rank, "attempt": attempt, "pid": os.getpid()}
@@ -269,7 +270,7 @@ def dies_then_waits(attempt: int, folder: str, channel) -> dict:
         if attempt == 1 and rank == 2 and Path(folder, "die").exists():
             os._exit(1)
         step += 1
-        channel.report({"phase": "train", "step": step})
+        channel.report(phase=Phase.TRAIN, step=step)
         time.sleep(0.05)
     return {"rank": rank, "attempt": attempt, "pid": os.getpid()}
 
@@ -358,7 +359,7 @@ def test_failures_seen_together_get_the_strongest_verdict(tmp_path: Path):
     """Ranks 1 and 2 fail in one look; the policy says RESTART for rank 1, REPLACE for rank 2: the group
     restarts (replacing both would ignore the RESTART)."""
 
-    def hold_once(progress: dict) -> None:
+    def hold_once(progress: Progress) -> None:
         if not (held := tmp_path / "held").exists():
             held.write_text("")
             while not all((tmp_path / f"raising_{r}").exists() for r in (1, 2)):
@@ -429,7 +430,7 @@ def until_stopped(attempt: int, folder: str, channel) -> dict:
     step = 0
     while channel.stop_deadline is None:
         step += 1
-        channel.report({"phase": "train", "step": step})
+        channel.report(phase=Phase.TRAIN, step=step)
         time.sleep(0.05)
     return {"stopped": True, "step": step, "deadline": channel.stop_deadline}
 
@@ -439,8 +440,8 @@ def until_stopped(attempt: int, folder: str, channel) -> dict:
 def test_a_stop_request_reaches_every_rank_with_a_deadline(tmp_path: Path):
     """Once a step is made (before it there is nothing to save: the attempt ends at once)."""
 
-    def stop_after_a_step(progress: dict) -> None:
-        if progress.get("step"):
+    def stop_after_a_step(progress: Progress) -> None:
+        if progress.step:
             sup.request_stop()
 
     sup = supervisor(tmp_path, until_stopped, timeouts=replace(FAST, stop_grace_s=7.0), on_progress=stop_after_a_step)

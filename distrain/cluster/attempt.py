@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ray.exceptions import RayActorError, RayError
 
-from distrain.channel import Phase
+from distrain.channel import Phase, Progress
 from distrain.storage.fsutil import write_json
 
 
@@ -39,7 +39,6 @@ class Mark(enum.StrEnum):
     ENDED = "ended_at"
 
 
-RANK_MARKS = (Mark.RUNNING, Mark.JOINED, Mark.LOADED, Mark.FIRST_STEP)
 RECOVERY = {  # the recovery (or start-up) an attempt begins with, phase by phase: name → (from, to)
     "teardown_s": (Mark.SINCE, Mark.TORN_DOWN),
     "placement_s": (Mark.TORN_DOWN, Mark.PLACED),
@@ -89,15 +88,24 @@ class Attempt:
             self.cause, self.error = failure.cause, failure.error
         self.timings.setdefault(Mark.ENDED, failure.at if failure is not None else time.time())
 
-    def note(self, progress: list[dict]) -> None:
+    def note(self, progress: list[Progress]) -> None:
         """What the ranks' reports tell the record: the step reached, and the start-up marks of the first
         report (rank 0's; after a failure that killed rank 0, the lowest living rank's: the marks of ranks
         that share a process group lie fractions of a second apart)."""
-        self.step_reached = max([self.step_reached, *(p.get("step") or 0 for p in progress)])
-        self.step_begun = max([self.step_begun, self.step_reached, *(p.get("began") or 0 for p in progress)])
-        for mark in RANK_MARKS:
-            if progress and progress[0].get(mark, 0) >= self.timings[Mark.PLACED]:  # not the previous attempt's
-                self.timings.setdefault(mark, progress[0][mark])
+        self.step_reached = max([self.step_reached, *(p.step or 0 for p in progress)])
+        self.step_begun = max([self.step_begun, self.step_reached, *(p.began or 0 for p in progress)])
+        if not progress:
+            return
+        first = progress[0]
+        marks = (
+            (Mark.RUNNING, first.running_at),
+            (Mark.JOINED, first.joined_at),
+            (Mark.LOADED, first.loaded_at),
+            (Mark.FIRST_STEP, first.first_step_at),
+        )
+        for mark, at in marks:
+            if at is not None and at >= self.timings[Mark.PLACED]:  # not the previous attempt's
+                self.timings.setdefault(mark, at)
 
     @property
     def progressed(self) -> bool:
@@ -127,10 +135,10 @@ class Heartbeats:
         self.changed = [now] * n
         self.step_times = step_times
 
-    def update(self, progress: list[dict]) -> None:
+    def update(self, progress: list[Progress]) -> None:
         now = time.monotonic()
         for rank, p in enumerate(progress):
-            key = (p.get("step"), p.get("phase"))
+            key = (p.step, p.phase)
             old = self.seen[rank]
             if key == old:
                 continue

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from ray.exceptions import RayActorError
 
-from distrain.channel import Phase
+from distrain.channel import Phase, Progress
 from distrain.cluster.attempt import Attempt, Failure, FailureKind, Heartbeats, blame, first_line, mask, write_stacks
 from distrain.cluster.states import AttemptLost
 from distrain.cluster.timeouts import Timeouts
@@ -33,7 +33,7 @@ class Diagnosis:
         timeouts: Timeouts,
         run_dir: Path,
         stop_requested_at: Callable[[], float | None],
-        on_progress: Callable[[dict], None],
+        on_progress: Callable[[Progress], None],
         on_event: Callable[[str], None],
     ):
         """stop_requested_at: when a stop was asked for (None: not yet), read at each use."""
@@ -68,13 +68,12 @@ class Diagnosis:
         ]
         return [self._hung(group, attempt, hung, progress, s.beats)] if hung else []
 
-    def _limit(self, progress: dict) -> float:
+    def _limit(self, progress: Progress) -> float:
         """How long a rank may stay silent in its phase: a step, a few typical step times; waiting on
         something outside the rank, for ever; anything else (start-up, a checkpoint), setup_timeout_s."""
-        phase = progress.get("phase")
-        if phase == Phase.WAIT:
+        if progress.phase == Phase.WAIT:
             return float("inf")
-        if phase != Phase.TRAIN:
+        if progress.phase != Phase.TRAIN:
             return self.timeouts.setup_timeout_s
         return self.timeouts.step_limit(self._typical_step_s())
 
@@ -100,7 +99,7 @@ class Diagnosis:
             ranks = sorted(group.calls.values())
             said.update(group.final_progress(ranks, timeout_s=self.timeouts.poll_s))  # asked: polls lag
             waited = time.monotonic() - start
-            doing = {rank: said.get(rank, {}).get("returning") for rank in ranks}
+            doing = {rank: said[rank].returning if rank in said else None for rank in ranks}
             stop_at = self.stop_requested_at()
             if stop_at and time.time() > stop_at + self.timeouts.stop_grace_s - 1:
                 break  # a stop asked for: the driver's grace is what is left to wait
@@ -124,20 +123,20 @@ class Diagnosis:
         if getattr(raised, "permanent", False):  # e.g. a checkpoint refused as unsafe: no retry can help
             cause = f"{group.who(rank)} failed: {first_line(error, limit=1000)}"  # its advice, uncut
             return Failure(FailureKind.RAISED, cause, rank, str(error).strip(), permanent=True, at=seen)
-        if progress.get("phase") == Phase.JOIN:
+        if progress.phase == Phase.JOIN:
             cause = joining(group, cause)
             return Failure(FailureKind.RAISED, cause, rank, str(error).strip(), JOINING, joining=True, at=seen)
-        signature = (kind, mask(first_line(error)), progress.get("step"))
+        signature = (kind, mask(first_line(error)), progress.step)
         return Failure(FailureKind.RAISED, cause, rank, str(error).strip(), signature, at=seen)
 
     def _hung(
-        self, group: WorkerGroup, attempt: Attempt, hung: list[int], progress: list[dict], beats: Heartbeats
+        self, group: WorkerGroup, attempt: Attempt, hung: list[int], progress: list[Progress], beats: Heartbeats
     ) -> Failure:
         """Ranks silent past their limit. Collective training: every rank's stacks, and the whole group
         goes (the others wait in collectives); a replacing engine: the one rank's."""
         seen, one = time.time(), self.engine.replaces_workers
         silent = max(beats.silent_s(r) for r in hung)
-        steps = sorted({str(progress[r].get("step")) for r in hung})
+        steps = sorted({str(progress[r].step) for r in hung})
         folder = write_stacks(self.run_dir, attempt.number, group.stacks(hung[:1] if one else None))
         mute = group.silent(longer_than_s=min(self._limit(progress[r]) for r in hung))
         who = group.who(hung[0]) if one else f"rank{'s' * (len(hung) > 1)} {', '.join(map(str, hung))}"
@@ -146,7 +145,7 @@ class Diagnosis:
             + (f", rank {', '.join(map(str, mute))} not answering" if mute and not one else "")
             + f"; stacks in {folder}"
         )
-        if all(progress[r].get("phase") == Phase.JOIN for r in hung):  # the rendezvous timed out, as we saw it
+        if all(progress[r].phase == Phase.JOIN for r in hung):  # the rendezvous timed out, as we saw it
             cause = joining(group, cause)
             return Failure(FailureKind.HUNG, cause, hung[0] if one else None, signature=JOINING, joining=True, at=seen)
         return Failure(FailureKind.HUNG, cause, hung[0] if one else None, at=seen)

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
+from distrain.channel import Progress
 from distrain.cluster.attempt import Attempt, Failure, FailureKind, Heartbeats, Mark, Outcome, write_placement
 from distrain.cluster.diagnosis import Diagnosis
 from distrain.cluster.placement import GroupSpec, PlacementError, WorkerFailure, fitting_sizes
@@ -52,7 +53,7 @@ class Supervisor:
         engine: Engine,
         world_sizes: Sequence[int],
         run_dir: Path,
-        on_progress: Callable[[dict], None] = lambda progress: None,
+        on_progress: Callable[[Progress], None] = lambda progress: None,
         on_event: Callable[[str], None] = lambda message: None,
         reuse_workers: bool = False,
     ):
@@ -308,7 +309,7 @@ class Supervisor:
         """One worker replaced while the others go on (a hot spare if one is warm)."""
         rank = failure.rank
         self.on_event(verdict.noted(f"{failure.cause}; replacing it while the others go on"))
-        step = self.group.last_progress(rank, timeout_s=0.5).get("step")
+        step = self.group.last_progress(rank, timeout_s=0.5).step
         self.group.replace(rank)
         watching.beats.restart(rank)
         self.engine.replaced(rank)

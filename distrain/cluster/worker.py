@@ -17,7 +17,7 @@ from typing import Any
 
 import ray
 
-from distrain.channel import Channel
+from distrain.channel import Channel, Progress
 from distrain.ports import free_port
 
 Fn = Callable[..., Any] | str  # a function, or one named "package.module:function" (`resolve`)
@@ -77,14 +77,14 @@ class Worker:
         the path of every recovery."""
         os.environ.update(env)
         fn = resolve(fn)
-        self.channel.report({"running_at": time.time()})
+        self.channel.report(running_at=time.time())
         gc.freeze()
         try:
             return fn(*args, self.channel)
         finally:
             gc.collect()  # the model the call built, now rather than when the next one starts
 
-    def progress(self) -> dict:
+    def progress(self) -> Progress:
         return self.channel.progress
 
     def request_stop(self, deadline: float) -> None:

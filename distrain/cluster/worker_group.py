@@ -11,6 +11,7 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError, RayError
 
+from distrain.channel import Progress
 from distrain.cluster import kill, warm
 from distrain.cluster.attempt import first_line
 from distrain.cluster.placement import GroupSpec, WorkerFailure
@@ -26,7 +27,7 @@ class WorkerGroup:
         self.calls: dict = {}  # the running `run` call of each rank: ObjectRef → rank
         self.returned: set[int] = set()  # ranks whose call ended without their process dying
         self._asked: dict = {}  # rank → (its unanswered progress question, when asked)
-        self._progress: dict[int, dict] = {}
+        self._progress: dict[int, Progress] = {}
         self.port = 0  # the rendezvous port of the last launch on every rank
         self.reserved_at: float | None = None  # when this group's own start found its placement group ready
         # What `release_unhealthy` runs in the ranks' processes, as the engine says (`recover_with`); None: a
@@ -170,7 +171,7 @@ class WorkerGroup:
                     self.returned.add(rank)
         return ended
 
-    def progress(self) -> list[dict]:
+    def progress(self) -> list[Progress]:
         """The latest progress of each rank, never waiting on one that does not answer (a stopped
         or wedged process): its question stays open and its last answer stands."""
         for rank, w in enumerate(self.workers):
@@ -185,14 +186,15 @@ class WorkerGroup:
                     self._progress[rank] = ray.get(ref)
                 except RayError:
                     pass
-        return [self._progress.get(rank, {}) for rank in range(len(self.workers))]
+        return [self._progress.get(rank, Progress()) for rank in range(len(self.workers))]
 
-    def last_progress(self, rank: int, timeout_s: float = 2.0) -> dict:
+    def last_progress(self, rank: int, timeout_s: float = 2.0) -> Progress:
         """A rank's final report, asked again (for a rank whose call ended the polled one may be
         stale); the polled one if it cannot answer."""
-        return self.final_progress([rank], timeout_s).get(rank) or self._progress.get(rank, {})
+        answered = self.final_progress([rank], timeout_s).get(rank, Progress())
+        return answered if answered != Progress() else self._progress.get(rank, Progress())
 
-    def final_progress(self, ranks: list[int] | None = None, timeout_s: float = 2.0) -> dict[int, dict]:
+    def final_progress(self, ranks: list[int] | None = None, timeout_s: float = 2.0) -> dict[int, Progress]:
         """The final reports of those of `ranks` (default all) that answer within timeout_s, asked at once."""
         ranks = list(range(len(self.workers))) if ranks is None else ranks
         return answers({rank: self.workers[rank].progress.remote() for rank in ranks}, timeout_s)

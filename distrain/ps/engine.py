@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from distrain.channel import Progress
 from distrain.cluster.attempt import Attempt
 from distrain.cluster.placement import GroupSpec
 from distrain.cluster.states import Work
@@ -48,7 +49,7 @@ class ParameterServerEngine:
         run_dir: Path,
         wandb_run_id: str | None,
         started: float,
-        on_progress: Callable[[dict], None] = lambda progress: None,
+        on_progress: Callable[[Progress], None] = lambda progress: None,
     ):
         self.cfg, self.spec, self.run_dir, self.root = cfg, spec, run_dir, run_dir / "checkpoints"
         self.plain, self.layout = to_plain(cfg), layout
@@ -181,7 +182,7 @@ class ParameterServerEngine:
             crossed |= bool(interval) and step // interval > self.last_line[0] // interval and step < t.max_steps
             if step % t.log_interval == 0 or "val_loss" in line or step == t.max_steps:
                 self.tracker.log(step, line)
-            self.on_progress({"step": step, "max_steps": t.max_steps, **line})
+            self.on_progress(Progress(step=step, max_steps=t.max_steps, metrics=line))
             self.last_line = (step, line)
         if save and crossed:
             self._stage()

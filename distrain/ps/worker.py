@@ -75,9 +75,9 @@ class PSWorker:
 
     def evaluate(self) -> float:
         """The validation loss of the weights the model holds, over whole validation batches."""
-        self.channel.report({"phase": Phase.EVAL})
+        self.channel.report(phase=Phase.EVAL)
         loss_sum = self.learner.evaluate(shard=(0, 1))
-        self.channel.report({"phase": Phase.TRAIN})
+        self.channel.report(phase=Phase.TRAIN)
         return loss_sum.item() / (self.learner.parallel.layout.micro_batches * self.cfg.trainer.eval_batches)
 
     def validate_after(self, step: int, centre: bool = False) -> None:
@@ -114,7 +114,7 @@ class PSWorker:
     def pull(self, min_version: int, apply: tuple[int, float] | None = None) -> int:
         """Load every shard's weights of at least `min_version` into the model (a shard whose
         version the model already holds is not fetched again); returns the lowest version."""
-        self.channel.report({"phase": Phase.WAIT})
+        self.channel.report(phase=Phase.WAIT)
         answers = ray.get([s.pull.remote(self.rank, min_version, apply) for s in self.servers])
         fresh = [(k, v, refs[0]) for k, (v, refs, _) in enumerate(answers) if v != self.versions[k]]
         for (k, v, _), flat in zip(fresh, ray.get([ref for _, _, ref in fresh]), strict=True):
@@ -122,19 +122,19 @@ class PSWorker:
             self.versions[k] = v
             self.pulled_bytes += flat.nbytes
         self.stopped = self.stopped or any(stopped for _, _, stopped in answers)
-        self.channel.report({"phase": Phase.TRAIN})
+        self.channel.report(phase=Phase.TRAIN)
         return min(v for v, _, _ in answers)
 
     def call_all(self, method: str, step: int, payloads: list, to_first: object) -> list[dict]:
         """One call per shard with its payload; shard 0 also gets `to_first` (the step's records)."""
-        self.channel.report({"phase": Phase.WAIT})
+        self.channel.report(phase=Phase.WAIT)
         refs = [
             getattr(s, method).remote(self.rank, step, p, to_first if k == 0 else None)
             for k, (s, p) in enumerate(zip(self.servers, payloads, strict=True))
         ]
         answers = ray.get(refs)
         self.stopped = self.stopped or any(a["stopped"] for a in answers)
-        self.channel.report({"phase": Phase.TRAIN})
+        self.channel.report(phase=Phase.TRAIN)
         return answers
 
     def exchange(self, step: int, records: list[dict]) -> None:
@@ -172,7 +172,7 @@ class PSWorker:
                 if step > t.max_steps:
                     break
             self.validate_after(step - 1)
-            self.channel.report({"step": step, "max_steps": t.max_steps})
+            self.channel.report(step=step, max_steps=t.max_steps)
             loss, norm = self.step(step, clip=not sync)  # sync: clipped on the servers, by the average's norm
             grads = [view.gather(grad=True).numpy() for view in self.views]
             record = self.record(step, loss, norm, pushed=sum(g.nbytes for g in grads))
@@ -196,7 +196,7 @@ class PSWorker:
         pending: list[dict] = []
         done = step - 1
         while step <= t.max_steps and not self.stopped and self.channel.stop_deadline is None:
-            self.channel.report({"phase": Phase.TRAIN, "step": step, "max_steps": t.max_steps})
+            self.channel.report(phase=Phase.TRAIN, step=step, max_steps=t.max_steps)
             set_lr(optimizer, lr_at(step, self.cfg.optim, t.max_steps))
             loss, norm = self.step(step, clip=True)
             optimizer.step()

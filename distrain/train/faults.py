@@ -23,10 +23,10 @@ class Faults:
         path = self.cfg.hold_file
         if path is None or not os.path.exists(path):
             return
-        self.channel.report({"phase": Phase.WAIT})
+        self.channel.report(phase=Phase.WAIT)
         while os.path.exists(path) and self.channel.stop_deadline is None:
             time.sleep(0.02)
-        self.channel.report({"phase": Phase.TRAIN})
+        self.channel.report(phase=Phase.TRAIN)
 
     def straggle(self, compute_s: float) -> None:
         """The simulated straggler stretches its step to fault.straggler_slowdown × its compute time."""

@@ -98,7 +98,7 @@ class Trainer:
         replicas.keep(None)
         # `logged`: the step the progress line shows, with its figures once read back (log_read)
         step = self.state.step
-        channel.report({"step": step, "logged": step, "max_steps": cfg.trainer.max_steps, "loaded_at": time.time()})
+        channel.report(step=step, logged=step, max_steps=cfg.trainer.max_steps, loaded_at=time.time())
 
     def open_tracker(self, store: remote.Remote | None) -> Tracker | None:
         """Rank 0's metrics, W&B and TensorBoard, with the lines the survivors of a recovery from replicas read back
@@ -136,7 +136,7 @@ class Trainer:
             loss_sum, grad_norm = self.train_step()
             self.note_first_step()
             self.log_and_evaluate(loss_sum, grad_norm, last)
-            self.channel.report({"phase": Phase.TRAIN, "step": state.step, "max_steps": t.max_steps})
+            self.channel.report(phase=Phase.TRAIN, step=state.step, max_steps=t.max_steps)
             self.saver.check()
             stopped = self.checkpoint_if_due(last)
             self.learner.faults.kill(AFTER_STEP, state.step, self.began, settle=self.log.settle)
@@ -148,7 +148,7 @@ class Trainer:
         """Forward and backward over this rank's micro-batches, the gradient all-reduced on the way, and one
         optimizer update; the summed micro-batch losses (local) and the gradient norm before clipping."""
         state, step = self.state, self.state.step
-        self.channel.report({"began": step})
+        self.channel.report(began=step)
         set_lr(state.optimizer, lr_at(step, self.cfg.optim, self.cfg.trainer.max_steps))
         loss_sum = self.learner.forward_backward(step)
         self.learner.faults.kill(AFTER_BACKWARD, step, self.began, settle=self.log.settle)
@@ -167,7 +167,7 @@ class Trainer:
     def note_first_step(self) -> None:
         if self.first_step_s is None:
             self.first_step_s = time.time() - self.started_at
-            self.channel.report({"first_step_at": time.time()})
+            self.channel.report(first_step_at=time.time())
 
     def log_and_evaluate(self, loss_sum: torch.Tensor, grad_norm: torch.Tensor, last: bool) -> None:
         """Close the logging window at a logged step, and evaluate at an evaluation step (the last is both)."""
@@ -245,10 +245,10 @@ class Trainer:
         return total / (self.layout.micro_batches * self.layout.loss_holders)
 
     def evaluate(self) -> float:
-        self.channel.report({"phase": Phase.EVAL})
+        self.channel.report(phase=Phase.EVAL)
         with self.outside_steps():
             val_loss = self.global_mean(self.learner.evaluate()) / self.cfg.trainer.eval_batches
-        self.channel.report({"phase": Phase.TRAIN})
+        self.channel.report(phase=Phase.TRAIN)
         return val_loss
 
     @contextlib.contextmanager
@@ -265,7 +265,7 @@ class Trainer:
         """A line of this rank's for the user: on its stderr, and up to the driver, which prints rank 0's."""
         checkpoint.say(line)
         self.said.append(line)
-        self.channel.report({"said": list(self.said)})
+        self.channel.report(said=tuple(self.said))
 
     def checkpoint(self, wait: bool) -> None:
         """Save (in the background with checkpoint.async), telling the supervisor that this rank is saving
@@ -273,7 +273,7 @@ class Trainer:
         line is written first: a run resumed from this checkpoint starts at the next step and would never
         write it."""
         self.log_read()
-        self.channel.report({"phase": Phase.CHECKPOINT})
+        self.channel.report(phase=Phase.CHECKPOINT)
         start = time.perf_counter()
         with self.outside_steps():
             self.check_finite()  # never a checkpoint of NaN weights
@@ -285,7 +285,7 @@ class Trainer:
             if wait:
                 self.saver.wait()
         self.log.blocked_s += time.perf_counter() - start  # what a background save saves, per save (checkpoint_block_s)
-        self.channel.report({"phase": Phase.TRAIN})
+        self.channel.report(phase=Phase.TRAIN)
 
     def kept(self) -> replicas.KeptState | None:
         """What this rank keeps in memory when its attempt fails, for the next one to start from: its state, if a

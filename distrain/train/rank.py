@@ -30,11 +30,11 @@ def run_rank(job: RankJob, channel: Channel) -> dict:
 
     The trainer is gone before the groups it used are let go (`process_group.release`): a DDP reducer
     left as the last holder of its group would hang the rank as it let go (docs/architecture.md, pitfalls)."""
-    channel.report({"phase": Phase.JOIN})
+    channel.report(phase=Phase.JOIN)
     if not isinstance(job.start, FromReplicas):
         replicas.keep(None)  # what an earlier attempt kept here is not needed: let its memory go
     device = process_group.init_from_env(outside_steps_timeout_s(job.config.cluster), job.use_gpu)
-    channel.report({"phase": Phase.SETUP, "joined_at": time.time()})
+    channel.report(phase=Phase.SETUP, joined_at=time.time())
     try:
         results = run_trainer(job, device, channel)
     except BaseException as failure:
@@ -72,7 +72,7 @@ def run_trainer(job: RankJob, device: torch.device, channel: Channel) -> dict:
 def returning(channel: Channel, doing: str) -> None:
     """Tell the supervisor this rank has seen its attempt fail and is on its way back, doing what: it waits
     for such a rank however slow (a survivor it ended would take its state with it)."""
-    channel.report({"returning": doing})
+    channel.report(returning=doing)
 
 
 def warm_up(cfg: TrainConfig) -> None:

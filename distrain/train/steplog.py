@@ -100,7 +100,7 @@ class StepLog:
         self.last_read = {unread.step: metrics}
         if self.tracker is not None:
             self.tracker.log(unread.step, metrics)
-        self.channel.report({**metrics, "logged": unread.step})  # the progress line shows these beside their step
+        self.channel.report(metrics=metrics, logged=unread.step)  # the progress line shows these beside their step
         return metrics
 
     def lines(self, committed: int) -> dict[int, dict]:

@@ -292,7 +292,7 @@ class Recorder:
         tmp.write_text(str(os.getpid()))
         tmp.replace(run_dir / "pids" / str(rank))  # atomic: the killer never reads half a file
 
-    def report(self, progress: dict) -> None:
+    def report(self, **progress: object) -> None:
         if self.marks and any(k in progress for k in MARKS):
             self.record |= {k: progress[k] for k in MARKS if k in progress}
             with open(self.marks, "a") as f:
