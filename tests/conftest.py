@@ -22,6 +22,7 @@ os.environ.pop("RAY_ADDRESS", None)
 os.environ.pop("WANDB_API_KEY", None)
 
 from distrain.cluster.attempt import Mark  # noqa: E402
+from distrain.cluster.places import RankPlace  # noqa: E402
 from distrain.config import TrainConfig  # noqa: E402
 from distrain.driver.cli import CONF_DIR, compose  # noqa: E402, F401  (CONF_DIR: for test modules)
 from distrain.ports import free_port  # noqa: E402  (also for test modules)
@@ -337,18 +338,22 @@ def attempt_placement(run_dir: Path, attempt: int | None = None) -> list[dict] |
         return None
 
 
-def fake_table(n: int, per_node: int, gpus: bool) -> list[dict]:
+def fake_table(n: int, per_node: int, gpus: bool) -> list[RankPlace]:
     """What WorkerGroup.start returns, for n workers on nodes of per_node workers each."""
     return [
-        {
-            "rank": r,
-            "worker_index": n - 1 - r,
-            "pid": 1000 + r,
-            "node_id": f"node{r // per_node}",
-            "node_ip": f"10.0.0.{r // per_node + 1}",
-            "node_rank": r // per_node,
-            "gpu_ids": [r % per_node] if gpus else [],
-        }
+        RankPlace(
+            node_id=f"node{r // per_node}",
+            node_ip=f"10.0.0.{r // per_node + 1}",
+            interface="eth0",
+            gpu_ids=[r % per_node] if gpus else [],
+            pid=1000 + r,
+            bundle=r,
+            rank=r,
+            worker_index=n - 1 - r,
+            node_rank=r // per_node,
+            local_rank=r % per_node,
+            local_world_size=per_node,
+        )
         for r in range(n)
     ]
 

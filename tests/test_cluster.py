@@ -16,6 +16,7 @@ from ray._private.state import state
 from ray.util.placement_group import remove_placement_group
 
 from distrain.cluster.placement import GroupSpec, PlacementError, WorkerFailure, number_nodes, rank_table
+from distrain.cluster.places import WorkerPlace
 from distrain.cluster.runtime import CapacityError, check_capacity
 from distrain.cluster.worker_group import WorkerGroup
 from distrain.driver.launch import worker_env
@@ -33,31 +34,31 @@ def spec(n: int) -> GroupSpec:
 
 
 def test_rank_table_sorts_by_node_then_gpu():
-    infos = [
-        {"node_id": "b", "node_ip": "10.0.0.10", "gpu_ids": [1], "pid": 1},
-        {"node_id": "a", "node_ip": "10.0.0.9", "gpu_ids": [1], "pid": 2},
-        {"node_id": "b", "node_ip": "10.0.0.10", "gpu_ids": [0], "pid": 3},
-        {"node_id": "a", "node_ip": "10.0.0.9", "gpu_ids": [0], "pid": 4},
+    places = [
+        WorkerPlace("b", "10.0.0.10", None, [1], pid=1, bundle=0),
+        WorkerPlace("a", "10.0.0.9", None, [1], pid=2, bundle=1),
+        WorkerPlace("b", "10.0.0.10", None, [0], pid=3, bundle=2),
+        WorkerPlace("a", "10.0.0.9", None, [0], pid=4, bundle=3),
     ]
-    table = rank_table(infos)
+    table = rank_table(places)
     # 10.0.0.9 sorts before 10.0.0.10 as an address, not as a string.
-    assert [e["pid"] for e in table] == [4, 2, 3, 1]
-    assert [e["local_rank"] for e in table] == [0, 1, 0, 1]
-    assert [e["node_rank"] for e in table] == [0, 0, 1, 1]
-    assert all(e["local_world_size"] == 2 for e in table)
+    assert [e.pid for e in table] == [4, 2, 3, 1]
+    assert [e.local_rank for e in table] == [0, 1, 0, 1]
+    assert [e.node_rank for e in table] == [0, 0, 1, 1]
+    assert all(e.local_world_size == 2 for e in table)
 
 
 def test_a_replaced_rank_gets_the_local_rank_of_where_it_came_back():
     ips = {"a": "10.0.0.1", "b": "10.0.0.2"}
-    infos = [{"node_id": n, "node_ip": ips[n], "gpu_ids": [g]} for n, g in (("a", 0), ("a", 1), ("b", 0), ("b", 1))]
-    table = rank_table(infos)
+    on = (("a", 0), ("a", 1), ("b", 0), ("b", 1))
+    table = rank_table([WorkerPlace(n, ips[n], None, [g], pid=i, bundle=i) for i, (n, g) in enumerate(on)])
     # Rank 0 died and its replacement started on node b's GPU 2; ranks keep their numbers.
-    table[0] = {**table[0], "node_id": "b", "node_ip": ips["b"], "gpu_ids": [2]}
+    table[0] = table[0].moved_to(WorkerPlace("b", ips["b"], None, [2], pid=9, bundle=0))
     number_nodes(table)
-    assert [e["rank"] for e in table] == [0, 1, 2, 3]
-    assert [e["node_rank"] for e in table] == [0, 1, 0, 0]
-    assert [e["local_rank"] for e in table] == [2, 0, 0, 1]  # GPU 2 is the third of node b's GPUs 0, 1, 2
-    assert [e["local_world_size"] for e in table] == [3, 1, 3, 3]
+    assert [e.rank for e in table] == [0, 1, 2, 3]
+    assert [e.node_rank for e in table] == [0, 1, 0, 0]
+    assert [e.local_rank for e in table] == [2, 0, 0, 1]  # GPU 2 is the third of node b's GPUs 0, 1, 2
+    assert [e.local_world_size for e in table] == [3, 1, 3, 3]
 
 
 def environment(channel):
@@ -90,7 +91,7 @@ def test_workers_get_torchrun_environment_on_loopback():
     assert {e["OMP_NUM_THREADS"] for e in envs} == {"1"}
     assert {e["CUDA_VISIBLE_DEVICES"] for e in envs} == {""}  # CPU workers see no GPU, even on a GPU machine
     assert [e["LOCAL_RANK"] for e in envs] == ["0", "1", "2"]
-    assert all(e["node_ip"] == "127.0.0.1" for e in table)
+    assert all(e.node_ip == "127.0.0.1" for e in table)
 
 
 def network_environment(channel):
@@ -110,7 +111,7 @@ def test_workers_get_their_nodes_interface_and_the_users_variables(monkeypatch):
     with WorkerGroup(replace(spec(2), env=worker_env(cfg.cluster))) as group:
         table = group.start()
         envs = group.run(network_environment)
-        assert {e["interface"] for e in table} == {"lo"}
+        assert {e.interface for e in table} == {"lo"}
         want = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo", "NCCL_DEBUG": "INFO", "MY_SETTING": "on"}
         assert envs == [want, want]
         assert {e["CUDA_VISIBLE_DEVICES"] for e in group.run(environment)} == {""}

@@ -22,6 +22,7 @@ os.environ["RAY_USAGE_STATS_ENABLED"] = "0"  # the cluster binds 127.0.0.1 only 
 import pytest  # noqa: E402
 
 from distrain.cluster.placement import GroupSpec, PlacementError, rank_table  # noqa: E402
+from distrain.cluster.places import WorkerPlace  # noqa: E402
 from distrain.cluster.worker_group import WorkerGroup  # noqa: E402
 
 # (CPUs, GPUs) of the head and two more nodes. One-CPU workers: PACK fills a 3-CPU node first, so 4
@@ -34,8 +35,8 @@ def spans(nodes: list[str], tp: int) -> list[int]:
     return [start for start in range(0, len(nodes), tp) if len(set(nodes[start : start + tp])) > 1]
 
 
-def fake_info(node: str, ip: str, gpu: int, pid: int) -> dict:
-    return {"node_id": node, "node_ip": ip, "gpu_ids": [gpu], "pid": pid}
+def fake_info(node: str, ip: str, gpu: int, pid: int) -> WorkerPlace:
+    return WorkerPlace(node, ip, None, [gpu], pid, bundle=pid)
 
 
 def test_rank_table_keeps_blocks_on_one_node():
@@ -51,10 +52,10 @@ def test_rank_table_keeps_blocks_on_one_node():
         fake_info("b", "10.0.0.2", 2, 8),
     ]
     table = rank_table(infos, node_group=2)
-    assert [e["node_id"] for e in table] == ["a"] * 4 + ["b"] * 4
-    assert [e["gpu_ids"][0] for e in table] == [0, 1, 2, 3] * 2  # local_rank indexes the node's GPUs in order
-    assert [e["local_rank"] for e in table] == [0, 1, 2, 3] * 2
-    assert spans([e["node_id"] for e in table], 2) == []
+    assert [e.node_id for e in table] == ["a"] * 4 + ["b"] * 4
+    assert [e.gpu_ids[0] for e in table] == [0, 1, 2, 3] * 2  # local_rank indexes the node's GPUs in order
+    assert [e.local_rank for e in table] == [0, 1, 2, 3] * 2
+    assert spans([e.node_id for e in table], 2) == []
 
 
 def test_rank_table_refuses_a_block_across_nodes():
@@ -156,8 +157,8 @@ def _place(spec: GroupSpec) -> dict:
     try:
         table = group.start()
         result = {
-            "nodes": [e["node_id"] for e in table],
-            "gpu_ids": [e["gpu_ids"][0] if e["gpu_ids"] else None for e in table],
+            "nodes": [e.node_id for e in table],
+            "gpu_ids": [e.gpu_ids[0] if e.gpu_ids else None for e in table],
         }
     except PlacementError as e:
         result = {"error": str(e)}

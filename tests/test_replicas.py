@@ -3,6 +3,7 @@ two gloo ranks the transfer from a replica and the digests that show the replica
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -56,7 +57,7 @@ def test_the_plan_says_which_lost_hosts_a_layout_survives_without_a_checkpoint()
     assert [line.endswith("the step in flight") for line in lines[1:]] == [True, True]  # a replica per host
     # dp_shard outermost of the two would put a shard's both copies on one host: then a host is not survivable.
     across = layout_of(pp=1, dp_replicate=2, dp_shard=2, tp=1)
-    lines = survivable(across, [dict(e, rank=r) for r, e in zip([0, 2, 1, 3], two_hosts, strict=True)])
+    lines = survivable(across, [replace(e, rank=r) for r, e in zip([0, 2, 1, 3], two_hosts, strict=True)])
     assert all(line.endswith("a restart from the last checkpoint") for line in lines[1:])
     assert "no data-parallel replica" in survivable(layout_of(pp=1, dp_replicate=1, dp_shard=4, tp=1), two_hosts)[0]
 

@@ -1,4 +1,5 @@
-"""Where workers go: the group's shape, the rank order over nodes, and whether it fits.
+"""Where workers go: the group's shape, where each started worker runs, the rank order over nodes (the rank
+table), and whether it fits.
 
 Placement is in blocks of node_group workers (one placement-group bundle each), so a block, a
 tensor-parallel group, is never split across nodes.
@@ -12,6 +13,8 @@ from dataclasses import dataclass, field
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
+
+from distrain.cluster.places import RankPlace, WorkerPlace
 
 
 class PlacementError(RuntimeError):
@@ -55,43 +58,44 @@ class GroupSpec:
         return [self.bundle()] * (self.num_workers // self.node_group) + [self.worker_resources()] * self.spares
 
 
-def rank_table(infos: list[dict], node_group: int = 1) -> list[dict]:
+def rank_table(places: list[WorkerPlace], node_group: int = 1) -> list[RankPlace]:
     """Ranks in (node IP, node, GPU) order, so neighbouring ranks share a node and a node's GPUs
-    are in order; each entry gets rank, local_rank, node_rank and its index in `infos`.
+    are in order; each row gets rank, local_rank, node_rank and its index in `places`.
 
     When every node holds a multiple of node_group workers, this order keeps each block of
     node_group consecutive ranks on one node; otherwise no order can, and PlacementError says so.
     """
 
     def key(i: int) -> tuple:
-        info = infos[i]
-        return (ipaddress.ip_address(info["node_ip"]), info["node_id"], info["gpu_ids"], i)
+        place = places[i]
+        return (ipaddress.ip_address(place.node_ip), place.node_id, place.gpu_ids, i)
 
-    table = [{**infos[i], "rank": rank, "worker_index": i} for rank, i in enumerate(sorted(range(len(infos)), key=key))]
+    order = sorted(range(len(places)), key=key)
+    table = [RankPlace(**vars(places[i]), rank=rank, worker_index=i) for rank, i in enumerate(order)]
     number_nodes(table)
     check_blocks(table, node_group)
     return table
 
 
-def number_nodes(table: list[dict]) -> None:
+def number_nodes(table: list[RankPlace]) -> None:
     """Set node_rank (nodes in order of their first rank), local_rank (the worker's place among its
     node's workers in GPU-id order, which CUDA_VISIBLE_DEVICES follows) and local_world_size on
     every entry, in place: also after one rank was replaced on another node or GPU."""
-    nodes: dict[str, list[dict]] = {}
-    for entry in table:
-        nodes.setdefault(entry["node_id"], []).append(entry)
+    nodes: dict[str, list[RankPlace]] = {}
+    for row in table:
+        nodes.setdefault(row.node_id, []).append(row)
     for node_rank, members in enumerate(nodes.values()):
-        for local_rank, entry in enumerate(sorted(members, key=lambda e: (e["gpu_ids"], e["rank"]))):
-            entry.update(node_rank=node_rank, local_rank=local_rank, local_world_size=len(members))
+        for local_rank, row in enumerate(sorted(members, key=lambda e: (e.gpu_ids, e.rank))):
+            row.node_rank, row.local_rank, row.local_world_size = node_rank, local_rank, len(members)
 
 
-def check_blocks(table: list[dict], node_group: int) -> None:
+def check_blocks(table: list[RankPlace], node_group: int) -> None:
     """Raise PlacementError if some block of node_group consecutive ranks spans nodes: its
     tensor-parallel collectives would run over the network, silently and slowly."""
     for start in range(0, len(table), node_group):
         block = table[start : start + node_group]
-        if len({e["node_id"] for e in block}) > 1:
-            per_node = Counter(f"{e['node_ip']}/{e['node_id'][:8]}" for e in table)
+        if len({e.node_id for e in block}) > 1:
+            per_node = Counter(f"{e.node_ip}/{e.node_id[:8]}" for e in table)
             raise PlacementError(
                 f"ranks {start}-{start + len(block) - 1} must share a node (node_group={node_group}) but do not; "
                 f"workers per node {dict(per_node)} must each be a multiple of {node_group}"

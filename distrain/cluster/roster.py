@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from dataclasses import asdict
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError
@@ -25,6 +26,7 @@ from distrain.cluster.placement import (
     number_nodes,
     rank_table,
 )
+from distrain.cluster.places import RankPlace, WorkerPlace
 from distrain.cluster.worker import RemoteWorker
 
 
@@ -34,14 +36,14 @@ class Roster:
         self.pg = None
         self.job = ray.get_runtime_context().get_job_id()
         self.workers: list = []  # in rank order once started
-        self.table: list[dict] = []
+        self.table: list[RankPlace] = []
         self.spares: list[warm.Spare] = []
         self.free_bundles: list[int] = []  # spare bundles whose spare took a rank, and dead ranks' slots
         self.reserved_at: float | None = None  # when its start found its placement group ready
 
     # -- starting -------------------------------------------------------------------------------
 
-    def start(self, patient: bool = False) -> list[dict]:
+    def start(self, patient: bool = False) -> list[RankPlace]:
         """Reserve one bundle per block of node_group workers (and one per spare), start the actors,
         then rank them by where they landed; on any failure remove what was reserved and started. A
         group the alive nodes could never hold fails at once, unless `patient` (waiting for nodes to
@@ -52,7 +54,7 @@ class Roster:
             self.shutdown()
             raise
 
-    def _start(self, patient: bool) -> list[dict]:
+    def _start(self, patient: bool) -> list[RankPlace]:
         s = self.spec
         bundle, blocks = s.bundle(), s.num_workers // s.node_group
         what = f"{s.num_workers} workers" + (f" in blocks of {s.node_group} per node" if s.node_group > 1 else "")
@@ -80,13 +82,13 @@ class Roster:
         self.free_bundles = [blocks + i for i in range(s.spares)]  # spares start once a step is done: `restock`
         return self._rank(actors, self._started(actors, of_rank))
 
-    def _started(self, actors: list, bundles: list[int]) -> list[dict]:
+    def _started(self, actors: list, bundles: list[int]) -> list[WorkerPlace]:
         """Where each new actor runs, once it has started (slow: a process, perhaps a runtime env)."""
         try:
             infos = ray.get([w.node_info.remote() for w in actors], timeout=self.spec.start_timeout_s)
         except (GetTimeoutError, RayActorError) as e:  # its node died between reservation and start
             raise PlacementError(f"{len(actors)} workers were placed but did not start: {first_line(e)}") from e
-        return [dict(info, bundle=bundle) for info, bundle in zip(infos, bundles, strict=True)]
+        return [WorkerPlace(**info, bundle=bundle) for info, bundle in zip(infos, bundles, strict=True)]
 
     def _actor(self, bundle: int):
         s = self.spec
@@ -97,20 +99,20 @@ class Roster:
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle),
         ).remote()
 
-    def _rank(self, actors: list, infos: list[dict]) -> list[dict]:
-        """Order the actors by where they landed (rank_table); each info names its bundle."""
-        self.table = rank_table(infos, self.spec.node_group)
-        self.workers = [actors[entry["worker_index"]] for entry in self.table]
+    def _rank(self, actors: list, places: list[WorkerPlace]) -> list[RankPlace]:
+        """Order the actors by where they landed (rank_table)."""
+        self.table = rank_table(places, self.spec.node_group)
+        self.workers = [actors[row.worker_index] for row in self.table]
         return self.table
 
     def placement(self) -> list[dict]:
-        """Where the ranks run, then the spares that are warm: for the run directory's placement files."""
-        spares = [{"spare": i, **info} for i, sp in enumerate(self.spares) if (info := sp.info()) is not None]
-        return [*self.table, *spares]
+        """Where the ranks run, then the spares that are warm: the rows of the run directory's placement files."""
+        spares = [{"spare": i, **asdict(place)} for i, sp in enumerate(self.spares) if (place := sp.info()) is not None]
+        return [*map(asdict, self.table), *spares]
 
     # -- refilling ------------------------------------------------------------------------------
 
-    def refill(self, lost: list[int]) -> list[dict]:
+    def refill(self, lost: list[int]) -> list[RankPlace]:
         """Put workers in place of the ranks `lost` (their workers let go), hot spares first, each under the rank
         it takes: the kept workers keep theirs. (A process whose rank changes between two process groups trips
         torch's device-mesh caches: its new mesh's collectives resolve to the old group names, "Could not
@@ -122,7 +124,7 @@ class Roster:
         check_blocks(self.table, self.spec.node_group)
         return self.table
 
-    def replace(self, rank: int) -> dict:
+    def replace(self, rank: int) -> RankPlace:
         """Kill the actor of `rank` and put another (a hot spare if one is warm) under the same rank."""
         ray.kill(self.workers[rank], no_restart=True)
         self._fill([rank])
@@ -133,22 +135,22 @@ class Roster:
         its block must share one), else a new actor in the rank's bundle; the table updated where they run."""
         new = []
         for rank in ranks:
-            entry = self.table[rank]
-            taken = warm.take_spare(self.spares, entry["node_id"] if self.spec.node_group > 1 else None)
+            row = self.table[rank]
+            taken = warm.take_spare(self.spares, row.node_id if self.spec.node_group > 1 else None)
             if taken is None:
                 new.append(rank)
                 continue
-            spare, info = taken
-            self.workers[rank], self.table[rank] = spare.actor, {**entry, **info}
-            self.free_bundles.append(entry["bundle"])  # where the next spare goes
+            spare, place = taken
+            self.workers[rank], self.table[rank] = spare.actor, row.moved_to(place)
+            self.free_bundles.append(row.bundle)  # where the next spare goes
         if new:
-            bundles = [self.table[r]["bundle"] for r in new]
-            actors, infos = self._start_in(bundles, f"could not restart {len(new)} workers")
-            for rank, actor, info in zip(new, actors, infos, strict=True):
-                self.workers[rank], self.table[rank] = actor, {**self.table[rank], **info}
+            bundles = [self.table[r].bundle for r in new]
+            actors, places = self._start_in(bundles, f"could not restart {len(new)} workers")
+            for rank, actor, place in zip(new, actors, places, strict=True):
+                self.workers[rank], self.table[rank] = actor, self.table[rank].moved_to(place)
         number_nodes(self.table)  # they may have come up on other nodes or GPUs
 
-    def _start_in(self, bundles: list[int], what: str) -> tuple[list, list[dict]]:
+    def _start_in(self, bundles: list[int], what: str) -> tuple[list, list[WorkerPlace]]:
         """New actors in `bundles` of the placement group, started, and where they run. A node that has just
         died still holds its bundles until Ray marks it dead (its heartbeats missed, seconds later): actors
         placed there meanwhile are cancelled. Then once the group is whole again they are placed anew, within

@@ -186,7 +186,7 @@ class Supervisor:
         if self.stop_requested_at:
             return self._stopping(s)
         if time.monotonic() >= s.next_node_check:
-            move = self.scaling.decide({e["node_id"] for e in self.group.table}, s.attempt.world_size)
+            move = self.scaling.decide({e.node_id for e in self.group.table}, s.attempt.world_size)
             if move is not None:
                 self.on_event(move.why)
                 self._ask_to_stop(move.deadline - 1.0)

@@ -12,6 +12,7 @@ from typing import Any, Protocol
 import ray
 from ray.exceptions import RayError
 
+from distrain.cluster.places import WorkerPlace
 from distrain.cluster.worker import Fn
 
 WarmUp = tuple[Fn, tuple]  # what a spare runs while it waits: fn(*args)
@@ -25,13 +26,13 @@ class Spare:
     bundle: int
     ready: ray.ObjectRef
 
-    def info(self) -> dict | None:
+    def info(self) -> WorkerPlace | None:
         """Where it runs, once warm; None while it is still warming up or if it died."""
         done, _ = ray.wait([self.ready], timeout=0)
         if not done:
             return None
         try:
-            return {**ray.get(self.ready), "bundle": self.bundle}
+            return WorkerPlace(**ray.get(self.ready), bundle=self.bundle)
         except RayError:
             return None
 
@@ -46,18 +47,18 @@ def _nothing() -> None:
     pass
 
 
-def take_spare(spares: list[Spare], node_id: str | None) -> tuple[Spare, dict] | None:
+def take_spare(spares: list[Spare], node_id: str | None) -> tuple[Spare, WorkerPlace] | None:
     """A warm spare (on `node_id` if given: a rank whose block must stay on one node), removed
     from `spares`; None if there is none. Dead spares are dropped."""
     for spare in list(spares):
-        info = spare.info()
-        if info is None and ray.wait([spare.ready], timeout=0)[0]:  # it finished warming, then failed
+        place = spare.info()
+        if place is None and ray.wait([spare.ready], timeout=0)[0]:  # it finished warming, then failed
             spares.remove(spare)
             ray.kill(spare.actor, no_restart=True)
             continue
-        if info is not None and (node_id is None or info["node_id"] == node_id):
+        if place is not None and (node_id is None or place.node_id == node_id):
             spares.remove(spare)
-            return spare, info
+            return spare, place
     return None
 
 

@@ -15,6 +15,7 @@ from distrain.channel import Progress
 from distrain.cluster import kill, warm
 from distrain.cluster.attempt import first_line
 from distrain.cluster.placement import GroupSpec, WorkerFailure
+from distrain.cluster.places import RankPlace
 from distrain.cluster.roster import Roster
 from distrain.cluster.worker import Fn
 
@@ -41,7 +42,7 @@ class WorkerGroup:
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
 
-    def start(self, patient: bool = False) -> list[dict]:
+    def start(self, patient: bool = False) -> list[RankPlace]:
         """Start the roster (Roster.start), or take the roster of the same spec an earlier run of this driver
         kept (`release`). The rank table."""
         kept = warm.reuse(self.spec)
@@ -58,7 +59,7 @@ class WorkerGroup:
         return self.roster.workers
 
     @property
-    def table(self) -> list[dict]:
+    def table(self) -> list[RankPlace]:
         """Where each rank runs (placement.rank_table), in rank order."""
         return self.roster.table
 
@@ -76,24 +77,24 @@ class WorkerGroup:
         variables the spec forwards."""
         master = self.table[0]
         envs = []
-        for entry in self.table:
-            interface = {"GLOO_SOCKET_IFNAME": entry["interface"], "NCCL_SOCKET_IFNAME": entry["interface"]}
+        for row in self.table:
+            interface = {"GLOO_SOCKET_IFNAME": row.interface, "NCCL_SOCKET_IFNAME": row.interface}
             env = {
-                **(interface if entry.get("interface") else {}),
-                "RANK": entry["rank"],
-                "LOCAL_RANK": entry["local_rank"],
+                **(interface if row.interface else {}),
+                "RANK": row.rank,
+                "LOCAL_RANK": row.local_rank,
                 "WORLD_SIZE": len(self.table),
-                "LOCAL_WORLD_SIZE": entry["local_world_size"],
-                "NODE_RANK": entry["node_rank"],
-                "GROUP_RANK": entry["node_rank"],
-                "MASTER_ADDR": master["node_ip"],
+                "LOCAL_WORLD_SIZE": row.local_world_size,
+                "NODE_RANK": row.node_rank,
+                "GROUP_RANK": row.node_rank,
+                "MASTER_ADDR": master.node_ip,
                 "MASTER_PORT": port,
                 "OMP_NUM_THREADS": self.spec.threads_per_worker,
                 # Every rank on a node sees all of the group's GPUs there (as under torchrun), so
                 # NCCL can use peer-to-peer links; LOCAL_RANK indexes them, in GPU-id order. A CPU
                 # worker sees none: Ray no longer hides a GPU machine's GPUs from num_gpus=0 actors.
                 "CUDA_VISIBLE_DEVICES": ",".join(
-                    map(str, sorted(g for e in self.table if e["node_id"] == entry["node_id"] for g in e["gpu_ids"]))
+                    map(str, sorted(g for e in self.table if e.node_id == row.node_id for g in e.gpu_ids))
                 ),
                 **dict(self.spec.env),
             }
@@ -141,14 +142,14 @@ class WorkerGroup:
         """Where the ranks met, and each host's address and the interface its ranks were given: what a
         process group that cannot form must tell the user."""
         named = dict(self.spec.env).get("GLOO_SOCKET_IFNAME")
-        hosts = {e["node_ip"]: named or e.get("interface") or "no interface found" for e in self.table}
-        return f"rendezvous {self.table[0]['node_ip']}:{self.port}, " + ", ".join(
+        hosts = {e.node_ip: named or e.interface or "no interface found" for e in self.table}
+        return f"rendezvous {self.table[0].node_ip}:{self.port}, " + ", ".join(
             f"{ip} via {interface}" for ip, interface in hosts.items()
         )
 
     def who(self, rank: int) -> str:
-        entry = self.table[rank]
-        return f"rank {rank} (pid {entry['pid']} on {entry['node_ip']})"
+        row = self.table[rank]
+        return f"rank {rank} (pid {row.pid} on {row.node_ip})"
 
     def poll(self, timeout_s: float) -> list[tuple[int, Any, RayError | None]]:
         """(rank, result, error) of every call that ended, waiting up to timeout_s for the first.
@@ -269,14 +270,14 @@ class WorkerGroup:
                 alive = False
             if not alive:
                 self.returned.discard(rank)
-        kill.end([self.workers[e["rank"]] for e in self.table if e["rank"] not in self.returned])  # dead on return
+        kill.end([self.workers[e.rank] for e in self.table if e.rank not in self.returned])  # dead on return
 
-    def refill(self) -> list[dict]:
+    def refill(self) -> list[RankPlace]:
         """Workers in place of those `release_unhealthy` let go (Roster.refill); the rank table."""
         self.calls = {}
-        return self.roster.refill([entry["rank"] for entry in self.table if entry["rank"] not in self.returned])
+        return self.roster.refill([row.rank for row in self.table if row.rank not in self.returned])
 
-    def replace(self, rank: int) -> dict:
+    def replace(self, rank: int) -> RankPlace:
         """Kill the actor of `rank` and put another (a hot spare if one is warm) under the same rank:
         for work that goes on without it meanwhile (a parameter server's other workers)."""
         self.calls = {ref: r for ref, r in self.calls.items() if r != rank}

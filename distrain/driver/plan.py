@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from distrain.cluster.places import RankPlace
 from distrain.config import TrainConfig, resolve_precision
 from distrain.driver.survival import survivable
 from distrain.model.size import num_params, parts
@@ -120,7 +121,7 @@ def _group(ranks: list[int]) -> str:
     return "[" + ",".join(map(str, ranks)) + "]"
 
 
-def mesh_lines(layout: Layout, table: list[dict] | None) -> list[str]:
+def mesh_lines(layout: Layout, table: list[RankPlace] | None) -> list[str]:
     """One row per rank: the worker (index in the placement group, pid), its node, its GPU, its coordinate;
     without a table (not placed), its coordinate only."""
     if table is None:
@@ -129,11 +130,9 @@ def mesh_lines(layout: Layout, table: list[dict] | None) -> list[str]:
     else:
         rows = [("rank", "worker", "pid", "node (ip #rank)", "device", *MESH_DIMS)]
     for e in table or []:
-        device = "GPU " + ",".join(map(str, e["gpu_ids"])) if e["gpu_ids"] else "cpu"
-        coord = layout.coordinate(e["rank"])
-        rows.append(
-            (e["rank"], e["worker_index"], e["pid"], f"{e['node_ip']} #{e['node_rank']}", device, *coord.values())
-        )
+        device = "GPU " + ",".join(map(str, e.gpu_ids)) if e.gpu_ids else "cpu"
+        coord = layout.coordinate(e.rank)
+        rows.append((e.rank, e.worker_index, e.pid, f"{e.node_ip} #{e.node_rank}", device, *coord.values()))
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
     return ["  " + "  ".join(str(v).ljust(w) for v, w in zip(row, widths, strict=True)).rstrip() for row in rows]
 
@@ -206,7 +205,7 @@ def server_lines(cfg: TrainConfig) -> list[str]:
 def describe(
     cfg: TrainConfig,
     layout: Layout,
-    table: list[dict] | None,
+    table: list[RankPlace] | None,
     gpu: bool | None = None,
     unplaced: str = "",
     checked: str = "",
@@ -215,9 +214,9 @@ def describe(
     placed (`unplaced`: where the ranks would run; `gpu`: whether they get GPUs, else whether the table's have).
     `checked`: what the memory check would do with the run."""
     s = cfg.strategy
-    gpu = any(e["gpu_ids"] for e in table or []) if gpu is None else gpu
+    gpu = any(e.gpu_ids for e in table or []) if gpu is None else gpu
     precision = resolve_precision(cfg.trainer.precision, gpu)
-    nodes = len({e["node_id"] for e in table or []})
+    nodes = len({e.node_id for e in table or []})
     placed = "not placed" if table is None else f"on {nodes} node{'s' * (nodes > 1)}"
     where = f"{layout.world_size} ranks {placed}, {'GPU' if gpu else 'CPU'}, {precision}"
     shape = " × ".join(f"{d}={v}" for d, v in layout.mesh_sizes().items())

@@ -3,10 +3,11 @@ memory (the recovery itself: driver/collective.py and train/state.py), and which
 
 from __future__ import annotations
 
+from distrain.cluster.places import RankPlace
 from distrain.strategy.layout import Layout
 
 
-def survivable(layout: Layout, table: list[dict], peer_recovery: bool = True) -> list[str]:
+def survivable(layout: Layout, table: list[RankPlace], peer_recovery: bool = True) -> list[str]:
     """For `--plan`: which failures of this layout on these placed workers (`table`, in rank order) cost only
     the step in flight, and which a restart from the checkpoint."""
     if not peer_recovery:
@@ -25,12 +26,12 @@ def survivable(layout: Layout, table: list[dict], peer_recovery: bool = True) ->
     ]
     nodes: dict[str, list[int]] = {}
     for entry in table:
-        nodes.setdefault(entry["node_id"], []).append(entry["rank"])
+        nodes.setdefault(entry.node_id, []).append(entry.rank)
     if len(nodes) > 1:
         for node, ranks in nodes.items():
             left = set(range(layout.world_size)) - set(ranks)
             whole = all(set(group) & left for group in copies)
-            ip = next(e["node_ip"] for e in table if e["node_id"] == node)
+            ip = next(e.node_ip for e in table if e.node_id == node)
             lines.append(
                 f"  node {ip} lost ({_ranks(sorted(ranks))}): "
                 + ("the step in flight" if whole else "a restart from the last checkpoint")
