@@ -263,7 +263,7 @@ MUTANTS = (
     ),
     Mutant(
         "a-failure-record-let-go-at-a-stop",
-        "distrain/driver/launch.py",
+        "distrain/cluster/history.py",
         "return not any(a.progressed or a.outcome in (Outcome.FAILED, Outcome.HUNG) for a in attempts)",
         "return not any(a.progressed for a in attempts)",
         ("tests/test_driver.py::test_a_stop_leaves_a_record_once_a_step_was_trained_or_an_attempt_failed",),

@@ -101,7 +101,7 @@ def test_a_stop_leaves_a_record_once_a_step_was_trained_or_an_attempt_failed():
     from types import SimpleNamespace
 
     from distrain.cluster.attempt import Outcome
-    from distrain.driver.launch import nothing_happened
+    from distrain.cluster.history import nothing_happened
 
     def attempt(progressed: bool, outcome: Outcome) -> SimpleNamespace:
         return SimpleNamespace(progressed=progressed, outcome=outcome)

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-from distrain.cluster.attempt import Attempt, Outcome
+from distrain.cluster.history import nothing_happened
 from distrain.cluster.placement import GroupSpec
 from distrain.cluster.policy import failure_policy, policy_class
 from distrain.cluster.resources import embedded_resources
@@ -132,12 +132,12 @@ def train(
         stop.forward_to(supervisor.request_stop, progress.message)
         try:
             finished = stop.guard(supervisor.run)
-            if finished.stopped and nothing_happened(supervisor.attempts):
+            if finished.stopped and nothing_happened(supervisor.history.attempts):
                 raise StoppedBeforeStart(stop.received[0])
             stopped = finished.stopped
             summary.update(finished.results or _from_metrics(run_dir), status="stopped" if stopped else "completed")
         except Stopped as e:  # at once: nothing to save yet, a second signal, a restart's back-off
-            if nothing_happened(supervisor.attempts):
+            if nothing_happened(supervisor.history.attempts):
                 summary = None  # nothing trained or failed: nothing recorded (rerun.claimed empties a new directory)
                 raise StoppedBeforeStart(e.signum) from None
             summary.update(_from_metrics(run_dir), status="stopped")
@@ -148,20 +148,12 @@ def train(
             stop.forward_to(lambda: True)  # the run has ended: a first signal now lets its record be written
             progress.close()
             if summary is not None:
-                summary["attempts"] = [a.record() for a in supervisor.attempts]
-                summary["replacements"] = supervisor.replacements
-                summary["restarts"] = supervisor.restarts
-                summary["steps_executed"] = sum(a.steps_run for a in supervisor.attempts)
+                summary.update(supervisor.history.summary())
                 summary["wall_s"] = time.time() - started
                 if summary["status"] == "stopped" and stop.received:
                     summary["stop_signal"] = stop.received[0]
                 write_summary(str(run_dir), summary)
     return summary
-
-
-def nothing_happened(attempts: list[Attempt]) -> bool:
-    """Whether no attempt trained a step or ended in a failure: a stop then leaves no record (a failure's is kept)."""
-    return not any(a.progressed or a.outcome in (Outcome.FAILED, Outcome.HUNG) for a in attempts)
 
 
 def resolved(given: TrainConfig) -> tuple[TrainConfig, Layout]:
