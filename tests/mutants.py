@@ -270,7 +270,7 @@ MUTANTS = (
     ),
     Mutant(
         "local-asked-attaches",
-        "distrain/driver/launch.py",
+        "distrain/driver/workers.py",
         'connect("local", c.local_cpus, c.local_gpus, say=say)',
         "connect(None, c.local_cpus, c.local_gpus, say=say)",
         ("tests/test_cli.py::test_a_sweep_trains_each_point_as_its_own_run",),

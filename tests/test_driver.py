@@ -13,9 +13,10 @@ import pytest
 from conftest import make_config
 
 from distrain.config import ConfigError, OptimConfig, to_plain
-from distrain.driver.launch import group_spec, resolved, train
+from distrain.driver.launch import resolved, train
 from distrain.driver.rerun import check_resumable
 from distrain.driver.validation import validate
+from distrain.driver.workers import group_spec
 from distrain.storage.fsutil import LockedError, exclusive_lock
 from distrain.train.optim import lr_at
 
