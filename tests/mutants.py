@@ -263,14 +263,14 @@ MUTANTS = (
     ),
     Mutant(
         "a-failure-record-let-go-at-a-stop",
-        "distrain/driver/launch.py",
+        "distrain/cluster/history.py",
         "return not any(a.progressed or a.outcome in (Outcome.FAILED, Outcome.HUNG) for a in attempts)",
         "return not any(a.progressed for a in attempts)",
         ("tests/test_driver.py::test_a_stop_leaves_a_record_once_a_step_was_trained_or_an_attempt_failed",),
     ),
     Mutant(
         "local-asked-attaches",
-        "distrain/driver/launch.py",
+        "distrain/driver/workers.py",
         'connect("local", c.local_cpus, c.local_gpus, say=say)',
         "connect(None, c.local_cpus, c.local_gpus, say=say)",
         ("tests/test_cli.py::test_a_sweep_trains_each_point_as_its_own_run",),

@@ -19,7 +19,7 @@ from distrain.cluster.placement import GroupSpec, PlacementError, WorkerFailure,
 from distrain.cluster.places import WorkerPlace
 from distrain.cluster.runtime import CapacityError, check_capacity
 from distrain.cluster.worker_group import WorkerGroup
-from distrain.driver.launch import worker_env
+from distrain.driver.workers import worker_env
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests/
 

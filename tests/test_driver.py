@@ -13,9 +13,10 @@ import pytest
 from conftest import make_config
 
 from distrain.config import ConfigError, OptimConfig, to_plain
-from distrain.driver.launch import group_spec, resolved, train
+from distrain.driver.launch import resolved, train
 from distrain.driver.rerun import check_resumable
 from distrain.driver.validation import validate
+from distrain.driver.workers import group_spec
 from distrain.storage.fsutil import LockedError, exclusive_lock
 from distrain.train.optim import lr_at
 
@@ -101,7 +102,7 @@ def test_a_stop_leaves_a_record_once_a_step_was_trained_or_an_attempt_failed():
     from types import SimpleNamespace
 
     from distrain.cluster.attempt import Outcome
-    from distrain.driver.launch import nothing_happened
+    from distrain.cluster.history import nothing_happened
 
     def attempt(progressed: bool, outcome: Outcome) -> SimpleNamespace:
         return SimpleNamespace(progressed=progressed, outcome=outcome)

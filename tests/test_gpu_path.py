@@ -274,8 +274,8 @@ def test_the_collective_timeout_must_be_positive(tmp_path: Path):
 
 @pytest.mark.usefixtures("ray_cluster")
 def test_auto_says_it_chose_cpus_on_a_cluster_without_gpus(tmp_path: Path):
-    from distrain.driver.launch import group_spec
     from distrain.driver.validation import validate
+    from distrain.driver.workers import group_spec
 
     cfg = make_config(tmp_path, "cluster.use_gpu=null")
     said: list[str] = []
@@ -287,8 +287,8 @@ def test_auto_says_it_chose_cpus_on_a_cluster_without_gpus(tmp_path: Path):
 def test_auto_says_its_choice_once_for_every_run_of_a_sweep(tmp_path: Path, monkeypatch):
     """Each point of a sweep checks its run as it starts: the same devices on the same cluster, said at the first."""
     from distrain.driver import console
-    from distrain.driver.launch import placeable_spec
     from distrain.driver.validation import validate
+    from distrain.driver.workers import placeable_spec
 
     monkeypatch.setattr(console, "SAID", set())  # what this process said before (other tests) aside
     said: list[str] = []
@@ -304,8 +304,8 @@ def test_use_gpu_true_waits_for_gpus_then_fails_in_one_line(tmp_path: Path):
     from ray.util.placement_group import placement_group_table
 
     from distrain.cluster.runtime import CapacityError
-    from distrain.driver.launch import placeable_spec
     from distrain.driver.validation import validate
+    from distrain.driver.workers import placeable_spec
 
     # Attached (an embedded cluster has no autoscaler, so it is refused at once: test_config's bad input)
     address = ray.get_runtime_context().gcs_address

@@ -21,8 +21,9 @@ import pytest
 from conftest import REPO, TINY, make_config
 
 from distrain.config import ClusterConfig, ConfigError, recorded
-from distrain.driver.launch import _previous_summaries, train, worker_env
+from distrain.driver.launch import _previous_summaries, train
 from distrain.driver.objectrun import check_run_url, on_store
+from distrain.driver.workers import worker_env
 from distrain.storage.fsutil import LockedError
 from distrain.storage.objectstore import Store, quick_options
 from distrain.storage.record import LOCK_OBJECT, RecordSync, record_sync, store_lock

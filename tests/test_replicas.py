@@ -1,5 +1,6 @@
-"""Recovery from live replicas without Ray (issue 34): the driver's plan of who sends each rank its state, and on
-two gloo ranks the transfer from a replica and the digests that show the replicas equal, made to differ by one bit."""
+"""Recovery from live replicas without Ray (issue 34): the driver's start from replicas (who sends each rank its
+state), and on two gloo ranks the transfer from a replica and the digests that show the replicas equal, made to
+differ by one bit."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 import torch.multiprocessing as mp
 from conftest import fake_table, free_port, rank_env
 
-from distrain.driver.collective import replicas_plan
+from distrain.driver.collective import start_from_replicas
 from distrain.driver.survival import survivable
 from distrain.strategy.resolve import layout_of
 
@@ -22,17 +23,17 @@ def offer(rank: int, step: int = 9, run: str = "r", world: int = 4) -> dict:
     return {"run": run, "rank": rank, "world": world, "step": step, "lines": {}}
 
 
-def test_the_plan_takes_each_rank_from_itself_or_a_replica_of_its_shard_at_the_newest_step():
-    plan, why = replicas_plan(HSDP, {0: offer(0), 2: offer(2), 3: offer(3)}, "r", 1)
-    assert plan.sources == (0, 3, 2, 3) and plan.step == 9  # rank 1's shard from rank 3, the others their own
+def test_a_start_from_replicas_takes_each_rank_from_itself_or_a_replica_of_its_shard_at_the_newest_step():
+    start, why = start_from_replicas(HSDP, {0: offer(0), 2: offer(2), 3: offer(3)}, "r", 1)
+    assert start.sources == (0, 3, 2, 3) and start.step == 9  # rank 1's shard from rank 3, the others their own
     assert "rank 1 from rank 3" in why and "no checkpoint read" in why
     # A survivor behind the others (its update of step 9 never finished) takes the newer state too.
-    plan, _ = replicas_plan(HSDP, {0: offer(0), 1: offer(1, step=8), 2: offer(2), 3: offer(3)}, "r", 1)
-    assert plan.sources == (0, 3, 2, 3)
+    start, _ = start_from_replicas(HSDP, {0: offer(0), 1: offer(1, step=8), 2: offer(2), 3: offer(3)}, "r", 1)
+    assert start.sources == (0, 3, 2, 3)
     # Sending is spread: in DDP over 4, two replacements take theirs from two different survivors.
     ddp = layout_of(pp=1, dp_replicate=4, dp_shard=1, tp=1)
-    plan, _ = replicas_plan(ddp, {0: offer(0), 3: offer(3)}, "r", 1)
-    assert plan.sources[0] == 0 and plan.sources[3] == 3 and sorted(plan.sources[1:3]) == [0, 3]
+    start, _ = start_from_replicas(ddp, {0: offer(0), 3: offer(3)}, "r", 1)
+    assert start.sources[0] == 0 and start.sources[3] == 3 and sorted(start.sources[1:3]) == [0, 3]
 
 
 @pytest.mark.parametrize(
@@ -45,9 +46,9 @@ def test_the_plan_takes_each_rank_from_itself_or_a_replica_of_its_shard_at_the_n
     ],
     ids=["every copy of a shard lost", "a copy behind", "another run's workers", "another world size"],
 )
-def test_no_plan_without_every_shard_at_one_step_of_this_run(kept: dict, said: str):
-    plan, why = replicas_plan(HSDP, kept, "r", 1)
-    assert plan is None and said in why
+def test_no_start_from_replicas_without_every_shard_at_one_step_of_this_run(kept: dict, said: str):
+    start, why = start_from_replicas(HSDP, kept, "r", 1)
+    assert start is None and said in why
 
 
 def test_the_plan_says_which_lost_hosts_a_layout_survives_without_a_checkpoint():
@@ -80,7 +81,7 @@ def flip_one_bit(t: torch.Tensor) -> None:
 
 
 def rank_main(rank: int, port: int, out: str) -> None:
-    """Rank 0 holds its state in memory from a failed attempt, rank 1 is its replacement: the plan names rank 0
+    """Rank 0 holds its state in memory from a failed attempt, rank 1 is its replacement: the start names rank 0
     the source of both. Then the replicas are compared: equal; one bit of one tensor flipped on rank 1; the same
     tensors compared as two shards of their own (each its only replica)."""
     rank_env(rank, 2, port)

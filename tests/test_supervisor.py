@@ -218,7 +218,7 @@ def test_a_rank_that_stops_progressing_is_detected_with_stacks_and_the_run_recov
     sup = supervisor(tmp_path, sleepy_rank)
     results = sup.run().results["ranks"]
     assert [r["attempt"] for r in results] == [2, 2, 2]
-    first, second = sup.attempts
+    first, second = sup.history.attempts
     assert (first.outcome, second.outcome) == (Outcome.HUNG, Outcome.COMPLETED)
     assert "rank 1 made no progress" in first.cause and "step 3" in first.cause
     # Detected once hang_timeout_s had passed without progress, and not long after.
@@ -250,7 +250,7 @@ def test_healthy_workers_are_kept_under_their_ranks_and_only_the_dead_one_is_rep
     enter = sup._enter
     sup._enter = lambda state: (states.append(type(state)), enter(state))
     results = sup.run().results["ranks"]
-    first, second = sup.attempts
+    first, second = sup.history.attempts
     assert first.outcome == Outcome.FAILED and "rank 1" in first.cause and "ActorDiedError" in first.cause
     before, after = _placement(tmp_path, 1), _placement(tmp_path, 2)
     dead = before[1]["pid"]
@@ -307,7 +307,7 @@ def test_a_hot_spare_takes_the_dead_rank_and_a_new_spare_is_started(tmp_path: Pa
     assert spare[0]["pid"] in ranks_after  # the spare took the dead rank: no new process for it
     assert ranks_after == {r["pid"] for r in results} and before[2]["pid"] not in ranks_after
     # ... and a new spare was started in the bundle the dead worker left.
-    assert len(restocked) == 1 and restocked[0]["pid"] not in ranks_after, (restocked, len(sup.attempts))
+    assert len(restocked) == 1 and restocked[0]["pid"] not in ranks_after, (restocked, len(sup.history.attempts))
 
 
 def dies_the_first_time(attempt: int, folder: str, channel) -> dict:
@@ -325,9 +325,9 @@ def dies_the_first_time(attempt: int, folder: str, channel) -> dict:
 def test_an_engine_that_replaces_workers_keeps_the_others_going(tmp_path: Path):
     sup = supervisor(tmp_path, dies_the_first_time, replaces=True)
     ranks = sup.run().results["ranks"]
-    assert len(sup.attempts) == 1 and sup.attempts[0].outcome == Outcome.COMPLETED  # never restarted
-    (replacement,) = sup.replacements
-    assert replacement["worker"] == 2 and "ActorDiedError" in replacement["cause"] and sup.restarts == 1
+    assert len(sup.history.attempts) == 1 and sup.history.attempts[0].outcome == Outcome.COMPLETED  # never restarted
+    (replacement,) = sup.history.replacements
+    assert replacement["worker"] == 2 and "ActorDiedError" in replacement["cause"] and sup.history.restarts == 1
     first = _placement(tmp_path, 1)  # rewritten with the replacement in rank 2's place
     dead = int((tmp_path / "died").read_text())
     assert [r["pid"] for r in ranks] == [e["pid"] for e in first if "rank" in e] and dead not in [
@@ -369,8 +369,8 @@ def test_failures_seen_together_get_the_strongest_verdict(tmp_path: Path):
     policy = RestartForRankOne(ClusterConfig())
     sup = supervisor(tmp_path, ranks_1_and_2_raise, policy=policy, replaces=True, on_progress=hold_once)
     assert [r["attempt"] for r in sup.run().results["ranks"]] == [2, 2, 2]
-    assert [f.rank for f in sup.failures] == [1, 2] and sup.replacements == []
-    assert "rank 1" in sup.attempts[0].cause  # the failure whose verdict was carried out
+    assert [f.rank for f in sup.history.failures] == [1, 2] and sup.history.replacements == []
+    assert "rank 1" in sup.history.attempts[0].cause  # the failure whose verdict was carried out
 
 
 def same_bug_every_time(attempt: int, folder: str, channel) -> dict:
@@ -394,7 +394,7 @@ def test_a_verdict_decide_cannot_give_is_refused_not_taken_for_a_restart(tmp_pat
     sup = supervisor(tmp_path, same_bug_every_time, policy=ShrinksOnFailure(ClusterConfig()))
     with pytest.raises(TypeError, match="ShrinksOnFailure.decide returned .*SHRINK.*: RESTART, REPLACE or GIVE_UP"):
         sup.run()
-    assert len(sup.attempts) == 1
+    assert len(sup.history.attempts) == 1
 
 
 @pytest.mark.usefixtures("ray_cluster")
@@ -403,7 +403,7 @@ def test_the_same_error_at_the_same_step_twice_fails_fast_with_its_traceback(tmp
     sup = supervisor(tmp_path, same_bug_every_time, policy=default(max_failures=10))
     with pytest.raises(WorkerFailure, match="same error at the same step twice") as info:
         sup.run()
-    assert len(sup.attempts) == 2  # not the ten the budget allows
+    assert len(sup.history.attempts) == 2  # not the ten the budget allows
     message = str(info.value)
     assert "ValueError: bad batch" in message and 'raise ValueError("bad batch")' in message  # the traceback
     assert isinstance(sup.state, Failed)
@@ -423,7 +423,7 @@ def test_the_failure_budget_ends_the_run(tmp_path: Path):
     sup = supervisor(tmp_path, dies_at_a_new_step_each_time, policy=default(max_failures=2))
     with pytest.raises(WorkerFailure, match="failure 3, over cluster.max_failures=2"):
         sup.run()
-    assert [a.outcome for a in sup.attempts] == [Outcome.FAILED] * 3
+    assert [a.outcome for a in sup.history.attempts] == [Outcome.FAILED] * 3
 
 
 def until_stopped(attempt: int, folder: str, channel) -> dict:
@@ -446,7 +446,7 @@ def test_a_stop_request_reaches_every_rank_with_a_deadline(tmp_path: Path):
 
     sup = supervisor(tmp_path, until_stopped, timeouts=replace(FAST, stop_grace_s=7.0), on_progress=stop_after_a_step)
     finished = sup.run()
-    assert [a.outcome for a in sup.attempts] == [Outcome.STOPPED] and finished.stopped
+    assert [a.outcome for a in sup.history.attempts] == [Outcome.STOPPED] and finished.stopped
     deadlines = {r["deadline"] for r in finished.results["ranks"]}
     assert deadlines == {sup.stop_requested_at + 6.0}  # exactly: a second of the grace kept for the driver
 

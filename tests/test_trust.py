@@ -21,8 +21,9 @@ from torch import nn
 
 from distrain.cluster.placement import WorkerFailure
 from distrain.config import to_plain
-from distrain.driver.launch import group_spec, train
+from distrain.driver.launch import train
 from distrain.driver.validation import validate
+from distrain.driver.workers import group_spec
 from distrain.model.llama import Transformer
 from distrain.ps.server import SERVER_FILE, ParameterServer, load_weights
 from distrain.storage import checkpoint, safeload, saver

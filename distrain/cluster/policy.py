@@ -37,6 +37,17 @@ class Verdict:
         return f"{event} ({self.reason})" if self.reason else event
 
 
+@dataclass(frozen=True)
+class Ruling:
+    """What the supervisor carries out for failures seen together: GIVE_UP (the run ends), REPLACE (every failed
+    worker, while the others go on) or RESTART (a new attempt)."""
+
+    decision: Decision
+    failure: Failure  # the one the decision is for: GIVE_UP's, or RESTART's, whose cause the event line names
+    verdict: Verdict
+    verdicts: tuple[tuple[Failure, Verdict], ...]  # each failure judged, in order; GIVE_UP: up to the one that gave up
+
+
 class FailurePolicy(abc.ABC):
     """Decides what each failure of a supervised run means. Built once per run on the run's cluster
     config (max_failures, and whatever else a policy reads), then asked about every failure in the order
@@ -52,6 +63,22 @@ class FailurePolicy(abc.ABC):
         """RESTART, REPLACE or GIVE_UP, given the run's earlier failures (oldest first) and whether its
         engine can replace one worker while the others go on (a parameter server can, a process group
         cannot: it restarts together)."""
+
+    def rule(self, failures: Sequence[Failure], earlier: Sequence[Failure], replaces_workers: bool) -> Ruling:
+        """The verdict on each of failures seen together (each given the run's earlier failures and the ones before
+        it), and the strongest, as the class says: the first GIVE_UP ends the judging."""
+        verdicts: list[tuple[Failure, Verdict]] = []
+        for failure in failures:
+            verdict = self.decide(failure, (*earlier, *(f for f, _ in verdicts)), replaces_workers)
+            if verdict.decision not in (Decision.RESTART, Decision.REPLACE, Decision.GIVE_UP):
+                raise TypeError(f"{type(self).__name__}.decide returned {verdict}: RESTART, REPLACE or GIVE_UP")
+            verdicts.append((failure, verdict))
+            if verdict.decision == Decision.GIVE_UP:
+                return Ruling(Decision.GIVE_UP, failure, verdict, tuple(verdicts))
+        if replaces_workers and all(v.decision == Decision.REPLACE and f.rank is not None for f, v in verdicts):
+            return Ruling(Decision.REPLACE, *verdicts[0], tuple(verdicts))
+        failure, verdict = next(((f, v) for f, v in verdicts if v.decision != Decision.REPLACE), verdicts[0])
+        return Ruling(Decision.RESTART, failure, verdict, tuple(verdicts))
 
     def size(self, full: int, fitting: list[int]) -> Verdict:
         """After the full group could not be placed in time: the largest allowed size the alive

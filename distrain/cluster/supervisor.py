@@ -19,8 +19,9 @@ from dataclasses import replace
 from pathlib import Path
 
 from distrain.channel import Progress
-from distrain.cluster.attempt import Attempt, Failure, FailureKind, Heartbeats, Mark, Outcome, write_placement
+from distrain.cluster.attempt import Attempt, Failure, FailureKind, Heartbeats, Mark, Outcome
 from distrain.cluster.diagnosis import Diagnosis
+from distrain.cluster.history import History
 from distrain.cluster.placement import GroupSpec, PlacementError, WorkerFailure, fitting_sizes
 from distrain.cluster.policy import Decision, FailurePolicy, ScalingPolicy, Verdict
 from distrain.cluster.states import (
@@ -60,22 +61,14 @@ class Supervisor:
         """world_sizes: the sizes the run may use, the one asked for (spec.num_workers) first.
         reuse_workers: keep the group for the next run of this driver when this one ends well."""
         self.spec, self.policy, self.timeouts, self.engine = spec, policy, timeouts, engine
-        self.world_sizes, self.run_dir = list(world_sizes), run_dir
+        self.world_sizes, self.history = list(world_sizes), History(run_dir)
         self.on_progress, self.on_event, self.reuse_workers = on_progress, on_event, reuse_workers
         self.state: State = Placing(since=time.time(), shrink=False)  # a run starts on all its workers
-        self.attempts: list[Attempt] = []
-        self.failures: list[Failure] = []
-        self.replacements: list[dict] = []  # workers replaced while the others went on
         self.stop_requested_at: float | None = None
         self.group: WorkerGroup | None = None
         self.work: Work | None = None  # what the current attempt's ranks run
-        self._placement: list[dict] = []  # as last written to the run directory
         self.diagnosis = Diagnosis(engine, timeouts, run_dir, lambda: self.stop_requested_at, on_progress, on_event)
         self.scaling = ScalingPolicy(spec, self.world_sizes[0], timeouts.setup_timeout_s)
-
-    @property
-    def restarts(self) -> int:
-        return len(self.replacements) + max(len(self.attempts) - 1, 0)
 
     def request_stop(self) -> bool:
         """Ask for a clean stop (SIGTERM, Ctrl-C): the ranks checkpoint if time allows, then return (at once if
@@ -129,14 +122,10 @@ class Supervisor:
                 self.on_event(str(e))
         if table is None:
             table = self._new_group(s)
-        now = time.time()
-        timings = {Mark.SINCE: s.since, Mark.TORN_DOWN: s.torn_down_at, Mark.PLACED: now}
-        if (self.group.reserved_at or 0) >= s.since:  # a group of its own, not refilled or kept
-            timings[Mark.RESERVED] = self.group.reserved_at
-        attempt = Attempt(len(self.attempts) + 1, len(table), {}, timings)
-        self.attempts.append(attempt)
+        attempt = self.history.begin(len(table), s.since, s.torn_down_at, self.group.reserved_at)
         self.work = self.engine.begin(self.group, attempt)
-        timings[Mark.LAUNCHED] = time.time()  # before the calls go: a warm rank may begin before the last is sent
+        # Before the calls go: a warm rank may begin before the last is sent.
+        attempt.timings[Mark.LAUNCHED] = time.time()
         self.group.launch(self.work.fn, *self.work.args)
         if self.work.note:
             self.on_event(self.work.note)
@@ -225,7 +214,7 @@ class Supervisor:
         """A stop was requested: ask every rank (and the engine) to checkpoint and return by the deadline; or,
         while no attempt has made a step (as the ranks say now: polls lag), end the attempt: nothing to save."""
         s.attempt.note(list(self.group.final_progress(timeout_s=self.timeouts.poll_s).values()))  # in rank order
-        if not any(a.progressed for a in self.attempts):
+        if not self.history.progressed:
             s.attempt.end(Outcome.STOPPED)
             return Finished(None, stopped=True)
         deadline = self.stop_requested_at + self.timeouts.stop_grace_s
@@ -259,34 +248,24 @@ class Supervisor:
     # -- Recovering -------------------------------------------------------------------------------
 
     def _recover(self, s: Recovering) -> State:
-        """The policy's verdict on each failure, carried out: the run ends at the first GIVE_UP; the failed
-        workers are replaced when every verdict says REPLACE and the engine can; else a new attempt, which
-        starts from the kept workers' memory when the engine says it holds every shard (no back-off: the
-        failure lost no step), or else from the last checkpoint."""
-        verdicts: list[tuple[Failure, Verdict]] = []
-        for failure in s.failures:
-            verdict = self.policy.decide(failure, tuple(self.failures), self.engine.replaces_workers)
-            if verdict.decision not in (Decision.RESTART, Decision.REPLACE, Decision.GIVE_UP):
-                raise TypeError(f"{type(self.policy).__name__}.decide returned {verdict}: RESTART, REPLACE or GIVE_UP")
-            self.failures.append(failure)
-            if verdict.decision == Decision.GIVE_UP:
-                s.watching.attempt.end(Outcome.HUNG if failure.kind == FailureKind.HUNG else Outcome.FAILED, failure)
-                detail = failure.error and not failure.permanent  # its class's words say it all
-                raise WorkerFailure(f"{verdict.reason}" + (f"\n{failure.error}" if detail else ""))
-            verdicts.append((failure, verdict))
-        if self.engine.replaces_workers and all(
-            v.decision == Decision.REPLACE and f.rank is not None for f, v in verdicts
-        ):
-            for failure, verdict in verdicts:
+        """The failure policy's ruling on the failures, carried out: the run ends on GIVE_UP; the failed workers
+        are replaced on REPLACE; else a new attempt, which starts from the kept workers' memory when the engine
+        says it holds every shard (no back-off: the failure lost no step), or else from the last checkpoint."""
+        ruling = self.policy.rule(s.failures, self.history.failures, self.engine.replaces_workers)
+        self.history.failures.extend(failure for failure, _ in ruling.verdicts)
+        if ruling.decision == Decision.REPLACE:
+            for failure, verdict in ruling.verdicts:
                 self._replace(s.watching, failure, verdict)
             return s.watching
-        failure, verdict = next(((f, v) for f, v in verdicts if v.decision != Decision.REPLACE), verdicts[0])
-        attempt = s.watching.attempt
+        failure, attempt = ruling.failure, s.watching.attempt
         attempt.end(Outcome.HUNG if failure.kind == FailureKind.HUNG else Outcome.FAILED, failure)
+        if ruling.decision == Decision.GIVE_UP:
+            detail = failure.error and not failure.permanent  # its class's words say it all
+            raise WorkerFailure(f"{ruling.verdict.reason}" + (f"\n{failure.error}" if detail else ""))
         self.engine.end()
         if self.stop_requested_at:
             return Finished(None, stopped=True)
-        self.on_event(verdict.noted(f"{failure.cause}; recovering"))
+        self.on_event(ruling.verdict.noted(f"{failure.cause}; recovering"))
         since = attempt.timings[Mark.ENDED]
         shrunk = attempt.world_size < self.world_sizes[0]
         if not shrunk:
@@ -298,7 +277,7 @@ class Supervisor:
                 self.on_event(f"recovering {why}" if replicas else f"restarting from the last checkpoint: {why}")
             if replicas:
                 return Rejoining(since=since, torn_down_at=time.time())
-        self._sleep(self.timeouts.backoff([a.step_reached for a in self.attempts]))
+        self._sleep(self.timeouts.backoff([a.step_reached for a in self.history.attempts]))
         if self.stop_requested_at:
             return Finished(None, stopped=True)
         if shrunk:  # try the full size again
@@ -315,14 +294,10 @@ class Supervisor:
         self.engine.replaced(rank)
         self.group.launch(self.work.fn, *self.work.args, ranks=[rank])
         self._write_placement(watching.attempt)
-        self.replacements.append({"worker": rank, "cause": failure.cause, "at_step": step, "time": failure.at})
+        self.history.replaced(rank, failure, step)
 
     def _write_placement(self, attempt: Attempt) -> None:
-        """Where the attempt's ranks, warm spares and other actors run, whenever that changed."""
-        placement = [*self.group.placement(), *self.work.others]
-        if placement != self._placement:
-            write_placement(self.run_dir, attempt.number, placement)
-            self._placement = placement
+        self.history.place(attempt, [*self.group.placement(), *self.work.others])
 
     def _sleep(self, seconds: float) -> None:
         """Wait, unless a stop request comes meanwhile."""

@@ -25,22 +25,22 @@ OFFER = "distrain.train.replicas:offer"  # what each kept worker is asked: the s
 
 class AllReduceEngine:
     """Every rank runs `train.rank.run_rank` in one process group; a failure restarts the group, on the layout of
-    its size, from where `replicas_plan` or the newest committed checkpoint says."""
+    its size, from where `start_from_replicas` or the newest committed checkpoint says."""
 
     replaces_workers = False
 
     def __init__(self, job: RankJob, layouts: dict[int, Layout]):
         self.job, self.layouts, self.run_dir = job, layouts, Path(job.run_dir)
         self.recoveries = 0  # from replicas, so far
-        self.replicas_offered = False  # from_replicas found every shard held: the next `begin` plans from them
+        self.replicas_offered = False  # from_replicas found every shard held: the next `begin` starts from them
 
     def from_replicas(self, group: WorkerGroup) -> tuple[bool, str]:
         if not self.job.config.cluster.peer_recovery:
             return False, ""
         offers = group.ask(OFFER, sorted(group.returned), timeout_s=2.0)
-        plan, why = replicas_plan(self.layouts[len(group.table)], offers, self.job.run_id, self.recoveries + 1)
-        self.replicas_offered = plan is not None
-        return plan is not None, why
+        start, why = start_from_replicas(self.layouts[len(group.table)], offers, self.job.run_id, self.recoveries + 1)
+        self.replicas_offered = start is not None
+        return start is not None, why
 
     def warm_up(self) -> tuple[str, tuple]:
         return f"{TRAINER}:warm_up", (self.job.config,)
@@ -60,11 +60,11 @@ class AllReduceEngine:
         note = ""
         if self.replicas_offered:  # asked again: the group was refilled and ranked anew
             self.replicas_offered = False
-            plan, why = replicas_plan(layout, group.ask(OFFER), self.job.run_id, self.recoveries + 1)
-            if plan is not None:
+            replicas, why = start_from_replicas(layout, group.ask(OFFER), self.job.run_id, self.recoveries + 1)
+            if replicas is not None:
                 self.recoveries += 1
-                attempt.info.update(resumed_from_step=plan.step, resumed_from="replicas")
-                return plan, ""
+                attempt.info.update(resumed_from_step=replicas.step, resumed_from="replicas")
+                return replicas, ""
             note = f"restarting from the last checkpoint after all: {why}"
         latest, meta = newest_checkpoint(self.job.config, self.run_dir)
         attempt.info["resumed_from_step"] = meta.get("step", 0)
@@ -89,7 +89,7 @@ class AllReduceEngine:
         pass
 
 
-def replicas_plan(
+def start_from_replicas(
     layout: Layout, offers: dict[int, dict | None], run: str, number: int
 ) -> tuple[FromReplicas | None, str]:
     """The start of the next attempt on `layout` from the state the worker at each rank keeps from the failed

@@ -17,23 +17,22 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-from distrain.cluster.attempt import Attempt, Outcome
+from distrain.cluster.history import nothing_happened
 from distrain.cluster.placement import GroupSpec
 from distrain.cluster.policy import failure_policy, policy_class
 from distrain.cluster.resources import embedded_resources
-from distrain.cluster.runtime import check_capacity, connect, gpu_count, wait_for_gpus
 from distrain.cluster.supervisor import Supervisor
 from distrain.cluster.timeouts import Timeouts
 from distrain.cluster.worker_group import WorkerGroup
 from distrain.config import ClusterConfig, ConfigError, TrainConfig, attach_address
 from distrain.driver.collective import AllReduceEngine
-from distrain.driver.console import once
-from distrain.driver.fits import check_fits, verdict
+from distrain.driver.fits import verdict
 from distrain.driver.objectrun import check_run_url
 from distrain.driver.plan import describe
 from distrain.driver.rerun import Found, claimed
 from distrain.driver.stop import Stopped, StoppedBeforeStart, stop_grace_s, stop_signals
 from distrain.driver.validation import validate
+from distrain.driver.workers import placeable_spec
 from distrain.model.hf import resolve_init_from
 from distrain.progress import ProgressLine
 from distrain.storage.tracking import SUMMARY_FILE, read_metrics, wandb_mode, write_summary
@@ -41,59 +40,6 @@ from distrain.storage.urls import is_url
 from distrain.strategy.layout import Layout
 from distrain.strategy.resolve import smaller
 from distrain.train.job import RankJob
-
-
-def print_event(text: str) -> None:
-    """A driver's event line, where there is no progress line to print it (a plan)."""
-    print(f"distrain: {text}", flush=True)
-
-
-def group_spec(
-    cfg: TrainConfig,
-    layout: Layout,
-    say: Callable[[str], None] = print_event,
-    gpus_now: Callable[[], float] = gpu_count,
-) -> GroupSpec:
-    """The worker group the config asks for. With cluster.use_gpu=null, a GPU per worker if the cluster
-    has GPUs now (`gpus_now`: Ray's count, or an embedded cluster's before it starts): which one was chosen,
-    and why, is said (an autoscaling cluster may have none up yet)."""
-    c = cfg.cluster
-    use_gpu = c.use_gpu
-    if use_gpu is None:
-        gpus = gpus_now()
-        use_gpu = gpus > 0
-        say(
-            f"cluster.use_gpu=null: the cluster has {gpus:g} GPUs, so each worker gets one"
-            if use_gpu
-            else "cluster.use_gpu=null: the cluster has no GPU now, so the workers train on CPUs; set "
-            "cluster.use_gpu=true to wait for GPU nodes (an autoscaler starts them for work that asks)"
-        )
-    return GroupSpec(
-        num_workers=c.num_workers,
-        cpus_per_worker=c.cpus_per_worker,
-        gpus_per_worker=1 if use_gpu else 0,
-        threads_per_worker=c.threads_per_worker,
-        placement_strategy=c.placement_strategy,
-        placement_timeout_s=c.placement_timeout_s,
-        start_timeout_s=c.setup_timeout_s,
-        node_group=layout.tp,  # a tensor-parallel group never spans two nodes
-        spares=c.spares,
-        env=worker_env(c),
-    )
-
-
-# W&B's settings and key, the collectives', torch's, and the object stores' (credentials, endpoint: never in the
-# config): passed with each call to the workers, never recorded.
-FORWARDED = ("WANDB_", "NCCL_", "GLOO_", "TORCH_", "CUDA_", "AWS_", "GOOGLE_", "AZURE_")
-
-
-def worker_env(c: ClusterConfig) -> tuple[tuple[str, str], ...]:
-    """What every worker gets of the user's environment, which workers on other hosts do not share: the
-    driver's variables of the FORWARDED families (not CUDA_VISIBLE_DEVICES: each node has its own GPUs),
-    then cluster.env_vars. Either may name gloo's and NCCL's interface, which then overrides the one each
-    worker finds for its node address."""
-    env = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED) and k != "CUDA_VISIBLE_DEVICES"}
-    return tuple(sorted({**env, **c.env_vars}.items()))
 
 
 def train(
@@ -132,12 +78,12 @@ def train(
         stop.forward_to(supervisor.request_stop, progress.message)
         try:
             finished = stop.guard(supervisor.run)
-            if finished.stopped and nothing_happened(supervisor.attempts):
+            if finished.stopped and nothing_happened(supervisor.history.attempts):
                 raise StoppedBeforeStart(stop.received[0])
             stopped = finished.stopped
             summary.update(finished.results or _from_metrics(run_dir), status="stopped" if stopped else "completed")
         except Stopped as e:  # at once: nothing to save yet, a second signal, a restart's back-off
-            if nothing_happened(supervisor.attempts):
+            if nothing_happened(supervisor.history.attempts):
                 summary = None  # nothing trained or failed: nothing recorded (rerun.claimed empties a new directory)
                 raise StoppedBeforeStart(e.signum) from None
             summary.update(_from_metrics(run_dir), status="stopped")
@@ -148,20 +94,12 @@ def train(
             stop.forward_to(lambda: True)  # the run has ended: a first signal now lets its record be written
             progress.close()
             if summary is not None:
-                summary["attempts"] = [a.record() for a in supervisor.attempts]
-                summary["replacements"] = supervisor.replacements
-                summary["restarts"] = supervisor.restarts
-                summary["steps_executed"] = sum(a.steps_run for a in supervisor.attempts)
+                summary.update(supervisor.history.summary())
                 summary["wall_s"] = time.time() - started
                 if summary["status"] == "stopped" and stop.received:
                     summary["stop_signal"] = stop.received[0]
                 write_summary(str(run_dir), summary)
     return summary
-
-
-def nothing_happened(attempts: list[Attempt]) -> bool:
-    """Whether no attempt trained a step or ended in a failure: a stop then leaves no record (a failure's is kept)."""
-    return not any(a.progressed or a.outcome in (Outcome.FAILED, Outcome.HUNG) for a in attempts)
 
 
 def resolved(given: TrainConfig) -> tuple[TrainConfig, Layout]:
@@ -256,33 +194,6 @@ def timeouts(c: ClusterConfig) -> Timeouts:
 def _from_metrics(run_dir: Path) -> dict:
     logged = read_metrics(str(run_dir))
     return {"final_step": logged[-1]["step"] if logged else 0, "final_loss": logged[-1]["loss"] if logged else None}
-
-
-def placeable_spec(cfg: TrainConfig, layout: Layout, say: Callable[[str], None] = print_event) -> GroupSpec:
-    """The worker group, once the cluster could hold its workers, spares and servers and (a run, not a plan)
-    a rank's estimated memory fits; with cluster.use_gpu=true on a cluster attached to, first wait
-    (placement_timeout_s) for GPUs it lacks. An embedded cluster is checked against what it will have and then
-    started (a plan starts none); one attached to, or up in this process already, is asked. `say` prints events."""
-    c, address = cfg.cluster, attach_address(cfg.cluster.address)
-    here = embedded_resources(c.address, c.local_cpus, c.local_gpus)
-    if address:
-        wait = f"giving up after cluster.connect_timeout_s={c.connect_timeout_s:g} s"
-        say(f"attaching to the Ray cluster at {address} ({wait})")
-    if here is None:
-        connect(c.address, timeout_s=c.connect_timeout_s, say=say)
-    choice: list[str] = []  # which devices cluster.use_gpu=null chose: said once the run is not refused
-    spec = group_spec(cfg, layout, choice.append, gpu_count if here is None else lambda: here["GPU"])
-    if c.use_gpu and address:  # an embedded cluster has no autoscaler: the GPUs it lacks now never come
-        wait_for_gpus(spec, say)
-    servers = cfg.ps.num_servers if cfg.ps.mode is not None else 0
-    check_capacity(spec.num_workers, spec.cpus_per_worker, spec.gpus_per_worker, spec.spares, servers, here)
-    if not cfg.plan:  # a plan says the check's verdict instead
-        check_fits(cfg, layout, spec.gpus_per_worker > 0, say, here)
-    for line in choice:
-        once(say, line)
-    if here is not None and not cfg.plan:  # "local": the embedded cluster checked, whatever RAY_ADDRESS says
-        connect("local", c.local_cpus, c.local_gpus, say=say)
-    return spec
 
 
 def plan(cfg: TrainConfig, layout: Layout) -> str:

@@ -232,7 +232,7 @@ def describe(
         *mesh_lines(layout, table),
         *([not_placed] if table is None else []),
         *(["process groups:", *group_lines(layout)] if cfg.ps.mode is None else server_lines(cfg)),
-        *(line for p in reversed(PARALLELISMS) for line in p.plan(cfg, layout)),
+        *(line for p in reversed(PARALLELISMS) for line in p.plan_lines(cfg, layout)),
         *memory_lines(cfg, layout, precision),
         *([checked] if checked else []),
         *(survivable(layout, table or [], cfg.cluster.peer_recovery) if cfg.ps.mode is None else []),

@@ -101,7 +101,7 @@ def _tokens(r: range) -> str:
     return f"{r.start}-{r.stop - 1}"
 
 
-def plan(cfg: TrainConfig, layout: Layout) -> list[str]:
+def plan_lines(cfg: TrainConfig, layout: Layout) -> list[str]:
     """Which tokens of every sequence each cp rank holds (every cp group holds the same)."""
     if layout.cp == 1:
         return []
@@ -133,7 +133,7 @@ CONTEXT_PARALLEL = Parallelism(
     defaults={"cp_mode": "ring"},
     fields=fields,
     validate=validate,
-    plan=plan,
+    plan_lines=plan_lines,
     # every activation of a block is its tokens' (all-to-all's attention scores too: heads/cp of them; the ring
     # holds none, ring_scores)
     activation_split=lambda layout: layout.cp,

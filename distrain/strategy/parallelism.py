@@ -59,7 +59,7 @@ class Parallelism:
     # Rules on the rest of the config (the model's shape, ...), run once the model is checked.
     validate: Callable[[TrainConfig], None] = _no_rules
     # Its section of `--plan`.
-    plan: Callable[[TrainConfig, Layout], list[str]] = _no_lines
+    plan_lines: Callable[[TrainConfig, Layout], list[str]] = _no_lines
     # Into how many pieces it splits a block's activations, and a weight matrix and a vector (norm gains,
     # biases), on each rank: the memory estimate (distrain/driver/plan.py) divides by them.
     activation_split: Callable[[Layout], int] = _whole

@@ -96,7 +96,7 @@ def _layers(r: range) -> str:
     return f"layer {r.start}" if len(r) == 1 else f"layers {r.start}-{r.stop - 1}"
 
 
-def plan(cfg: TrainConfig, layout: Layout) -> list[str]:
+def plan_lines(cfg: TrainConfig, layout: Layout) -> list[str]:
     if layout.pp == 1:
         return []
     stages = layout.num_stages
@@ -116,5 +116,5 @@ PIPELINE = Parallelism(
     defaults={"stages_per_rank": 1, "schedule": "1f1b"},
     fields=fields,
     check=check,
-    plan=plan,
+    plan_lines=plan_lines,
 )

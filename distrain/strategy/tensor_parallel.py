@@ -130,7 +130,7 @@ def _chunk(index: int, chunks: int, n: int) -> str:
     return f"{index * n // chunks}-{(index + 1) * n // chunks - 1}"
 
 
-def plan(cfg: TrainConfig, layout: Layout) -> list[str]:
+def plan_lines(cfg: TrainConfig, layout: Layout) -> list[str]:
     """Which block of the activations and weights each rank of one tensor-parallel group holds (every
     group holds the same blocks): the residual stream's sequences of a micro-batch and hidden features,
     and a dim×dim projection's block (distrain/parallel/tpnd/grid.py). 1-D: nothing beyond the mesh."""
@@ -165,7 +165,7 @@ TENSOR_PARALLEL = Parallelism(
     fields=fields,
     mesh=lambda values: dict(tp_grid(values["tp_mode"], values["tp"], values["tp_depth"])),
     validate=validate,
-    plan=plan,
+    plan_lines=plan_lines,
     # sequence parallelism splits every activation a block keeps with the rest
     activation_split=lambda layout: layout.tp,
     weight_split=lambda layout: weight_split(layout.tp_mode, layout.tp, layout.tp_depth),

@@ -52,7 +52,8 @@ def keep(kept: KeptState | None) -> None:
 
 
 def offer() -> dict | None:
-    """What this process keeps from its last attempt, for the driver's plan (run by the worker, in plain data)."""
+    """What this process keeps from its last attempt, in plain data: the driver decides a start from replicas on
+    every worker's (run by the worker)."""
     k = _kept
     return None if k is None else {"run": k.run, "rank": k.rank, "world": k.world, "step": k.step, "lines": k.lines}
 
@@ -78,7 +79,7 @@ def tensors(state: dict) -> list[tuple[str, torch.Tensor]]:
 
 
 def fill(state: dict, sources: tuple[int, ...], rank: int, own: KeptState | None, midway: Callable[[], None]) -> dict:
-    """Fill `state` (the fresh model's and optimizer's tensors, flat) for `rank`: from `own` memory when the plan
+    """Fill `state` (the fresh model's and optimizer's tensors, flat) for `rank`: from `own` memory when the start
     names the rank its own source, else from its source's; then send it to the ranks that take theirs from this
     one. Returns the extras this rank now holds (its own, or its source's). `midway` runs once the first
     message has gone or come (a fault injected there)."""
