@@ -261,7 +261,7 @@ class FaultConfig:
     straggler_slowdown: float = 3.0
     hold_file: str | None = None  # while this file exists, every rank waits before each step (tests pin a run down)
     # Rank kill_rank SIGKILLs its own process once step kill_at_step is done (its checkpoint, if due, begun), in an
-    # attempt that began at step 0: a kill at a known step, with no race against a fast run (jobs/bench/gpu_check.py).
+    # attempt that began at step 0: a kill at a known step, with no race against a fast run (jobs/gpu_check.py).
     kill_at_step: int | None = None
     kill_rank: int = 0
     # With run.storage a URL: the kill happens instead while step kill_at_step's checkpoint is being uploaded, once

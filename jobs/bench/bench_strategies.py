@@ -15,7 +15,6 @@ import statistics
 from pathlib import Path
 
 import harness  # first: it keeps Ray on loopback
-import processes
 import torch
 
 from distrain.config import ModelConfig, OptimConfig, StrategyConfig
@@ -25,6 +24,7 @@ from distrain.model.size import num_params
 from distrain.parallel.memory import state_bytes
 from distrain.parallel.parallelize import ParallelModel
 from distrain.strategy.layout import Layout
+from distrain.testing import processes
 from distrain.train.learner import cross_entropy
 from distrain.train.optim import build_optimizer, local_optimizer
 
