@@ -18,8 +18,8 @@ from typing import Any
 
 from omegaconf import MISSING, OmegaConf
 
-from distrain.storage.objectstore import mirror_dir, redact
-from distrain.storage.urls import is_url, run_location
+from distrain.storage.redaction import redact
+from distrain.storage.urls import is_url, mirror_dir, run_location
 
 
 class ConfigError(ValueError):
