@@ -25,7 +25,7 @@ from distrain.driver.launch import _previous_summaries, train, worker_env
 from distrain.driver.objectrun import check_run_url, on_store
 from distrain.storage.fsutil import LockedError
 from distrain.storage.objectstore import Store, quick_options
-from distrain.storage.record import LOCK_OBJECT, RecordSync, record_sync, store_lock
+from distrain.storage.record_sync import LOCK_OBJECT, RecordSync, record_sync, store_lock
 from distrain.storage.tracking import TRACKER_FILES, Tracker
 
 STEPS = 4

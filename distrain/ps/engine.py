@@ -30,7 +30,7 @@ from distrain.ps.metrics import StepLog
 from distrain.ps.server_group import ServerGroup
 from distrain.storage import checkpoint
 from distrain.storage.fsutil import write_json
-from distrain.storage.record import record_sync
+from distrain.storage.record_sync import record_sync
 from distrain.storage.tracking import TRACKER_FILES, Tracker, run_results
 from distrain.strategy.layout import Layout
 

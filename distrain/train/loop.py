@@ -30,7 +30,7 @@ from distrain.model.size import flops_per_token
 from distrain.parallel import process_group
 from distrain.storage import checkpoint, remote, saver
 from distrain.storage.objectstore import store_for
-from distrain.storage.record import record_sync
+from distrain.storage.record_sync import record_sync
 from distrain.storage.safeload import DamagedCheckpointError
 from distrain.storage.tracking import TRACKER_FILES, Tracker, read_metrics, run_results
 from distrain.train import peers
