@@ -2,9 +2,9 @@
 
 Hydra composes `conf/` on top of these schemas (so a misspelt key fails at composition); the
 files in `conf/` hold presets, i.e. only what differs from these defaults. `validation.validate`
-checks what types cannot. The dataclasses themselves cross into the ranks of collective training
-(`train.job.RankJob`); `to_plain` makes the plain dict a checkpoint records, a resume compares and
-the parameter server's actors receive (`from_plain` rebuilds the dataclasses). Nothing here touches
+checks what types cannot. The dataclasses themselves cross into the actors (`train.job.RankJob`,
+`ps.job.ServerJob` and `WorkerJob`); `to_plain` makes the plain dict a checkpoint records and a resume
+compares (`from_plain` rebuilds the dataclasses from a recorded one). Nothing here touches
 Hydra's global state: `distrain.driver.cli` registers the schema and composes.
 """
 
