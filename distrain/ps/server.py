@@ -13,6 +13,9 @@ A worker's record of a step (its loss, gradient norm, bytes, time) travels with 
 to shard 0, which hands it to the driver (`drain`) once its fate is known: applied (with its
 staleness, or in sync mode the averaged gradient's norm) or dropped. So every step a checkpoint
 holds has its records on shard 0 by the time the checkpoint is saved.
+
+One file for every mode: they share the shard's state and the condition that guards it, whose rules would
+split across files if the modes did.
 """
 
 from __future__ import annotations
