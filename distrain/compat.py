@@ -26,7 +26,7 @@ Private torch names distrain relies on, the first place to look after a torch up
 - `torch.distributed._composable.replicate_with_fsdp.replicate` (parallel/data_parallel.py) and
   `torch.distributed._composable.checkpoint` (parallel/parallelize.py);
 - `torch.utils._python_dispatch`, `torch.ops._c10d_functional`, `torch._ops.OpOverload` (parallel/traffic.py);
-- `torch._dynamo`, imported by a hot spare to warm up (train/loop.py).
+- `torch._dynamo`, imported by a hot spare to warm up (train/rank.py).
 """
 
 from __future__ import annotations

@@ -472,8 +472,9 @@ def sticky_part(args: argparse.Namespace) -> Part:
     from ray.exceptions import RayActorError
 
     from distrain.cluster import warm
+    from distrain.cluster.attempt import first_line
     from distrain.cluster.placement import GroupSpec
-    from distrain.cluster.worker_group import WorkerGroup, first_line
+    from distrain.cluster.worker_group import WorkerGroup
 
     check = "distrain.parallel.process_group:check_device"
     spec = GroupSpec(num_workers=1, cpus_per_worker=1, gpus_per_worker=1, threads_per_worker=1)

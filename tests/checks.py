@@ -97,9 +97,9 @@ def record_fired_requires(log: str) -> Callable[[], object]:
     """Wrap distrain's `require`, in every module that has bound it and for those that will, so that each refusal
     appends its caller's file and line to `log`: a require's line runs whether it refuses or not, so coverage
     alone cannot tell. Returns what puts the plain `require` back."""
-    from distrain.strategy import record
+    from distrain.strategy import parallelism
 
-    check = record.require
+    check = parallelism.require
 
     def require(ok: bool, message: str) -> None:
         if not ok:

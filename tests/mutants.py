@@ -55,21 +55,21 @@ MUTANTS = (
     Mutant(
         "nonfinite-at-readback",
         "distrain/train/loop.py",
-        "if not (math.isfinite(loss_total) and math.isfinite(grad_norm)):",
+        'if not (math.isfinite(line["loss"]) and math.isfinite(line["grad_norm"])):',
         "if False:",
         ("tests/test_training.py::test_a_non_finite_loss_ends_the_run_before_it_is_saved",),
     ),
     Mutant(
         "digest-keys-only",
-        "distrain/train/peers.py",
+        "distrain/train/replicas.py",
         "h.update(memoryview(t.detach().reshape(-1).view(torch.uint8).cpu().numpy()))",
         "pass",
         ("tests/test_replicas.py::test_a_replacement_takes_a_replicas_state_and_one_flipped_bit_is_refused",),
     ),
     Mutant(
         "peer-rng-not-set",
-        "distrain/train/loop.py",
-        'set_rng_states(extras["rng"], self.device)',
+        "distrain/train/state.py",
+        'set_rng_states(extras["rng"], state.device)',
         "pass",
         ("tests/test_peer_recovery.py::test_a_killed_rank_costs_only_the_step_in_flight[ddp_dropout]",),
     ),
@@ -89,15 +89,15 @@ MUTANTS = (
     ),
     Mutant(
         "read-lines-not-carried",
-        "distrain/train/loop.py",
+        "distrain/train/steplog.py",
         "lines = dict(self.last_read)",
         "lines = {}",
         ("tests/test_peer_recovery.py::test_a_line_only_the_survivors_read_back_is_written_by_the_new_rank_0",),
     ),
     Mutant(
         "torn-state-kept",
-        "distrain/train/loop.py",
-        "self.done = None  # inside the update",
+        "distrain/train/state.py",
+        "self.whole = False  # inside the update",
         "pass  # inside the update",
         ("tests/test_peer_recovery.py::test_a_failure_inside_every_update_falls_back_to_the_checkpoint",),
     ),
@@ -196,7 +196,7 @@ MUTANTS = (
     ),
     Mutant(
         "late-survivor-unnamed",
-        "distrain/cluster/supervisor.py",
+        "distrain/cluster/diagnosis.py",
         "                for rank in ranks:\n                    self.on_event(",
         "                for rank in []:\n                    self.on_event(",
         (
@@ -212,9 +212,9 @@ MUTANTS = (
     ),
     Mutant(
         "restart-point-unsaid",
-        "distrain/driver/launch.py",
-        "            if attempt.number > 1:  # a restart",
-        "            if False:  # a restart",
+        "distrain/driver/collective.py",
+        "        if attempt.number > 1:  # a restart",
+        "        if False:  # a restart",
         (
             "tests/test_peer_recovery.py::test_a_survivor_that_never_returns_is_named_and_the_run_goes_on_from_the_checkpoint",
         ),
@@ -277,8 +277,8 @@ MUTANTS = (
     ),
     Mutant(
         "stop-waits-for-survivors",
-        "distrain/cluster/supervisor.py",
-        "if self.stop_requested_at and time.time() > self.stop_requested_at + self.timeouts.stop_grace_s - 1:",
+        "distrain/cluster/diagnosis.py",
+        "if stop_at and time.time() > stop_at + self.timeouts.stop_grace_s - 1:",
         "if False:",
         ("tests/test_peer_recovery.py::test_a_stop_is_not_held_up_by_survivors_on_their_way_back",),
     ),

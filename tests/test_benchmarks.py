@@ -56,7 +56,6 @@ SMOKES = [
     ("bench_ddp", 360, False, ["| distrain (Ray) |", "| torchrun |", "| Ray Train |", "| **Ray Train / torchrun** |"]),
     ("bench_strategies", 240, False, ["| ddp | 2 | dp_replicate 2 |", "| zero2 | 2 | dp_shard 2, ZeRO-2 |"]),
     ("bench_bubble", 180, True, ["| interleaved_zb | 2 |"]),
-    ("bench_collectives", 180, False, ["## all_reduce (busbw factor 1)"]),  # 2 ranks: 2(n − 1)/n = 1
     ("bench_ps", 240, True, ["## One straggler", "| PS sync |"]),
     # the spare, warm at the kill, took the dead rank; the steps redone counted
     ("bench_recovery", 240, True, ["| distrain, from replicas, 2 workers | 1 |", "| yes |", "steps redone"]),
@@ -129,17 +128,27 @@ NUMBERS = {  # page → what its figure must draw, from its numbers: a line's po
 }
 
 
-@pytest.mark.timeout(330)
-def test_mfu(tmp_path: Path) -> None:
-    """distrain, the plain loop and transformers each train the smoke's job in one run, their ratios on the page;
-    the plain loop, on distrain's model class with the same init, data and schedule, ends at distrain's loss.
-    Without --smoke, on a machine without a GPU, it says it needs one, exits 0 and writes no page."""
-    import json
-
+@pytest.mark.timeout(90)
+def test_mfu_needs_a_gpu_outside_its_smoke(tmp_path: Path) -> None:
+    """Without --smoke, on a machine without a GPU, bench_mfu says it needs one, exits 0 and writes no page (its
+    smoke run is gpu_check's part, checked in test_gpu_check_cpu_mode)."""
     import torch
 
-    raw = tmp_path / "mfu.json"
-    _, page = smoke(tmp_path, "bench_mfu", 240, "--json", str(raw))
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    page = tmp_path / "gpu" / "mfu.md"
+    cmd = [sys.executable, "jobs/bench/bench_mfu.py", "--out", str(page)]
+    done = processes.run_command(cmd, tmp_path / "bench_mfu_gpu.log", 60)
+    assert done.rc == 0 and "needs a GPU" in done.log.read_text()
+    assert not page.exists() and not page.parent.exists()
+
+
+def assert_mfu(page: Path, raw: Path) -> None:
+    """bench_mfu's smoke: distrain, the plain loop and transformers each trained the job in one run, their ratios
+    on the page; the plain loop, on distrain's model class with the same init, data and schedule, ended at
+    distrain's loss."""
+    import torch
+
     text = assert_page(page)
     variants = ["eager", "compiled"] if torch.cuda.is_available() else ["eager"]
     for variant in variants:
@@ -150,12 +159,6 @@ def test_mfu(tmp_path: Path) -> None:
     assert sorted(runs) == sorted((s, v) for s in ("distrain", "plain", "transformers") for v in variants)
     for variant in variants:
         assert runs["plain", variant]["final_loss"] == pytest.approx(runs["distrain", variant]["final_loss"], rel=0.01)
-    if not torch.cuda.is_available():
-        page = tmp_path / "gpu" / "mfu.md"
-        cmd = [sys.executable, "jobs/bench/bench_mfu.py", "--out", str(page)]
-        done = processes.run_command(cmd, tmp_path / "bench_mfu_gpu.log", 60)
-        assert done.rc == 0 and "needs a GPU" in done.log.read_text()
-        assert not page.exists() and not page.parent.exists()
 
 
 def test_gpu_check_walks_the_journey_by_default() -> None:
@@ -206,8 +209,11 @@ def test_gpu_check_cpu_mode(tmp_path: Path) -> None:
     assert f"; torch {torch.__version__}" in page  # the header names the torch (and on a GPU its CUDA) it ran on
     assert "| zero3 | 1 | 1 rank |" in page and "| bf16 against fp32 (ddp) | **PASS** |" in page
     assert "| journey gpt2_nano: export → transformers | **PASS** |" in page and "## The journey" in page
+    # The two benchmarks it runs in their smoke mode, checked here rather than run twice.
     collectives = assert_page(tmp_path / "docs" / "collectives.md")
     assert "## Against torch.distributed without Ray" in collectives and "| all_reduce | " in collectives
+    assert "## all_reduce (busbw factor 1)" in collectives  # 2 ranks: 2(n − 1)/n = 1
+    assert_mfu(tmp_path / "docs" / "mfu.md", tmp_path / "bench_mfu.json")
 
 
 @pytest.mark.timeout(30)

@@ -37,8 +37,9 @@ def save_every_layout(rank: int, port: int, cases: dict, out: str) -> None:
     from distrain.strategy.layout import Layout
     from distrain.train.faults import Faults
     from distrain.train.learner import Learner
-    from distrain.train.loop import checkpoint_state, nvme_scratch
+    from distrain.train.nvme import nvme_scratch
     from distrain.train.optim import build_optimizer
+    from distrain.train.state import checkpoint_state
 
     device = process_group.init_from_env()
     found = {}

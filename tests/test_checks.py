@@ -24,7 +24,7 @@ def test_every_check_is_measured_and_every_unfired_one_says_why():
 
 
 MODULE = """
-    from distrain.strategy.record import require
+    from distrain.strategy.parallelism import require
 
 
     def check(x):
@@ -60,11 +60,11 @@ def test_a_measurement_says_which_checks_fired(tmp_path: Path, monkeypatch):
     import importlib
     import sys
 
-    from distrain.strategy import record
+    from distrain.strategy import parallelism
 
     (tmp_path / "mod.py").write_text(textwrap.dedent(MODULE))
     monkeypatch.syspath_prepend(str(tmp_path))
-    check_before = record.require
+    check_before = parallelism.require
     plain = record_fired_requires(str(tmp_path / "requires"))
     try:
         sys.modules.pop("mod", None)
@@ -81,7 +81,7 @@ def test_a_measurement_says_which_checks_fired(tmp_path: Path, monkeypatch):
     finally:
         plain()
         sys.modules.pop("mod", None)
-    assert record.require is check_before
+    assert parallelism.require is check_before
     checks = checks_in(tmp_path / "mod.py", tmp_path)
     assert fired(checks, str(tmp_path / "data"), tmp_path / "requires", tmp_path) == {c.name for c in checks[:2]}
 

@@ -189,7 +189,7 @@ def test_a_placement_group_that_is_gone_fails_a_replacement_in_one_line():
     answers with a new group (its retry), not a traceback."""
     with WorkerGroup(spec(1)) as group:
         group.start()
-        remove_placement_group(group.pg)
+        remove_placement_group(group.roster.pg)
         with pytest.raises(PlacementError) as gone:
             group.replace(0)
     line = str(gone.value)

@@ -13,7 +13,7 @@ from conftest import REPO, make_config
 from distrain.config import ConfigError
 from distrain.driver.launch import train
 from distrain.driver.validation import validate
-from distrain.strategy.layout import Layout
+from distrain.strategy.resolve import layout_of, smaller
 
 
 @pytest.mark.parametrize(
@@ -265,7 +265,7 @@ def test_a_failure_policy_that_is_none_fails_before_anything_starts(tmp_path, mo
 def test_defaults_are_valid_and_validation_changes_nothing(tmp_path: Path):
     cfg = make_config(tmp_path, "run.name=ok", "strategy=3d", "cluster.num_workers=8")
     before = repr(cfg)
-    assert validate(cfg) == Layout(pp=2, dp_replicate=1, dp_shard=2, tp=2, micro_batches=2)
+    assert validate(cfg) == layout_of(pp=2, dp_replicate=1, dp_shard=2, tp=2, micro_batches=2)
     assert repr(cfg) == before  # the -1 dims and the open stages_per_rank stay as the user wrote them
 
 
@@ -281,7 +281,7 @@ def test_defaults_are_valid_and_validation_changes_nothing(tmp_path: Path):
 )
 def test_a_run_shrinks_only_to_valid_layouts_with_the_same_global_batch(tmp_path, overrides, sizes):
     cfg = make_config(tmp_path, "run.name=ok", *overrides)
-    layouts = validate(cfg).smaller(cfg)
+    layouts = smaller(validate(cfg), cfg)
     assert list(layouts) == sizes
     for n, layout in layouts.items():
         assert layout.world_size == n and layout.micro_batches * layout.dp * cfg.trainer.micro_batch_size == 8

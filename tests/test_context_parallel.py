@@ -151,10 +151,10 @@ def reference(cfg) -> dict[str, list[float]]:
     """The same steps in this process, the whole model, no process group."""
     from distrain.model.registry import build_model
     from distrain.parallel.parallelize import ParallelModel
-    from distrain.strategy.layout import Layout
+    from distrain.strategy.resolve import single
     from distrain.train.learner import cross_entropy
 
-    layout = Layout.single(cfg.trainer.global_batch_size // cfg.trainer.micro_batch_size)
+    layout = single(cfg.trainer.global_batch_size // cfg.trainer.micro_batch_size)
     model = build_model(cfg.model, cfg.trainer.seq_len, seed=cfg.trainer.seed)
     parallel = ParallelModel(model, cfg.strategy, layout, torch.device("cpu"), False, cross_entropy, collective=False)
     losses, norms = train_steps(parallel, layout, batches(cfg), (0, 1))
@@ -217,12 +217,12 @@ def test_activation_memory_falls_as_one_over_cp(runs, tmp_path: Path):
     """What a rank keeps for the backward inside the blocks, on a real step, falls as 1/cp, as the plan's
     estimate does, and stays within the estimate's reach."""
     from distrain.driver.plan import layer_activations
-    from distrain.strategy.layout import Layout
+    from distrain.strategy.resolve import resolve
 
     measured = {cp: runs[f"memory/cp{cp}"] for cp in MEMORY}
     for cp in MEMORY:
         cfg = make_config(tmp_path, f"cluster.num_workers={WORLD}", *MEMORY[cp])
-        estimate = cfg.model.n_layers * layer_activations(cfg, Layout.resolve(cfg), "fp32", scores=False)[0]
+        estimate = cfg.model.n_layers * layer_activations(cfg, resolve(cfg), "fp32", scores=False)[0]
         print(f"cp {cp}: measured {measured[cp]} B, plan {estimate} B")
         assert measured[1] / measured[cp] == pytest.approx(cp, rel=0.05), measured
         assert 0.5 < measured[cp] / estimate < 1.5, (cp, measured[cp], estimate)

@@ -223,7 +223,7 @@ def train_rank(rank: int, port: int, job: RankJob, out: str) -> None:
     """One rank of a 2-rank run whose rank 1 takes SLOW_WRITE_S longer to write its first checkpoint."""
     rank_env(rank, 2, port, CUDA_VISIBLE_DEVICES="")
     from distrain.storage import saver
-    from distrain.train.loop import run_rank
+    from distrain.train.rank import run_rank
 
     if rank == 1:
         save = saver.Saver.save

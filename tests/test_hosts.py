@@ -198,23 +198,30 @@ def test_ray_job_stop_across_hosts_checkpoints_and_a_resubmission_resumes(bed, r
 @pytest.mark.timeout(420)
 def test_a_lost_host_costs_only_the_step_in_flight_when_the_other_holds_a_whole_replica(bed, ray_cluster, tmp_path):
     """HSDP over the two hosts: one replica (2 shards) on each. Every process of the second host is killed
-    mid-run; a new host joins, and its two new workers take the lost ranks and their state from the first
-    host's replica, over the network. No checkpoint is read: the run saves none before its end, so a restart
-    from one would begin at step 0. Every logged loss and the final weights equal to the bit those of the same
-    training without a failure. Runs before the lost-host tests below, and leaves the bed as they do."""
+    mid-run (the run held between two steps, not slowed, so that it is lost there; tests/test_peer_recovery.py
+    kills inside a step on one host); a new host joins, and its two new workers take the lost ranks and their
+    state from the first host's replica, over the network. No checkpoint is read: the run saves none before its
+    end, so a restart from one would begin at step 0. Every logged loss and the final weights equal to the bit
+    those of the same training without a failure. Runs before the lost-host tests below, and leaves the bed as
+    they do."""
     hsdp = ["strategy.zero=3", "strategy.dp_replicate=2", "strategy.dp_shard=2", "cluster.num_workers=4"]
     one_run = ["checkpoint.interval=0", "cluster.placement_timeout_s=120", "cluster.restart_backoff_s=0"]
     reference = make_config(tmp_path, "run.name=reference", *COMMON, *hsdp, *one_run)
     assert train(reference)["restarts"] == 0  # on the session's loopback cluster: the same arithmetic
-    run_dir = tmp_path / "replicas"
-    slow = ["fault.straggler=0", "fault.straggler_slowdown=20"]  # steps long enough to lose a host in the middle
-    submit(bed, "replicas", overrides(tmp_path, "replicas", *hsdp, *one_run, *slow), wait=False)
+    run_dir, hold = tmp_path / "replicas", tmp_path / "hold"
+    held = [f"fault.hold_file={hold}"]  # while it exists, every rank waits before its next step
+    submit(bed, "replicas", overrides(tmp_path, "replicas", *hsdp, *one_run, *held), wait=False)
     context = lambda: explain(bed, "replicas", run_dir)  # noqa: E731
-    wait_for("step 8", lambda: logged_step(run_dir) >= 8, context=context)
     lost = next(h for h in bed.hosts[1:] if h.ray is not None)
-    bed.kill_host(lost)
-    new = bed.add_host()
-    wait_for("the end", lambda: any(w in status(bed, "replicas") for w in ("succeeded", "failed")), 240, context)
+    try:
+        wait_for("step 8", lambda: logged_step(run_dir) >= 8, context=context)
+        hold.write_text("")  # the host is lost between two steps, which the attempt after it must not redo
+        bed.kill_host(lost)
+        new = bed.add_host()
+        hold.unlink()
+        wait_for("the end", lambda: any(w in status(bed, "replicas") for w in ("succeeded", "failed")), 240, context)
+    finally:
+        hold.unlink(missing_ok=True)
     assert "succeeded" in status(bed, "replicas"), explain(bed, "replicas", run_dir)
     summary = json.loads((run_dir / "summary.json").read_text())
     attempts = summary["attempts"]

@@ -15,7 +15,9 @@ from torch import nn
 from distrain.config import ModelConfig, StrategyConfig
 from distrain.model.llama import Transformer
 from distrain.parallel.parallelize import ParallelModel
-from distrain.strategy.layout import Layout, stage_layers
+from distrain.strategy.layout import Layout
+from distrain.strategy.pipeline import stage_layers
+from distrain.strategy.resolve import layout_of, resolve, single
 from distrain.train.learner import cross_entropy
 
 
@@ -23,8 +25,8 @@ def test_a_layout_fills_the_open_dim_and_lays_ranks_out_row_major(tmp_path):
     from conftest import make_config
 
     cfg = make_config(tmp_path, "strategy=pp", "strategy.tp=2", "cluster.num_workers=8", "trainer.global_batch_size=16")
-    layout = Layout.resolve(cfg)
-    assert layout == Layout(pp=2, dp_replicate=2, dp_shard=1, tp=2, micro_batches=4)
+    layout = resolve(cfg)
+    assert layout == layout_of(pp=2, dp_replicate=2, dp_shard=1, tp=2, micro_batches=4)
     assert layout.coordinate(5) == {"pp": 1, "dp_replicate": 0, "dp_shard": 0, "cp": 0, "tp": 1}
     assert [layout.data_shard(r) for r in (0, 2, 5, 6)] == [(0, 2), (1, 2), (0, 2), (1, 2)]
     assert layout.groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]  # neighbours: one node each
@@ -53,13 +55,13 @@ def test_more_stages_than_layers_is_refused():
 
 
 def test_interleaved_stages_loop_over_the_ranks():
-    assert Layout(pp=2, dp_replicate=1, dp_shard=1, tp=1, stages_per_rank=2).stages(1) == [1, 3]
+    assert layout_of(pp=2, dp_replicate=1, dp_shard=1, tp=1, stages_per_rank=2).stages(1) == [1, 3]
 
 
 @pytest.fixture
 def ddp(process_group) -> ParallelModel:
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
-    layout = Layout.single(micro_batches=3)
+    layout = single(micro_batches=3)
     return ParallelModel(model, StrategyConfig(), layout, torch.device("cpu"), False, nn.functional.mse_loss)
 
 
@@ -97,7 +99,7 @@ def test_micro_batches_average_to_the_whole_batch_gradient(process_group):
     split.load_state_dict(whole.state_dict())
     x = torch.randint(0, 256, (8, 8))
     cross_entropy(whole(x), x).backward()
-    parallel = ParallelModel(split, StrategyConfig(), Layout.single(4), torch.device("cpu"), False, cross_entropy)
+    parallel = ParallelModel(split, StrategyConfig(), single(4), torch.device("cpu"), False, cross_entropy)
     loss_sum = parallel.forward_backward(x, x)
     assert loss_sum / 4 == pytest.approx(cross_entropy(whole(x), x).item(), rel=1e-5)
     for (name, a), b in zip(whole.named_parameters(), parallel.module.parameters(), strict=True):
@@ -111,7 +113,7 @@ def test_fsdp_reduces_gradients_only_after_the_last_micro_batch(process_group):
     torch.manual_seed(0)
     reference, model = Transformer(cfg, 8), Transformer(cfg, 8)
     model.load_state_dict(reference.state_dict())
-    fsdp = ParallelModel(model, StrategyConfig(zero=3), Layout.single(2), torch.device("cpu"), False, cross_entropy)
+    fsdp = ParallelModel(model, StrategyConfig(zero=3), single(2), torch.device("cpu"), False, cross_entropy)
     x1, x2 = torch.randint(0, 256, (2, 8)), torch.randint(0, 256, (2, 8))
     with fsdp.no_sync(last=False):
         cross_entropy(fsdp.module(x1), x1).backward()
@@ -136,13 +138,12 @@ def test_every_schedule_name_has_a_torch_schedule():
 def test_every_parallelism_the_driver_knows_is_applied_in_torchtitans_order():
     """The driver's registry and the torch layer's steps name the same parallelisms (the pipeline is no
     step: it makes the parts), laid on the mesh and applied in the order they always were."""
-    from distrain.parallel.parallelize import STEPS
-    from distrain.strategy import PARALLELISMS
-    from distrain.strategy.layout import MESH_DIMS
+    from distrain.parallel.parallelize import PASSES
+    from distrain.strategy import MESH_DIMS, PARALLELISMS
 
     assert MESH_DIMS == ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-    assert {p.name for p in PARALLELISMS} - STEPS.keys() == {"pp"}
-    assert list(STEPS) == ["cp", "tp", "activation_checkpoint", "compile", "dp"]
+    assert {p.name for p in PARALLELISMS} - PASSES.keys() == {"pp"}
+    assert list(PASSES) == ["cp", "tp", "activation_checkpoint", "compile", "dp"]
 
 
 WORLD = 4
@@ -172,7 +173,6 @@ def build_learners(rank: int, port: int, large: tuple, cases: dict, out: str) ->
     from distrain.config import from_plain
     from distrain.parallel import process_group
     from distrain.parallel.parallelize import as_tensor
-    from distrain.strategy.layout import Layout
     from distrain.train.faults import Faults
     from distrain.train.learner import Learner
 

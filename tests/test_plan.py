@@ -20,7 +20,9 @@ from distrain.driver.plan import describe, rank_memory, stage_params
 from distrain.driver.validation import validate
 from distrain.model.registry import build_model
 from distrain.model.size import num_params
-from distrain.strategy.layout import MESH_DIMS, Layout
+from distrain.strategy import MESH_DIMS
+from distrain.strategy.layout import Layout
+from distrain.strategy.resolve import single
 
 
 def planned(tmp_path: Path, *overrides: str) -> tuple[TrainConfig, Layout]:
@@ -122,7 +124,7 @@ def test_pipeline_stages_list_their_layers(family: str, tmp_path: Path):
     for stage, prefixes in owned.items():
         named = model.named_parameters(remove_duplicate=False)
         counted = sum(p.numel() for name, p in named if name.startswith(prefixes))
-        assert stage_params(cfg, stage, 4, Layout.single()) == counted, f"stage {stage}"
+        assert stage_params(cfg, stage, 4, single()) == counted, f"stage {stage}"
     # pp rank 1 holds stages 1 and 3: its fp32 parameters are theirs.
     assert rank_memory(cfg, layout, 1, "fp32").params == 4 * sum(
         p.numel() for name, p in model.named_parameters(remove_duplicate=False) if name.startswith(owned[1] + owned[3])

@@ -12,7 +12,8 @@ from conftest import assert_matches, fake_table, logged, make_config, train_half
 
 from distrain.driver.launch import train
 from distrain.driver.plan import describe
-from distrain.strategy.layout import Layout
+from distrain.strategy.resolve import resolve
+from distrain.strategy.tensor_parallel import tp_coordinate
 
 STEPS = 10
 TOL = 1e-4
@@ -60,7 +61,7 @@ def test_grid_checkpoint_resumes_under_another_layout(then: tuple[int, list[str]
 
 def test_layout_lays_the_tp_dim_out_as_the_grid(tmp_path: Path):
     cfg = make_config(tmp_path, "strategy=tp2p5d", "cluster.num_workers=16", "trainer.micro_batch_size=4")
-    layout = Layout.resolve(cfg)
+    layout = resolve(cfg)
     assert layout.mesh_sizes() == {
         "pp": 1,
         "dp_replicate": 2,
@@ -70,7 +71,7 @@ def test_layout_lays_the_tp_dim_out_as_the_grid(tmp_path: Path):
         "tp_row": 2,
         "tp_col": 2,
     }
-    assert layout.tp_coordinate(13) == {"tp_depth": 1, "tp_row": 0, "tp_col": 1}  # 13 = 8 + 4·1 + 2·0 + 1
+    assert tp_coordinate(layout, 13) == {"tp_depth": 1, "tp_row": 0, "tp_col": 1}  # 13 = 8 + 4·1 + 2·0 + 1
     assert layout.groups("tp_col")[:2] == [[0, 1], [2, 3]]
     assert layout.groups("tp_depth")[:2] == [[0, 4], [1, 5]]
     assert layout.groups("dp_replicate")[0] == [0, 8]
@@ -78,7 +79,7 @@ def test_layout_lays_the_tp_dim_out_as_the_grid(tmp_path: Path):
 
 def test_plan_shows_which_rank_holds_which_block(tmp_path: Path):
     cfg = make_config(tmp_path, "strategy=tp3d", "cluster.num_workers=8", "trainer.micro_batch_size=4")
-    text = describe(cfg, Layout.resolve(cfg), fake_table(8, 8, gpus=False))
+    text = describe(cfg, resolve(cfg), fake_table(8, 8, gpus=False))
     lines = text.splitlines()
     assert "  tp_i: [0,1] [2,3] [4,5] [6,7]" in lines and "  tp_j: [0,4] [1,5] [2,6] [3,7]" in lines
     # rank 6 = (j 1, k 1, i 0): the stream's sequences i·q + j = 1 and hidden chunk k = 1 (16-31 of 32); the

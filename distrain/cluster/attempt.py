@@ -161,6 +161,15 @@ def mask(text: str) -> str:
     return re.sub(r"0x[0-9a-f]+|\d+", "#", text)
 
 
+def first_line(error: Exception, limit: int = 160) -> str:
+    """The error's type and the last line of its message (where Python puts the exception's own
+    words), cut to `limit` characters: Ray's death notices run to a paragraph."""
+    cause = getattr(error, "cause", None) or error
+    lines = str(cause).strip().splitlines()
+    line = lines[-1] if lines else ""
+    return f"{type(cause).__name__}: {line if len(line) <= limit else line[: limit - 1] + '…'}"
+
+
 def write_placement(run_dir: Path, attempt: int, placement: list[dict]) -> None:
     """Where an attempt's actors run: kept per attempt, and the current one as placement.json."""
     (run_dir / "attempts").mkdir(parents=True, exist_ok=True)

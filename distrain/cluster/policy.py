@@ -1,7 +1,7 @@
 """What a failure means: the interface the supervisor asks after every failure, the policies distrain
 ships, and the choice between them by config (`cluster.policy=<name>`, or a user's class with
-`cluster.policy._target_=pkg.module.Class`). A policy only decides: the supervisor carries a decision
-out, on its clocks (timeouts.py)."""
+`cluster.policy._target_=pkg.module.Class`). Beside it, when a running attempt should move (ScalingPolicy).
+A policy only decides: the supervisor carries a decision out, on its clocks (timeouts.py)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,12 @@ import abc
 import difflib
 import enum
 import inspect
-from collections.abc import Sequence
+import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from distrain.cluster.attempt import Failure, FailureKind
+from distrain.cluster.placement import GroupSpec, draining_nodes, room_for
 from distrain.config import ClusterConfig, ConfigError
 from distrain.target import import_target
 
@@ -116,3 +118,36 @@ def policy_class(name: str) -> type[FailurePolicy]:
             f"implements decide"
         )
     return cls
+
+
+@dataclass(frozen=True)
+class Move:
+    """A scaling decision: the ranks checkpoint and return by `deadline` (wall clock), then the run is placed
+    anew (off the draining node, or on the full size)."""
+
+    why: str
+    deadline: float
+
+
+class ScalingPolicy:
+    """When a running attempt should checkpoint and move: a node of its group is draining (the autoscaler or
+    `ray drain-node`: a spot instance about to be preempted), or a run shrunk after a failure has room for all
+    its workers again. Asked every cluster.node_check_s while the ranks run."""
+
+    def __init__(self, spec: GroupSpec, full: int, setup_timeout_s: float) -> None:
+        """full: the worker count asked for; setup_timeout_s: the time to checkpoint when no deadline is known."""
+        self.spec, self.full, self.setup_timeout_s = spec, full, setup_timeout_s
+
+    def decide(self, nodes: Iterable[str], world_size: int) -> Move | None:
+        """A Move for an attempt of `world_size` workers on `nodes` (node ids), or None: stay."""
+        draining = set(nodes) & set(deadlines := draining_nodes())
+        if draining:
+            deadline = min(deadlines[node] for node in draining) or time.time() + self.setup_timeout_s
+            names = ", ".join(d[:8] for d in draining)
+            return Move(f"node {names} is draining: checkpointing, then moving off it", deadline)
+        if world_size < self.full and room_for(self.spec, self.full - world_size):
+            return Move(
+                f"room for all {self.full} workers again: growing back at a checkpoint",
+                time.time() + self.setup_timeout_s,
+            )
+        return None

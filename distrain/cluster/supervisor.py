@@ -2,39 +2,26 @@
 on a placed worker group until it finishes, surviving failures.
 
 A state machine (distrain/cluster/states.py): `run` calls `_step` until a final state, and `_step`
-does one unit of work for the current state and returns the next. A rank that raises or dies is seen
-at once (the driver waits on the ranks' calls); a rank whose progress stops for longer than the hang
-timeout counts as failed, after its stacks are saved. The policy (policy.py) decides what a failure
-means: a new attempt from the last checkpoint with the healthy actors kept and the others replaced
-(hot spares first), one worker replaced while the others go on, a smaller group when the full one
-cannot be placed, or the end of the run. The supervisor knows nothing of models.
+does one unit of work for the current state and returns the next. What went wrong is the diagnosis's
+(diagnosis.py: a rank that raises or dies is seen at once, one silent past its limit is hung, after its
+stacks are saved); what it means is the failure policy's (policy.py): a new attempt from the last
+checkpoint with the healthy actors kept and the others replaced (hot spares first), one worker replaced
+while the others go on, a smaller group when the full one cannot be placed, or the end of the run; when
+a running attempt moves (a draining node, room to grow back) is the scaling policy's. The supervisor
+carries the decisions out, and knows nothing of models.
 """
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from ray.exceptions import RayActorError
-
-from distrain.channel import Phase
-from distrain.cluster.attempt import (
-    Attempt,
-    Failure,
-    FailureKind,
-    Heartbeats,
-    Mark,
-    Outcome,
-    blame,
-    mask,
-    write_placement,
-    write_stacks,
-)
-from distrain.cluster.placement import GroupSpec, PlacementError, WorkerFailure, draining_nodes, fitting_sizes, room_for
-from distrain.cluster.policy import Decision, FailurePolicy, Verdict
+from distrain.cluster.attempt import Attempt, Failure, FailureKind, Heartbeats, Mark, Outcome, write_placement
+from distrain.cluster.diagnosis import Diagnosis
+from distrain.cluster.placement import GroupSpec, PlacementError, WorkerFailure, fitting_sizes
+from distrain.cluster.policy import Decision, FailurePolicy, ScalingPolicy, Verdict
 from distrain.cluster.states import (
     FINAL,
     AttemptLost,
@@ -53,11 +40,7 @@ from distrain.cluster.states import (
     check_transition,
 )
 from distrain.cluster.timeouts import Timeouts
-from distrain.cluster.worker_group import WorkerGroup, first_line
-
-# The signature of every failure to form the process group, raised or timed out: ranks that cannot reach each
-# other fail alike on every attempt, whatever each one's words, and the second time in a row ends the run.
-JOINING = ("joining",)
+from distrain.cluster.worker_group import WorkerGroup
 
 
 class Supervisor:
@@ -83,10 +66,11 @@ class Supervisor:
         self.failures: list[Failure] = []
         self.replacements: list[dict] = []  # workers replaced while the others went on
         self.stop_requested_at: float | None = None
-        self.step_times: list[float] = []
         self.group: WorkerGroup | None = None
         self.work: Work | None = None  # what the current attempt's ranks run
         self._placement: list[dict] = []  # as last written to the run directory
+        self.diagnosis = Diagnosis(engine, timeouts, run_dir, lambda: self.stop_requested_at, on_progress, on_event)
+        self.scaling = ScalingPolicy(spec, self.world_sizes[0], timeouts.setup_timeout_s)
 
     @property
     def restarts(self) -> int:
@@ -156,7 +140,8 @@ class Supervisor:
         if self.work.note:
             self.on_event(self.work.note)
         self._write_placement(attempt)
-        return Running(attempt, Heartbeats(len(table), self.step_times), next_node_check=self._next_node_check())
+        beats = Heartbeats(len(table), self.diagnosis.step_times)
+        return Running(attempt, beats, next_node_check=self._next_node_check())
 
     def _new_group(self, s: Placing) -> list[dict]:
         """A new group of the full size, or, when that cannot be placed in placement_timeout_s (and
@@ -189,7 +174,7 @@ class Supervisor:
     # -- Running, Stopping, Resizing --------------------------------------------------------------
 
     def _run(self, s: Running) -> State:
-        failures = self._watch(s)
+        failures = self.diagnosis.look(self.group, s)
         if failures:
             return Recovering(s, failures)
         if self._done(s):
@@ -200,16 +185,16 @@ class Supervisor:
         if self.stop_requested_at:
             return self._stopping(s)
         if time.monotonic() >= s.next_node_check:
-            why, deadline = self._reason_to_move(s.attempt)
-            if why:
-                self.on_event(why)
-                self._ask_to_stop(deadline - 1.0)
-                return Resizing(s.attempt, s.beats, s.results, why=why)
+            move = self.scaling.decide({e["node_id"] for e in self.group.table}, s.attempt.world_size)
+            if move is not None:
+                self.on_event(move.why)
+                self._ask_to_stop(move.deadline - 1.0)
+                return Resizing(s.attempt, s.beats, s.results, why=move.why)
             s.next_node_check = self._next_node_check()
         return s
 
     def _stop(self, s: Stopping) -> State:
-        failures = self._watch(s)
+        failures = self.diagnosis.look(self.group, s)
         if failures:  # the stop is what was asked for: no new attempt
             s.attempt.end(Outcome.FAILED, failures[0])
             return Finished(None, stopped=True)
@@ -222,7 +207,7 @@ class Supervisor:
         return s
 
     def _resize(self, s: Resizing) -> State:
-        failures = self._watch(s)
+        failures = self.diagnosis.look(self.group, s)
         if failures:
             return Recovering(s, failures)
         if self._done(s):
@@ -266,131 +251,6 @@ class Supervisor:
         stopped = bool(results.get("stopped"))
         s.attempt.end(Outcome.STOPPED if stopped else Outcome.COMPLETED)
         return Finished(results, stopped=stopped)
-
-    def _watch(self, s: Watching) -> list[Failure]:
-        """One look at the ranks (waiting up to poll_s for one to end): their results, the engine's
-        work, progress; the failures it found, empty if none."""
-        group, attempt = self.group, s.attempt
-        ended = group.poll(self.timeouts.poll_s)
-        s.results.update((rank, value) for rank, value, error in ended if error is None)
-        errors = [(rank, error) for rank, _, error in ended if error is not None]
-        try:
-            self.engine.tick(suspect=bool(errors))
-        except AttemptLost as e:
-            return [Failure(FailureKind.LOST, str(e))]
-        progress = group.progress()
-        self.on_progress(progress[0])
-        attempt.note(progress)
-        if errors:
-            failures = self._failed(errors)
-            alive = group.final_progress(timeout_s=0.5)  # polls lag: the last reports, of those alive
-            attempt.note([alive[r] for r in sorted(alive)])  # marks from rank 0's, or the lowest living rank's
-            return failures
-        s.beats.update(progress)
-        hung = [
-            r
-            for r in range(attempt.world_size)
-            if r not in s.results and s.beats.silent_s(r) > self._limit(progress[r])
-        ]
-        return [self._hung(attempt, hung, progress, s.beats)] if hung else []
-
-    def _limit(self, progress: dict) -> float:
-        """How long a rank may stay silent in its phase: a step, a few typical step times; waiting on
-        something outside the rank, for ever; anything else (start-up, a checkpoint), setup_timeout_s."""
-        phase = progress.get("phase")
-        if phase == Phase.WAIT:
-            return float("inf")
-        if phase != Phase.TRAIN:
-            return self.timeouts.setup_timeout_s
-        return self.timeouts.step_limit(self._typical_step_s())
-
-    def _typical_step_s(self) -> float | None:
-        recent = self.step_times[-50:]
-        return statistics.median(recent) if recent else None
-
-    def _failed(self, errors: list[tuple[int, Exception]]) -> list[Failure]:
-        """The failure (collective training: the one to blame, after the others' errors came in) or the
-        failures (an engine that replaces workers one by one)."""
-        seen = time.time()
-        if not self.engine.replaces_workers:
-            errors += self._others_return()  # their errors too: then pick the cause
-            errors = [min(errors, key=lambda item: blame(item[1]))]
-        return [self._failure(rank, error, seen) for rank, error in errors]
-
-    def _others_return(self) -> list[tuple[int, Exception]]:
-        """Wait for the other ranks' calls to end after a failure, each as long as what it last said allows
-        (Timeouts.return_limit: a rank on its way back is never cut short for being slow); their errors. A rank
-        still out past its limit is named, with what it was doing, and is ended with the attempt."""
-        start, errors, said, step_s = time.monotonic(), [], {}, self._typical_step_s()
-        while self.group.calls:
-            ranks = sorted(self.group.calls.values())
-            said.update(self.group.final_progress(ranks, timeout_s=self.timeouts.poll_s))  # asked: polls lag
-            waited = time.monotonic() - start
-            doing = {rank: said.get(rank, {}).get("returning") for rank in ranks}
-            if self.stop_requested_at and time.time() > self.stop_requested_at + self.timeouts.stop_grace_s - 1:
-                break  # a stop asked for: the driver's grace is what is left to wait
-            if all(waited > self.timeouts.return_limit(bool(doing[rank]), step_s) for rank in ranks):
-                for rank in ranks:
-                    self.on_event(
-                        f"{self.group.who(rank)} did not return within {waited:.1f} s of the failure "
-                        f"({doing[rank] or 'still in its step'}): it is ended with the attempt"
-                    )
-                break
-            errors += [(r, e) for r, _, e in self.group.poll(self.timeouts.poll_s) if e is not None]
-        return errors
-
-    def _failure(self, rank: int, error: Exception, seen: float) -> Failure:
-        cause = f"{self.group.who(rank)} failed: {first_line(error)}"
-        if isinstance(error, RayActorError):  # a death (a kill, a lost node) is never called deterministic
-            return Failure(FailureKind.DIED, cause, rank, str(error).strip(), at=seen)
-        progress = self.group.last_progress(rank)  # exact: the rank's process is still there
-        raised = type(getattr(error, "cause", None) or error)
-        kind = raised.__name__
-        if getattr(raised, "permanent", False):  # e.g. a checkpoint refused as unsafe: no retry can help
-            cause = f"{self.group.who(rank)} failed: {first_line(error, limit=1000)}"  # its advice, uncut
-            return Failure(FailureKind.RAISED, cause, rank, str(error).strip(), permanent=True, at=seen)
-        if progress.get("phase") == Phase.JOIN:
-            cause = self._joining(cause)
-            return Failure(FailureKind.RAISED, cause, rank, str(error).strip(), JOINING, joining=True, at=seen)
-        signature = (kind, mask(first_line(error)), progress.get("step"))
-        return Failure(FailureKind.RAISED, cause, rank, str(error).strip(), signature, at=seen)
-
-    def _hung(self, attempt: Attempt, hung: list[int], progress: list[dict], beats: Heartbeats) -> Failure:
-        """Ranks silent past their limit. Collective training: every rank's stacks, and the whole group
-        goes (the others wait in collectives); a replacing engine: the one rank's."""
-        seen, one = time.time(), self.engine.replaces_workers
-        silent = max(beats.silent_s(r) for r in hung)
-        steps = sorted({str(progress[r].get("step")) for r in hung})
-        folder = write_stacks(self.run_dir, attempt.number, self.group.stacks(hung[:1] if one else None))
-        mute = self.group.silent(longer_than_s=min(self._limit(progress[r]) for r in hung))
-        who = self.group.who(hung[0]) if one else f"rank{'s' * (len(hung) > 1)} {', '.join(map(str, hung))}"
-        cause = (
-            f"{who} made no progress for {silent:.1f} s (at step {', '.join(steps)})"
-            + (f", rank {', '.join(map(str, mute))} not answering" if mute and not one else "")
-            + f"; stacks in {folder}"
-        )
-        if all(progress[r].get("phase") == Phase.JOIN for r in hung):  # the rendezvous timed out, as we saw it
-            cause = self._joining(cause)
-            return Failure(FailureKind.HUNG, cause, hung[0] if one else None, signature=JOINING, joining=True, at=seen)
-        return Failure(FailureKind.HUNG, cause, hung[0] if one else None, at=seen)
-
-    def _joining(self, cause: str) -> str:
-        return f"{cause} (joining the process group: {self.group.network()})"
-
-    def _reason_to_move(self, attempt: Attempt) -> tuple[str | None, float]:
-        """A node of the group is draining (about to be preempted), or a shrunk run has room to grow
-        back: why to checkpoint and move, and by when."""
-        full, n = self.world_sizes[0], attempt.world_size
-        draining = {e["node_id"] for e in self.group.table} & set(deadlines := draining_nodes())
-        if draining:
-            deadline = min(deadlines[node] for node in draining) or time.time() + self.timeouts.setup_timeout_s
-            return f"node {', '.join(d[:8] for d in draining)} is draining: checkpointing, then moving off it", deadline
-        if n < full and room_for(self.spec, full - n):
-            return (
-                f"room for all {full} workers again: growing back at a checkpoint",
-                time.time() + self.timeouts.setup_timeout_s,
-            )
-        return None, 0.0
 
     def _next_node_check(self) -> float:
         return time.monotonic() + self.timeouts.node_check_s

@@ -65,14 +65,15 @@ def take_spare(spares: list[Spare], node_id: str | None) -> tuple[Spare, dict] |
 
 
 class Kept(Protocol):
-    """What an ended run leaves for the next run of its driver (cluster.reuse_workers)."""
+    """What an ended run leaves for the next run of its driver (cluster.reuse_workers): a worker group's roster,
+    a parameter-server group."""
 
     key: Any  # what the next run's group must be to take it: its spec
     job: str  # the Ray job (the cluster connection) its actors belong to
     actors: list  # every one answers node_info
 
-    def held(self) -> dict[str, float]:
-        """The resources it holds while kept."""
+    def resources(self) -> dict[str, float]:
+        """The resources it holds on the cluster while kept."""
 
     def shutdown(self) -> None: ...
 
@@ -114,7 +115,7 @@ def make_room(need: dict[str, float], timeout_s: float = 5.0) -> None:
         return
     while _KEPT and short(expected):
         group = _KEPT.pop(0)
-        for k, v in group.held().items():
+        for k, v in group.resources().items():
             expected[k] = expected.get(k, 0) + v
         group.shutdown()
     deadline = time.monotonic() + timeout_s

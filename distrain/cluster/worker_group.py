@@ -1,5 +1,6 @@
-"""A placed group of worker actors: start them, give each its rank and torchrun-style environment,
-run a function on all, watch it, and put workers (hot spares first) in place of those a failure took."""
+"""A worker group's calls on an attempt: give each rank its torchrun-style environment, run a function on all
+of them, watch the calls (poll, progress, stacks, questions beside them), and after a failure let go of the
+workers that cannot go on. Which workers there are, and where, is its roster's (roster.py)."""
 
 from __future__ import annotations
 
@@ -8,33 +9,20 @@ import time
 from typing import Any
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayError
-from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.exceptions import RayActorError, RayError
 
 from distrain.cluster import kill, warm
-from distrain.cluster.placement import (
-    GroupSpec,
-    PlacementError,
-    WorkerFailure,
-    blocks_that_fit,
-    check_blocks,
-    number_nodes,
-    rank_table,
-)
-from distrain.cluster.worker import Fn, RemoteWorker
+from distrain.cluster.attempt import first_line
+from distrain.cluster.placement import GroupSpec, WorkerFailure
+from distrain.cluster.roster import Roster
+from distrain.cluster.worker import Fn
 
 
 class WorkerGroup:
     def __init__(self, spec: GroupSpec, warm_up: warm.WarmUp | None = None):
         """`warm_up`: what each hot spare runs while it waits for a rank (its imports, its data)."""
         self.spec, self.warm_up = spec, warm_up
-        self.pg = None
-        self.job = ray.get_runtime_context().get_job_id()
-        self.workers: list = []  # in rank order once started
-        self.table: list[dict] = []
-        self.spares: list[warm.Spare] = []
-        self.free_bundles: list[int] = []  # spare bundles whose spare took a rank, and dead ranks' slots
+        self.roster = Roster(spec)
         self.calls: dict = {}  # the running `run` call of each rank: ObjectRef → rank
         self.returned: set[int] = set()  # ranks whose call ended without their process dying
         self._asked: dict = {}  # rank → (its unanswered progress question, when asked)
@@ -52,78 +40,32 @@ class WorkerGroup:
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
 
-    # -- starting -------------------------------------------------------------------------------
-
     def start(self, patient: bool = False) -> list[dict]:
-        """Reserve one bundle per block of node_group workers (and one per spare), start the actors,
-        then rank them by where they landed; on any failure remove what was reserved and started. A
-        group the alive nodes could never hold fails at once, unless `patient` (waiting for nodes to
-        come back). A group of the same spec kept by an earlier run of this driver is taken instead."""
+        """Start the roster (Roster.start), or take the roster of the same spec an earlier run of this driver
+        kept (`release`). The rank table."""
         kept = warm.reuse(self.spec)
         if kept is not None:
-            self.__dict__.update(kept.__dict__, warm_up=self.warm_up, reserved_at=None)
+            self.roster = kept
             return self.table
-        try:
-            return self._start(patient)
-        except BaseException:
-            self.shutdown()
-            raise
+        table = self.roster.start(patient)
+        self.reserved_at = self.roster.reserved_at
+        return table
 
-    def _start(self, patient: bool) -> list[dict]:
-        s = self.spec
-        bundle, blocks = s.bundle(), s.num_workers // s.node_group
-        what = f"{s.num_workers} workers" + (f" in blocks of {s.node_group} per node" if s.node_group > 1 else "")
-        fits = blocks_that_fit(bundle)
-        if sum(fits.values()) < blocks and not patient:
-            raise PlacementError(
-                f"cannot place {what}: each block needs {bundle} on one node, and the nodes hold {fits} blocks "
-                f"({sum(fits.values())} < {blocks}); use fewer workers or a smaller tensor-parallel size"
-            )
-        warm.make_room(self.held())
-        self.pg = placement_group(s.bundles(), strategy=s.placement_strategy)
-        # The actors are asked for at once: Ray starts each as soon as its bundle is reserved.
-        of_rank = [i // s.node_group for i in range(s.num_workers)]
-        actors = [self._actor(b) for b in of_rank]
-        self.workers = actors  # shutdown finds them, even if the next lines fail
-        try:
-            ray.get(self.pg.ready(), timeout=s.placement_timeout_s)
-        except GetTimeoutError as e:
-            raise PlacementError(
-                f"could not place {what} ({bundle} per bundle) within "
-                f"cluster.placement_timeout_s={s.placement_timeout_s:g}; the cluster has "
-                f"{ray.available_resources()} free"
-            ) from e
-        self.reserved_at = time.time()
-        self.free_bundles = [blocks + i for i in range(s.spares)]  # spares start once a step is done: `restock`
-        return self._rank(actors, self._started(actors, of_rank))
+    @property
+    def workers(self) -> list:
+        """The worker actors, in rank order."""
+        return self.roster.workers
 
-    def _started(self, actors: list, bundles: list[int]) -> list[dict]:
-        """Where each new actor runs, once it has started (slow: a process, perhaps a runtime env)."""
-        try:
-            infos = ray.get([w.node_info.remote() for w in actors], timeout=self.spec.start_timeout_s)
-        except (GetTimeoutError, RayActorError) as e:  # its node died between reservation and start
-            raise PlacementError(f"{len(actors)} workers were placed but did not start: {first_line(e)}") from e
-        return [dict(info, bundle=bundle) for info, bundle in zip(infos, bundles, strict=True)]
-
-    def _actor(self, bundle: int):
-        s = self.spec
-        return RemoteWorker.options(
-            num_cpus=s.cpus_per_worker,
-            num_gpus=s.gpus_per_worker,
-            max_concurrency=2,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle),
-        ).remote()
-
-    def _rank(self, actors: list, infos: list[dict]) -> list[dict]:
-        """Order the actors by where they landed (rank_table); each info names its bundle."""
-        self.table = rank_table(infos, self.spec.node_group)
-        self.workers = [actors[entry["worker_index"]] for entry in self.table]
-        return self.table
+    @property
+    def table(self) -> list[dict]:
+        """Where each rank runs (placement.rank_table), in rank order."""
+        return self.roster.table
 
     def placement(self) -> list[dict]:
-        """Where the ranks run, then the spares that are warm: for the run directory's placement files."""
-        spares = [{"spare": i, **info} for i, sp in enumerate(self.spares) if (info := sp.info()) is not None]
-        return [*self.table, *spares]
+        return self.roster.placement()
+
+    def restock(self) -> None:
+        self.roster.restock(self.warm_up)
 
     # -- running --------------------------------------------------------------------------------
 
@@ -328,113 +270,28 @@ class WorkerGroup:
         kill.end([self.workers[e["rank"]] for e in self.table if e["rank"] not in self.returned])  # dead on return
 
     def refill(self) -> list[dict]:
-        """Put workers in place of those `release_unhealthy` let go, hot spares first, each under the rank it
-        takes: the kept workers keep theirs. (A process whose rank changes between two process groups trips
-        torch's device-mesh caches: its new mesh's collectives resolve to the old group names, "Could not
-        resolve the process group"; and a kept worker holds its own rank's state for recovery from replicas.)
-        PlacementError if new ones are needed and the placement group is not whole again within
-        placement_timeout_s (a node of it is gone and nothing took its place), or if a replacement landed where
-        a block of node_group ranks would span two nodes."""
+        """Workers in place of those `release_unhealthy` let go (Roster.refill); the rank table."""
         self.calls = {}
-        self._fill([entry["rank"] for entry in self.table if entry["rank"] not in self.returned])
-        check_blocks(self.table, self.spec.node_group)
-        return self.table
+        return self.roster.refill([entry["rank"] for entry in self.table if entry["rank"] not in self.returned])
 
     def replace(self, rank: int) -> dict:
         """Kill the actor of `rank` and put another (a hot spare if one is warm) under the same rank:
         for work that goes on without it meanwhile (a parameter server's other workers)."""
-        ray.kill(self.workers[rank], no_restart=True)
         self.calls = {ref: r for ref, r in self.calls.items() if r != rank}
-        self._fill([rank])
-        return self.table[rank]
+        return self.roster.replace(rank)
 
-    def _fill(self, ranks: list[int]) -> None:
-        """An actor under each of `ranks` (lost): a warm spare where one can take it (on the rank's node when
-        its block must share one), else a new actor in the rank's bundle; the table updated where they run."""
-        new = []
-        for rank in ranks:
-            entry = self.table[rank]
-            taken = warm.take_spare(self.spares, entry["node_id"] if self.spec.node_group > 1 else None)
-            if taken is None:
-                new.append(rank)
-                continue
-            spare, info = taken
-            self.workers[rank], self.table[rank] = spare.actor, {**entry, **info}
-            self.free_bundles.append(entry["bundle"])  # where the next spare goes
-        if new:
-            bundles = [self.table[r]["bundle"] for r in new]
-            actors, infos = self._start_in(bundles, f"could not restart {len(new)} workers")
-            for rank, actor, info in zip(new, actors, infos, strict=True):
-                self.workers[rank], self.table[rank] = actor, {**self.table[rank], **info}
-        number_nodes(self.table)  # they may have come up on other nodes or GPUs
-
-    def _start_in(self, bundles: list[int], what: str) -> tuple[list, list[dict]]:
-        """New actors in `bundles` of the placement group, started, and where they run. A node that has just
-        died still holds its bundles until Ray marks it dead (its heartbeats missed, seconds later): actors
-        placed there meanwhile are cancelled. Then once the group is whole again they are placed anew, within
-        placement_timeout_s; the kept workers, and the state they hold, wait meanwhile."""
-        deadline = time.monotonic() + self.spec.placement_timeout_s
-        while True:
-            self._wait_whole(what)
-            actors = [self._actor(b) for b in bundles]
-            try:
-                return actors, self._started(actors, bundles)
-            except PlacementError:
-                for actor in actors:
-                    with contextlib.suppress(RayError):
-                        ray.kill(actor, no_restart=True)
-                if time.monotonic() > deadline:
-                    raise
-
-    def restock(self) -> None:
-        """Start a spare in each free spare bundle: at first, and where a spare left when it took a rank
-        (a run calls this once its attempt has made a step: a spare's warm-up takes CPU the start needs more)."""
-        while self.free_bundles and len(self.spares) < self.spec.spares:
-            self.spares.append(warm.start_spare(self._actor, self.free_bundles.pop(), self.warm_up))
-        self.free_bundles.clear()
-
-    def _wait_whole(self, what: str) -> None:
-        """Until the placement group is whole again (a lost node's bundles rescheduled), or PlacementError: not
-        within placement_timeout_s, or the group is gone (the supervisor then places a new one)."""
-        try:
-            ray.get(self.pg.ready(), timeout=self.spec.placement_timeout_s)
-        except GetTimeoutError as e:
-            raise PlacementError(
-                f"{what}: their placement group lost a node and was not whole again within "
-                f"cluster.placement_timeout_s={self.spec.placement_timeout_s:g}"
-            ) from e
-        except RayError as e:  # TaskPlacementGroupRemoved
-            raise PlacementError(f"{what}: their placement group is gone ({first_line(e)})") from e
-
-    # -- ending, and as a warm.Kept group -------------------------------------------------------
-
-    @property
-    def key(self) -> GroupSpec:
-        return self.spec
-
-    @property
-    def actors(self) -> list:
-        return self.workers
-
-    def held(self) -> dict[str, float]:
-        held: dict[str, float] = {}
-        for bundle in self.spec.bundles():
-            for k, v in bundle.items():
-                held[k] = held.get(k, 0) + v
-        return held
+    # -- ending -----------------------------------------------------------------------------------
 
     def release(self) -> None:
-        """Keep this group's placement group and warm actors for the next run of the same spec in
-        this driver (cluster.reuse_workers): its workers then start in no time."""
+        """Keep the roster (its placement group and warm actors) for the next run of the same spec in this
+        driver (cluster.reuse_workers): its workers then start in no time. This group is left with none."""
         self.calls, self._asked, self._progress, self.returned = {}, {}, {}, set()
-        warm.keep(self)
+        warm.keep(self.roster)
+        self.roster = Roster(self.spec)
 
     def shutdown(self) -> None:
-        kill.end([*self.workers, *(spare.actor for spare in self.spares)])
-        self.workers, self.spares, self.calls = [], [], {}
-        if self.pg is not None:
-            remove_placement_group(self.pg)
-            self.pg = None
+        self.roster.shutdown()
+        self.calls = {}
 
 
 def answers(refs: dict[int, Any], timeout_s: float) -> dict[int, Any]:
@@ -446,12 +303,3 @@ def answers(refs: dict[int, Any], timeout_s: float) -> dict[int, Any]:
             with contextlib.suppress(RayError):
                 out[rank] = ray.get(ref)
     return out
-
-
-def first_line(error: Exception, limit: int = 160) -> str:
-    """The error's type and the last line of its message (where Python puts the exception's own
-    words), cut to `limit` characters: Ray's death notices run to a paragraph."""
-    cause = getattr(error, "cause", None) or error
-    lines = str(cause).strip().splitlines()
-    line = lines[-1] if lines else ""
-    return f"{type(cause).__name__}: {line if len(line) <= limit else line[: limit - 1] + '…'}"

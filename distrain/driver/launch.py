@@ -2,8 +2,8 @@
 
 This is where the two layers meet: `distrain.cluster` places, watches and recovers workers without
 knowing what they run, and `distrain.train` trains one rank without knowing it runs under Ray. An
-engine says what an attempt runs: collective training (`AllReduceEngine`, below) or the parameter
-server (`distrain.ps.engine`).
+engine says what an attempt runs and where it starts: collective training (`driver/collective.py`) or the
+parameter server (`distrain/ps/engine.py`); this module is the run's lifecycle around it.
 """
 
 from __future__ import annotations
@@ -16,24 +16,22 @@ import uuid
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 from distrain.cluster.attempt import Attempt, Outcome
 from distrain.cluster.placement import GroupSpec
 from distrain.cluster.policy import failure_policy, policy_class
 from distrain.cluster.resources import embedded_resources
 from distrain.cluster.runtime import check_capacity, connect, gpu_count, wait_for_gpus
-from distrain.cluster.states import Work
 from distrain.cluster.supervisor import Supervisor
 from distrain.cluster.timeouts import Timeouts
 from distrain.cluster.worker_group import WorkerGroup
 from distrain.config import ClusterConfig, ConfigError, TrainConfig, attach_address
+from distrain.driver.collective import AllReduceEngine
 from distrain.driver.console import once
 from distrain.driver.fits import check_fits, verdict
 from distrain.driver.objectrun import check_run_url
-from distrain.driver.peers import HELD, plan_recovery
 from distrain.driver.plan import describe
-from distrain.driver.rerun import Found, claimed, newest_checkpoint
+from distrain.driver.rerun import Found, claimed
 from distrain.driver.stop import Stopped, StoppedBeforeStart, stop_grace_s, stop_signals
 from distrain.driver.validation import validate
 from distrain.model.hf import resolve_init_from
@@ -41,75 +39,8 @@ from distrain.progress import ProgressLine
 from distrain.storage.tracking import SUMMARY_FILE, read_metrics, wandb_mode, write_summary
 from distrain.storage.urls import is_url
 from distrain.strategy.layout import Layout
+from distrain.strategy.resolve import smaller
 from distrain.train.job import RankJob
-
-# The workers' modules, named rather than imported: they import torch, which the driver never needs
-# (seconds of its start, on the path to the first step).
-TRAINER, PROCESS_GROUP = "distrain.train.loop", "distrain.parallel.process_group"
-
-
-class AllReduceEngine:
-    """Collective training: every rank runs `train.loop.run_rank` in one process group; a failure
-    restarts the group from the state its live replicas keep in memory (driver/peers.py), or else from the
-    newest committed checkpoint, on the layout of its size."""
-
-    replaces_workers = False
-
-    def __init__(self, job: RankJob, layouts: dict[int, Layout]):
-        self.job, self.layouts, self.run_dir = job, layouts, Path(job.run_dir)
-        self.recoveries = 0  # from replicas, so far
-        self.replicas_offered = False  # from_replicas found every shard held: the next `begin` plans from them
-
-    def from_replicas(self, group: WorkerGroup) -> tuple[bool, str]:
-        if not self.job.config.cluster.peer_recovery:
-            return False, ""
-        layout = self.layouts[len(group.table)]
-        held = group.ask(HELD, sorted(group.returned), timeout_s=2.0)
-        plan, why = plan_recovery(layout, held, self.job.run_id, self.recoveries + 1)
-        self.replicas_offered = plan is not None
-        return plan is not None, why
-
-    def warm_up(self) -> tuple[str, tuple]:
-        return f"{TRAINER}:warm_up", (self.job.config,)
-
-    def begin(self, group: WorkerGroup, attempt: Attempt) -> Work:
-        """The attempt's work; and what the group runs in the ranks after a failure: an abort of the
-        collectives that ranks whose peer died wait in (on NCCL they would wait out the collective timeout,
-        then be killed), and a check on the device before a process is kept."""
-        group.recover_with(f"{PROCESS_GROUP}:check_device", f"{PROCESS_GROUP}:abort")
-        layout, plan, note = self.layouts[len(group.table)], None, ""
-        if self.replicas_offered:  # asked again: the group was refilled and ranked anew
-            self.replicas_offered = False
-            plan, why = plan_recovery(layout, group.ask(HELD), self.job.run_id, self.recoveries + 1)
-            note = "" if plan else f"restarting from the last checkpoint after all: {why}"
-        job = replace(self.job, layout=layout, use_gpu=group.spec.gpus_per_worker > 0)  # a GPU given is used
-        if plan is not None:
-            self.recoveries += 1
-            attempt.info.update(resumed_from_step=plan.step, resumed_from="replicas")
-            job = replace(job, peers=plan)
-        else:
-            latest, meta = newest_checkpoint(self.job.config, self.run_dir)
-            attempt.info["resumed_from_step"] = meta.get("step", 0)
-            job = replace(job, resume_from=latest and str(latest))
-            if attempt.number > 1:  # a restart: from where, said (the first attempt's resume is the summary's)
-                where = f"the checkpoint of step {meta['step']}" if latest else "step 0 (no checkpoint committed yet)"
-                note = "; ".join(filter(None, [note, f"attempt {attempt.number} starts from {where}"]))
-        return Work(f"{TRAINER}:run_rank", (job,), note=note)
-
-    def tick(self, suspect: bool) -> None:
-        pass
-
-    def replaced(self, rank: int) -> None:
-        raise AssertionError("a process group restarts together")
-
-    def request_stop(self, deadline: float) -> None:
-        pass
-
-    def finish(self, results: list[Any]) -> dict:
-        return results[0]  # rank 0's record of the run
-
-    def end(self, keep: bool = False) -> None:
-        pass
 
 
 def print_event(text: str) -> None:
@@ -294,7 +225,7 @@ def _prepare(
         engine = ParameterServerEngine(cfg, layout, spec, run_dir, wandb_run_id, started, progress.update)
         on_rank_progress, sizes = lambda p: None, [layout.world_size]
     else:
-        layouts = {layout.world_size: layout, **layout.smaller(cfg)}
+        layouts = {layout.world_size: layout, **smaller(layout, cfg)}
         job = RankJob(cfg, layout, str(run_dir), started, wandb_run_id, run_id=uuid.uuid4().hex)
         engine, on_rank_progress, sizes = AllReduceEngine(job, layouts), progress.update, list(layouts)
     c = cfg.cluster

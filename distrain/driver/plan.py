@@ -10,11 +10,11 @@ import math
 from dataclasses import dataclass, replace
 
 from distrain.config import TrainConfig, resolve_precision
-from distrain.driver.peers import survivable
+from distrain.driver.survival import survivable
 from distrain.model.size import num_params, parts
-from distrain.strategy import PARALLELISMS
+from distrain.strategy import MESH_DIMS, PARALLELISMS
 from distrain.strategy.context_parallel import ring_scores
-from distrain.strategy.layout import MESH_DIMS, Layout
+from distrain.strategy.layout import Layout
 from distrain.strategy.pipeline import in_flight, stage_layers
 
 FP32 = 4  # bytes: master weights, gradients and optimizer state are fp32 whatever the precision
@@ -104,7 +104,7 @@ def rank_memory(cfg: TrainConfig, layout: Layout, pp_rank: int, precision: str, 
     def shard(n: int, level: int) -> int:  # over dp_shard (× cp, folded in) from ZeRO `level` up (rounded up: padding)
         return -(-n // (layout.dp_shard * layout.cp)) if s.zero >= level else n
 
-    layers = sum(len(layout.stage_layers(cfg.model.n_layers)[i]) for i in stages)
+    layers = sum(len(stage_layers(cfg.model.n_layers, n_stages)[i]) for i in stages)
     kept, full = layer_activations(cfg, layout, precision, scores)
     activations = layers * in_flight(layout, pp_rank) * kept + (full - kept)
     return Memory(

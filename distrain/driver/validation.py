@@ -21,8 +21,9 @@ from distrain.storage import directio
 from distrain.storage.urls import check_location, is_url, looks_like_url
 from distrain.strategy import PARALLELISMS
 from distrain.strategy.layout import Layout
+from distrain.strategy.parallelism import require
 from distrain.strategy.pipeline import SCHEDULES
-from distrain.strategy.record import require
+from distrain.strategy.resolve import resolve, smaller
 
 OPTIMIZERS = ("adamw", "sgd")
 WANDB_MODES = (None, "online", "offline", "disabled")
@@ -41,7 +42,7 @@ def validate(cfg: TrainConfig) -> Layout:
     """Check everything that can be checked without a cluster; raise ConfigError naming key and fix.
     Returns the run's layout on cluster.num_workers."""
     _validate_places(cfg)
-    layout = Layout.resolve(cfg)
+    layout = resolve(cfg)
     _validate_numbers(cfg)
     _validate_model(cfg)
     for parallelism in reversed(PARALLELISMS):
@@ -195,7 +196,7 @@ def _validate_cluster(c: ClusterConfig) -> None:
 def _validate_elastic(cfg: TrainConfig, layout: Layout) -> None:
     c = cfg.cluster
     require(
-        (c.min_workers or c.num_workers) == c.num_workers or bool(layout.smaller(cfg)),
+        (c.min_workers or c.num_workers) == c.num_workers or bool(smaller(layout, cfg)),
         f"cluster.min_workers={c.min_workers} allows no layout smaller than {c.num_workers} workers: a run shrinks "
         f"by data-parallel replicas only (strategy.dp_replicate or dp_shard=-1), keeping strategy.tp × pp and a "
         f"trainer.global_batch_size they divide; change one of these or set cluster.min_workers=null",

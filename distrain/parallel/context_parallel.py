@@ -4,7 +4,7 @@ of a block (the attention scores too) is 1/cp of what it would be.
 The split is load-balanced for the causal mask (distrain/strategy/context_parallel.py's `chunks`): `SequenceSplit`
 cuts the inputs and targets of each batch (ParallelModel) and tells the model which positions its tokens are
 (rotary tables, learned positions: `FamilyModel.positions`). Attention is the one place the tokens meet: the
-step swaps each `CausalAttention` of the model (distrain/model/common.py) for one that sees the whole sequence,
+pass swaps each `CausalAttention` of the model (distrain/model/common.py) for one that sees the whole sequence,
 by one of two modes:
 
 - ring: K/V passed round the cp group, overlapped with the local blocks (ring_attention.py);
@@ -12,7 +12,7 @@ by one of two modes:
   the whole sequence), attention runs as without cp, and a second all-to-all turns it back.
 
 Every cp rank holds the same weights and different tokens, so gradients are averaged over cp as over data
-parallelism (dims.gradient_mesh folds cp into the data-parallel group); each rank's loss is the mean over its
+parallelism (mesh.py's gradient mesh folds cp into the data-parallel group); each rank's loss is the mean over its
 equal share of the tokens, and their mean is the whole sequence's.
 
 torch.distributed.tensor.experimental.context_parallel is not used: in torch 2.13 it handles only the CUDA
@@ -28,35 +28,9 @@ from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 
 from distrain.model.common import CausalAttention
+from distrain.parallel.passes import PassContext
 from distrain.parallel.ring_attention import RingAttention
-from distrain.parallel.step import StepContext
-from distrain.strategy.context_parallel import chunks
-
-
-class SequenceSplit:
-    """One cp rank's share of every sequence: chunks `rank` and 2·cp−1−`rank` of 2·cp."""
-
-    def __init__(self, cp: int, rank: int):
-        self.cp, self.rank = cp, rank
-        self.seq_len: int | None = None  # of the last batch split: the positions follow it
-        self._index: dict[tuple[int, torch.device], torch.Tensor] = {}
-
-    def index(self, seq_len: int, device: torch.device) -> torch.Tensor:
-        """The positions of this rank's tokens in a sequence of `seq_len`, in the order it holds them."""
-        key = (seq_len, device)
-        if key not in self._index:
-            front, back = chunks(seq_len, self.cp, self.rank)
-            self._index[key] = torch.tensor([*front, *back], dtype=torch.long, device=device)
-        return self._index[key]
-
-    def split(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's tokens of each sequence of x (batch, seq_len, ...)."""
-        self.seq_len = x.shape[1]
-        return x[:, self.index(x.shape[1], x.device)]
-
-    def positions(self, device: torch.device) -> torch.Tensor:
-        assert self.seq_len is not None, "positions asked for before any batch was split"
-        return self.index(self.seq_len, device)
+from distrain.parallel.sequence_split import SequenceSplit
 
 
 def _all_to_all(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -104,13 +78,13 @@ class ContextParallelAttention(nn.Module):
         return _sequence_to_heads(out, self.group, order)
 
 
-def parallelize(model: nn.Module, on: StepContext) -> nn.Module:
+def parallelize(model: nn.Module, on: PassContext) -> nn.Module:
     """Swap every CausalAttention for the cp one and give the model the split of its positions; the split is
     left in `on.sequence_split` for ParallelModel to cut the batches by."""
     layout = on.layout
     if layout.cp == 1:
         return model
-    cp_mesh = on.mesh["cp"]
+    cp_mesh = on.mesh.get("cp")
     if on.sequence_split is None:
         on.sequence_split = SequenceSplit(layout.cp, cp_mesh.get_local_rank())
     swapped = 0

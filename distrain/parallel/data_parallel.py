@@ -8,7 +8,7 @@ zero 3: FSDP2 `fully_shard`, parameters resharded after each block's forward
 HSDP is zero 2/3 on a 2-D (dp_replicate, dp_shard) mesh; offload adds FSDP2's CPUOffloadPolicy.
 The grid layouts of tensor parallelism (2-D, 2.5-D, 3-D) sum their gradients themselves (tpnd/grad_sync.py).
 
-It is the last step of parallelize.STEPS: a model built on the meta device is materialised here.
+It is the last pass of parallelize.PASSES: a model built on the meta device is materialised here.
 """
 
 from __future__ import annotations
@@ -25,16 +25,16 @@ from torch.nn.parallel import DistributedDataParallel
 
 from distrain.compat import ddp_without_buffer_sync
 from distrain.model.contract import owner, tie
-from distrain.parallel.step import StepContext
+from distrain.parallel.passes import PassContext
 
 
-def parallelize(model: nn.Module, on: StepContext) -> nn.Module:
+def parallelize(model: nn.Module, on: PassContext) -> nn.Module:
     """DDP where nothing else shards the model; FSDP2 for ZeRO-2/3; and for a replicated model
     that holds DTensors (TP) or is a pipeline stage, FSDP2's `replicate`, which composes with both;
     for the grid layouts nothing. A meta-built model is materialised after sharding, so that a rank
     allocates and initialises only its shards, and before replicating, as DDP and `replicate` need
     real parameters when they wrap a model."""
-    c, mesh = on.cfg, on.dp_mesh
+    c, mesh = on.cfg, on.mesh.gradient
     if on.grid is not None:  # gradients summed over the grid by GradSync (ParallelModel)
         materialize(model, on.device)
         return model

@@ -2,9 +2,9 @@
 
     pipeline split → context parallel → tensor parallel → activation checkpointing → compile → data parallel
 
-The pipeline cuts the model into this rank's stages; every other parallelism is a step (`STEPS`)
+The pipeline cuts the model into this rank's stages; every other parallelism is a pass (`PASSES`)
 applied to each of them in turn, as torchtitan's parallelize_llama applies them. A model built on the
-meta device is materialised inside the last step (data_parallel.materialize), so no rank ever holds the
+meta device is materialised inside the last pass (data_parallel.materialize), so no rank ever holds the
 whole model unless its layout says it must.
 
 The trainer sees only `ParallelModel`: one step's forward and backward, evaluation, gradient
@@ -28,8 +28,8 @@ from distrain.compat import settle_gradients
 from distrain.config import StrategyConfig
 from distrain.parallel import context_parallel, data_parallel, tensor_parallel
 from distrain.parallel.data_parallel import no_gradient_sync
-from distrain.parallel.dims import build_mesh, gradient_mesh
-from distrain.parallel.step import Step, StepContext
+from distrain.parallel.mesh import ParallelMesh
+from distrain.parallel.passes import Pass, PassContext
 from distrain.parallel.tensor_parallel import loss_context
 from distrain.parallel.tpnd.grad_sync import GradSync
 from distrain.parallel.tpnd.layers import grid_cross_entropy
@@ -38,7 +38,7 @@ from distrain.strategy.layout import Layout
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def apply_activation_checkpointing(model: nn.Module, on: StepContext) -> nn.Module:
+def apply_activation_checkpointing(model: nn.Module, on: PassContext) -> nn.Module:
     """Keep only each block's input; recompute the rest during the backward pass."""
     if on.cfg.activation_checkpoint:
         for block in model.layers.values():
@@ -46,7 +46,7 @@ def apply_activation_checkpointing(model: nn.Module, on: StepContext) -> nn.Modu
     return model
 
 
-def apply_compile(model: nn.Module, on: StepContext) -> nn.Module:
+def apply_compile(model: nn.Module, on: PassContext) -> nn.Module:
     """Compile block by block: the blocks are identical, so one graph serves them all."""
     if on.cfg.compile:
         for block in model.layers.values():
@@ -55,9 +55,9 @@ def apply_compile(model: nn.Module, on: StepContext) -> nn.Module:
 
 
 # What is applied to each part of the model (the whole of it, or each pipeline stage), in this order; a
-# parallelism's step is keyed by its name in distrain.strategy (the pipeline is no step: it makes the
-# parts). A step that does not apply to the layout returns the part as it is.
-STEPS: dict[str, Step] = {
+# parallelism's pass is keyed by its name in distrain.strategy (the pipeline is no pass: it makes the
+# parts). A pass that does not apply to the layout returns the part as it is.
+PASSES: dict[str, Pass] = {
     "cp": context_parallel.parallelize,
     "tp": tensor_parallel.parallelize,
     "activation_checkpoint": apply_activation_checkpointing,
@@ -152,18 +152,17 @@ class ParallelModel:
         collective: bool = True,
     ):
         self.cfg, self.layout, self.device, self.bf16 = cfg, layout, device, bf16
-        self.mesh = build_mesh(layout, device.type) if collective else None
-        self.dp_mesh = gradient_mesh(self.mesh, cfg.zero >= 2) if collective else None  # cp folded in
+        self.mesh = ParallelMesh(layout, device.type, sharded=cfg.zero >= 2, collective=collective)
         self.vocab_sharded_loss = layout.tp > 1 and layout.tp_mode == "1d" and cfg.loss_parallel
 
         parts, tied = {0: model}, getattr(model, "tied_parameters", ())  # plain DDP needs no contract
         if layout.pp > 1:
             from distrain.parallel.pipeline import split_stages  # torch's pipelining imports dynamo: only when used
 
-            parts = split_stages(model, self.mesh["pp"], layout)
-        on = StepContext(cfg, layout, self.mesh, self.dp_mesh, device, bf16, self.vocab_sharded_loss)
-        for step in STEPS.values():  # each step on every part before the next step
-            parts = {index: step(part, on) for index, part in parts.items()}
+            parts = split_stages(model, self.mesh.get("pp"), layout)
+        on = PassContext(cfg, self.mesh, device, bf16, self.vocab_sharded_loss)
+        for apply in PASSES.values():  # each pass on every part before the next pass
+            parts = {index: apply(part, on) for index, part in parts.items()}
         self.grid, self.grad_sync = on.grid, None  # 2-D, 2.5-D, 3-D tensor parallelism
         self.sequence_split = on.sequence_split  # context parallelism: this rank's tokens of each sequence
         self.loss_fn = loss_fn if self.grid is None else functools.partial(grid_cross_entropy, self.grid)
@@ -172,14 +171,15 @@ class ParallelModel:
         if layout.pp > 1:
             from distrain.parallel.pipeline import Pipeline
 
-            self.pipeline = Pipeline(parts, self.mesh["pp"], device, layout, self.loss_fn)
+            self.pipeline = Pipeline(parts, self.mesh.get("pp"), device, layout, self.loss_fn)
         self.parts = list(parts.values())
         self.module = self.parts[0] if len(self.parts) == 1 else stage_union(self.parts)
-        self.tied = TiedAcrossStages(self.module, tied, self.mesh["pp"].get_group()) if tied and self.pipeline else None
+        self.tied = TiedAcrossStages(self.module, tied, self.mesh.group("pp")) if tied and self.pipeline else None
         held = {name for name, _ in self.module.named_parameters()}
         self.copies = {a: b for a, b in tied if a in held and b not in held}  # tied copies on this stage
         if self.grid is not None:
-            self.grad_sync = GradSync(self.module, self.grid, self.dp_mesh.get_group() if self.dp_mesh else None)
+            gradient = self.mesh.gradient
+            self.grad_sync = GradSync(self.module, self.grid, gradient.get_group() if gradient else None)
 
     def checkpoint_names(self, optim_state: dict, saving: bool) -> dict:
         """Flattened optimizer state keyed as checkpoints key it (`saving`) or as this rank's optimizer does."""
@@ -188,12 +188,13 @@ class ParallelModel:
     @property
     def zero1_group(self) -> dist.ProcessGroup | None:
         """The group that shards the optimizer state under ZeRO-1, else None."""
-        return self.dp_mesh.get_group() if self.cfg.zero == 1 and self.dp_mesh is not None else None
+        gradient = self.mesh.gradient
+        return gradient.get_group() if self.cfg.zero == 1 and gradient is not None else None
 
     def no_sync(self, last: bool) -> contextlib.AbstractContextManager:
         """For a non-final micro-batch: keep its gradient local (no collective) until the last one.
         (The grid layouts' gradient sync runs once, after the last, in any case.)"""
-        if last or self.dp_mesh is None or self.grad_sync is not None:
+        if last or self.mesh.gradient is None or self.grad_sync is not None:
             return contextlib.nullcontext()
         return no_gradient_sync(self.module)
 
@@ -256,7 +257,7 @@ class ParallelModel:
         norm = self.grid.total_norm(grads) if self.grid is not None else as_tensor(torch.nn.utils.get_total_norm(grads))
         if self.pipeline is not None:
             norm = norm.pow(2)
-            dist.all_reduce(norm, group=self.mesh["pp"].get_group())
+            dist.all_reduce(norm, group=self.mesh.group("pp"))
             norm = norm.sqrt()
         if max_norm > 0:
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)

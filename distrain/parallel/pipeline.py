@@ -24,7 +24,7 @@ from torch.distributed.pipelining import (
 )
 
 from distrain.strategy.layout import Layout
-from distrain.strategy.pipeline import SCHEDULES
+from distrain.strategy.pipeline import SCHEDULES, stage_layers
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -41,7 +41,7 @@ SCHEDULE_CLASSES = {
 def split_stages(model: nn.Module, pp_mesh: DeviceMesh, layout: Layout) -> dict[int, nn.Module]:
     """This rank's stages, stage index → module; `model` itself becomes the last of them."""
     n_stages = layout.num_stages
-    layers = layout.stage_layers(len(model.layers))
+    layers = stage_layers(len(model.layers), n_stages)
     mine = layout.stages(pp_mesh.get_local_rank())
     _keep_layers(model, {i for index in mine for i in layers[index]})  # before copying: copy only this rank's blocks
     stages = {}

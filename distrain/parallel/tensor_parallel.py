@@ -11,21 +11,21 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
 from distrain.model.contract import tie
-from distrain.parallel.step import StepContext
+from distrain.parallel.passes import PassContext
 from distrain.parallel.tpnd.grid import Grid
 from distrain.parallel.tpnd.layers import apply_grid_tp
 
 
-def parallelize(model: nn.Module, on: StepContext) -> nn.Module:
+def parallelize(model: nn.Module, on: PassContext) -> nn.Module:
     """1-D on the mesh's `tp` dim; a grid on its grid dims, left in `on.grid`: the loss is computed on it
     and (ParallelModel's GradSync) the gradients summed over it."""
     layout = on.layout
     if layout.tp == 1:
         return model
     if layout.tp_mode == "1d":
-        apply_tp(model, on.mesh["tp"], on.vocab_sharded_loss)
+        apply_tp(model, on.mesh.get("tp"), on.vocab_sharded_loss)
     else:
-        on.grid = apply_tp_grid(model, on.mesh, layout.tp_mode)
+        on.grid = apply_tp_grid(model, on.mesh.world, layout.tp_mode)
     return model
 
 

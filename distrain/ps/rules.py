@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from distrain.config import TrainConfig
 from distrain.storage.urls import is_url
-from distrain.strategy.record import require
+from distrain.strategy.parallelism import require
 
 PS_MODES = ("sync", "async", "hogwild", "easgd")
 

@@ -12,9 +12,9 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
 
 from distrain.cluster import kill, warm
+from distrain.cluster.attempt import first_line
 from distrain.cluster.placement import PlacementError, WorkerFailure
 from distrain.cluster.states import AttemptLost
-from distrain.cluster.worker_group import first_line
 from distrain.ps.job import ServerJob
 
 SERVER_CALLS = 4  # a server's threads beyond one per worker: the driver's drains, saves, stops
@@ -110,7 +110,7 @@ class ServerGroup:
 
     # -- as a warm.Kept group -------------------------------------------------------------------
 
-    def held(self) -> dict[str, float]:
+    def resources(self) -> dict[str, float]:
         return {"CPU": self.cpus * len(self.actors)}
 
     def release(self) -> None:

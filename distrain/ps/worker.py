@@ -23,7 +23,7 @@ from distrain.config import TrainConfig
 from distrain.data.loader import run_batches
 from distrain.ps.job import WorkerJob
 from distrain.ps.shard import ShardView, as_tensor, model_shards
-from distrain.strategy.layout import Layout
+from distrain.strategy import resolve
 from distrain.train.faults import Faults
 from distrain.train.learner import Learner, local_device
 from distrain.train.metrics import memory_peaks
@@ -54,7 +54,7 @@ class PSWorker:
         self.rank = int(os.environ["RANK"])
         faults = Faults(cfg.fault, self.rank, channel)
         # The whole model in this process (no process group), this worker's data-parallel slice.
-        single = Layout.single(layout.micro_batches)
+        single = resolve.single(layout.micro_batches)
         device = local_device(job.use_gpu)  # None: whatever torch sees, as under torchrun
         self.learner = Learner(cfg, single, layout.data_shard(self.rank), device, faults, collective=False)
         self.model = self.learner.module

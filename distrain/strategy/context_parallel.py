@@ -4,13 +4,11 @@ its rules and its plan section. Applied by distrain/parallel/context_parallel.py
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from distrain.config import TrainConfig
-from distrain.strategy.record import Parallelism, require
-
-if TYPE_CHECKING:
-    from distrain.strategy.layout import Layout
+from distrain.strategy.layout import Layout
+from distrain.strategy.parallelism import Parallelism, require
 
 CP_MODES = ("ring", "alltoall")
 TILE = 128  # query rows the ring scores at once: the transient scores are TILE × a chunk's keys per head, never chunk²
@@ -132,6 +130,7 @@ def plan(cfg: TrainConfig, layout: Layout) -> list[str]:
 CONTEXT_PARALLEL = Parallelism(
     name="cp",
     dims=("cp",),
+    defaults={"cp_mode": "ring"},
     fields=fields,
     validate=validate,
     plan=plan,

@@ -5,13 +5,11 @@ distrain/parallel/data_parallel.py."""
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from distrain.config import TrainConfig
-from distrain.strategy.record import Parallelism, require
-
-if TYPE_CHECKING:
-    from distrain.strategy.layout import Layout
+from distrain.strategy.layout import Layout
+from distrain.strategy.parallelism import Parallelism, require
 
 DIMS = ("dp_replicate", "dp_shard")
 
@@ -79,4 +77,6 @@ def check(cfg: TrainConfig, layout: Layout) -> None:
     )
 
 
-DATA_PARALLEL = Parallelism(name="dp", dims=DIMS, fields=fields, check=check)
+DATA_PARALLEL = Parallelism(
+    name="dp", dims=DIMS, sizes=sizes, defaults={"micro_batches": 1}, fields=fields, check=check
+)

@@ -4,13 +4,11 @@ section and the micro-batches in flight. Applied by distrain/parallel/pipeline.p
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from distrain.config import TrainConfig
-from distrain.strategy.record import Parallelism, require
-
-if TYPE_CHECKING:
-    from distrain.strategy.layout import Layout
+from distrain.strategy.layout import Layout
+from distrain.strategy.parallelism import Parallelism, require
 
 
 @dataclass(frozen=True)
@@ -112,4 +110,11 @@ def plan(cfg: TrainConfig, layout: Layout) -> list[str]:
     return lines
 
 
-PIPELINE = Parallelism(name="pp", dims=("pp",), fields=fields, check=check, plan=plan)
+PIPELINE = Parallelism(
+    name="pp",
+    dims=("pp",),
+    defaults={"stages_per_rank": 1, "schedule": "1f1b"},
+    fields=fields,
+    check=check,
+    plan=plan,
+)

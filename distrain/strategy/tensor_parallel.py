@@ -4,14 +4,12 @@ it splits weights and activations. Applied by distrain/parallel/tensor_parallel.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from distrain.config import TrainConfig
+from distrain.strategy.layout import Layout
+from distrain.strategy.parallelism import Parallelism, require
 from distrain.strategy.pipeline import SCHEDULES
-from distrain.strategy.record import Parallelism, require
-
-if TYPE_CHECKING:
-    from distrain.strategy.layout import Layout
 
 TP_MODES = ("1d", "2d", "2.5d", "3d")
 
@@ -122,6 +120,12 @@ def _validate_grid(cfg: TrainConfig) -> None:
     )
 
 
+def tp_coordinate(layout: Layout, rank: int) -> dict[str, int]:
+    """Rank → its position on the tensor-parallel grid's dims (the tp coordinate, reshaped)."""
+    c = layout.mesh_coordinate(rank)
+    return {name: c[name] for name, _ in tp_grid(layout.tp_mode, layout.tp, layout.tp_depth)}
+
+
 def _chunk(index: int, chunks: int, n: int) -> str:
     return f"{index * n // chunks}-{(index + 1) * n // chunks - 1}"
 
@@ -138,7 +142,7 @@ def plan(cfg: TrainConfig, layout: Layout) -> list[str]:
     lines = [f"tensor-parallel grid ({layout.tp_mode}: {' × '.join(f'{d}={n}' for d, n in grid.items())}, {how}); "
              f"a micro-batch of {b} sequences, hidden {h}; projection W[out, in] as nn.Linear holds it:"]  # fmt: skip
     for rank in range(layout.tp):
-        c = layout.tp_coordinate(rank)
+        c = tp_coordinate(layout, rank)
         where = ", ".join(f"{d} {v}" for d, v in c.items())
         if layout.tp_mode == "3d":
             q = grid["tp_k"]
@@ -157,8 +161,9 @@ def plan(cfg: TrainConfig, layout: Layout) -> list[str]:
 TENSOR_PARALLEL = Parallelism(
     name="tp",
     dims=("tp",),
+    defaults={"tp_mode": "1d", "tp_depth": 1},
     fields=fields,
-    mesh=lambda layout: dict(tp_grid(layout.tp_mode, layout.tp, layout.tp_depth)),
+    mesh=lambda values: dict(tp_grid(values["tp_mode"], values["tp"], values["tp_depth"])),
     validate=validate,
     plan=plan,
     # sequence parallelism splits every activation a block keeps with the rest

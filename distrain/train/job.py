@@ -1,6 +1,6 @@
-"""What the driver hands each rank of collective training (`train.loop.run_rank`). Torch-free: the driver
-builds it, once, from the validated config, and fills in each attempt's layout and checkpoint; Ray pickles
-it to the workers as it is."""
+"""What the driver hands each rank of collective training (`train.rank.run_rank`), and where its attempt starts.
+Torch-free: the driver builds it, once, from the validated config, and fills in each attempt's layout and start;
+Ray pickles it to the workers as it is."""
 
 from __future__ import annotations
 
@@ -11,8 +11,18 @@ from distrain.strategy.layout import Layout
 
 
 @dataclass(frozen=True)
-class PeerPlan:
-    """An attempt that starts from the state its ranks' live replicas kept in memory, not from a checkpoint:
+class Fresh:
+    """The attempt starts at step 0: nothing committed yet, no replica kept."""
+
+
+@dataclass(frozen=True)
+class FromCheckpoint:
+    path: str  # the committed checkpoint (on an object store: the driver's choice there, fetched by each node)
+
+
+@dataclass(frozen=True)
+class FromReplicas:
+    """The attempt starts from the state its ranks' live replicas kept in memory, not from a checkpoint:
     `sources[r]` is the rank whose memory holds rank r's shard at `step` (r itself, or a rank of another
     data-parallel replica that sends it). `lines`: the last logged steps' metrics (step → metrics), whose lines
     may not have been written (they are read back a step late, on every rank, and rank 0 may be the one that died)."""
@@ -24,6 +34,10 @@ class PeerPlan:
     lines: dict[int, dict] = field(default_factory=dict)
 
 
+Start = Fresh | FromCheckpoint | FromReplicas
+FRESH = Fresh()
+
+
 @dataclass(frozen=True)
 class RankJob:
     config: TrainConfig  # validated, with what the workers must see resolved (launch.resolved)
@@ -31,7 +45,6 @@ class RankJob:
     run_dir: str
     started_at: float  # when the driver started: summary.json's time to the first step counts from it
     wandb_run_id: str | None = None  # one W&B run across every attempt
-    resume_from: str | None = None  # the committed checkpoint the attempt starts from
+    start: Start = FRESH  # where the attempt's state comes from (driver/collective.py decides)
     use_gpu: bool | None = None  # Ray gave the rank a GPU, which it must train on; None: whatever torch sees
-    peers: PeerPlan | None = None  # the attempt starts from its live replicas' memory (resume_from is unused)
     run_id: str = ""  # one run of the driver: what a rank's kept state is matched against

@@ -21,6 +21,8 @@ collected.
 
 from __future__ import annotations
 
+import os
+import secrets
 import shutil
 import weakref
 from dataclasses import dataclass
@@ -30,6 +32,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from distrain.config import TrainConfig
 from distrain.storage import directio
 from distrain.storage.fsutil import alive
 
@@ -220,3 +223,15 @@ def _remove_scratch(stream: directio.Stream, directory: Path) -> None:
         directory.parent.rmdir()  # the run's directory, once its last rank has gone
     except OSError:
         pass
+
+
+def nvme_scratch(cfg: TrainConfig, rank: int) -> Scratch | None:
+    """Where this rank's optimizer state lives under offload=nvme, else None."""
+    s = cfg.strategy
+    if s.offload != "nvme":
+        return None
+    root, run = os.path.split(s.nvme_directory(cfg.run.name))
+    # A directory of its own (<rank>.<pid>-<tag>): a process kept from a failed attempt may not have removed
+    # its last one yet (train/nvme.py).
+    own = f"rank_{rank:05d}.{os.getpid()}-{secrets.token_hex(4)}"
+    return Scratch(Path(root), os.path.join(run, own), int(s.nvme_buffer_mb * 2**20))

@@ -26,8 +26,8 @@ from plots import figure, log2_x  # jobs/bench/plots.py, beside this script
 from distrain.config import ModelConfig, StrategyConfig
 from distrain.model.llama import Transformer
 from distrain.parallel.parallelize import ParallelModel
-from distrain.strategy.layout import Layout, stage_layers
-from distrain.strategy.pipeline import SCHEDULES
+from distrain.strategy.pipeline import SCHEDULES, stage_layers
+from distrain.strategy.resolve import layout_of
 from distrain.testing import processes
 from distrain.train.learner import cross_entropy
 
@@ -96,7 +96,7 @@ def time_schedule(setup: BubbleSetup, schedule: str, m: int, device: torch.devic
     model = Transformer(setup.model, setup.seq_len, seed=0)
     v = stages_per_rank(schedule)
     strategy = StrategyConfig(dp_replicate=1, pp=setup.pp, schedule=schedule, stages_per_rank=v)
-    layout = Layout(setup.pp, 1, 1, 1, micro_batches=m, stages_per_rank=v, schedule=schedule)
+    layout = layout_of(pp=setup.pp, micro_batches=m, stages_per_rank=v, schedule=schedule)
     clock = ComputeClock()
     parallel = ParallelModel(model, strategy, layout, device, False, clock.wrap(cross_entropy))
     for stage in parallel.pipeline.stages:

@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_flatten
 from distrain.config import ModelConfig, StrategyConfig
 from distrain.model.llama import Transformer
 from distrain.parallel.parallelize import ParallelModel
-from distrain.strategy.layout import Layout
+from distrain.strategy.resolve import layout_of
 from distrain.testing import processes
 from distrain.train.learner import cross_entropy
 
@@ -67,7 +67,7 @@ def build(
     cp: int, mode: str, seq: int, model: dict, device: torch.device
 ) -> tuple[ParallelModel, torch.optim.Optimizer]:
     cfg = ModelConfig(name="bench_cp", **model)
-    layout = Layout(1, WORLD // cp, 1, 1, 1, cp=cp, cp_mode=mode)
+    layout = layout_of(dp_replicate=WORLD // cp, cp=cp, cp_mode=mode)
     with torch.device("meta"):
         net = Transformer(cfg, seq, seed=0)
     strategy = StrategyConfig(dp_replicate=WORLD // cp, cp=cp, cp_mode=mode)

@@ -269,12 +269,13 @@ def raytrain_loop(config: dict) -> None:
     import torch.distributed as dist
 
     from distrain.storage import checkpoint
-    from distrain.train.loop import run_rank
+    from distrain.train.job import FRESH, FromCheckpoint
+    from distrain.train.rank import run_rank
 
     job = config["job"]
     run_dir = Path(job.run_dir)
     latest = checkpoint.latest(run_dir / "checkpoints")
-    run_rank(replace(job, resume_from=str(latest) if latest else None), Recorder(run_dir, dist.get_rank()))
+    run_rank(replace(job, start=FromCheckpoint(str(latest)) if latest else FRESH), Recorder(run_dir, dist.get_rank()))
 
 
 def run_raytrain(system: str, workers: int, repeat: int, args, storage: Path) -> Run:
@@ -484,7 +485,7 @@ the kill to the first completed training step after it, and **the steps redone p
 failed attempt's `step_begun` (the step in flight) minus the next attempt's `info.resumed_from_step`
 (`summary.json`); Ray Train, which keeps no such record, the steps `metrics.jsonl` holds both before and after
 the kill, plus the one in flight. Under Ray Train the train loop is distrain's own trainer
-(`distrain.train.loop.run_rank`) on the same config, in the gloo process group Ray Train forms, resuming from the
+(`distrain.train.rank.run_rank`) on the same config, in the gloo process group Ray Train forms, resuming from the
 same checkpoints on the same disk: model, data, checkpoint format and step are identical, so **the comparison is
 of the orchestration alone**. The goals, from replicas on 4 workers: a median of ≤ {GOAL_S:g} s, and 0 steps lost
 (only the step in flight redone: 1 step redone per failure).

@@ -24,6 +24,7 @@ from distrain.model.size import num_params
 from distrain.parallel.memory import state_bytes
 from distrain.parallel.parallelize import ParallelModel
 from distrain.strategy.layout import Layout
+from distrain.strategy.resolve import layout_of
 from distrain.testing import processes
 from distrain.train.learner import cross_entropy
 from distrain.train.optim import build_optimizer, local_optimizer
@@ -50,7 +51,7 @@ def memory_rank(rank: int, device: torch.device, world: int, cfg: ModelConfig, s
         net = Transformer(cfg, seq_len, seed=0)
         replicate, shard = (1, world) if zero else (world, 1)
         strategy = StrategyConfig(zero=zero, offload=offload, dp_replicate=replicate, dp_shard=shard)
-        layout = Layout(1, replicate, shard, 1, micro_batches=2)
+        layout = layout_of(dp_replicate=replicate, dp_shard=shard, micro_batches=2)
         parallel = ParallelModel(net, strategy, layout, device, False, cross_entropy)
         optimizer = build_optimizer(parallel.module, OptimConfig(), parallel.zero1_group)
         batch = torch.randint(0, cfg.vocab_size, (2, seq_len))

@@ -20,7 +20,7 @@ from distrain.parallel.memory import local_bytes
 from distrain.parallel.parallelize import ParallelModel
 from distrain.parallel.traffic import Traffic, saved_activations
 from distrain.strategy import tpcost
-from distrain.strategy.layout import Layout
+from distrain.strategy.resolve import layout_of
 from distrain.strategy.tensor_parallel import grid
 from distrain.testing import processes
 from distrain.train.learner import cross_entropy
@@ -58,7 +58,7 @@ def step_rank(rank: int, device: torch.device, mode: str, p: int, depth: int, mo
     """One rank: a step unmeasured, then one counted: its traffic, saved activations and parameter bytes."""
     cfg = ModelConfig(name="bench_tp", **model)
     grid = {"tp_mode": mode, "tp_depth": depth}
-    layout = Layout(1, 1, 1, p, 1, **grid)
+    layout = layout_of(tp=p, **grid)
     with torch.device("meta"):
         net = Transformer(cfg, t, seed=0)
     parallel = ParallelModel(net, StrategyConfig(dp_replicate=1, tp=p, **grid), layout, device, False, cross_entropy)

@@ -1,4 +1,5 @@
-"""Recovery from a live replica: a failure costs the step in flight, not the steps since the last checkpoint.
+"""Recovery from a live replica, the transfer: a failure costs the step in flight, not the steps since the last
+checkpoint.
 
 When an attempt fails, each rank whose state is whole (the failure came between two optimizer updates,
 not inside one) keeps it in its process: references to its model and optimizer tensors, no copy
@@ -6,8 +7,8 @@ not inside one) keeps it in its process: references to its model and optimizer t
 them (`fill`): a rank from its own memory, or, when its own is gone (the replacement of a dead rank) or
 behind, from a rank of another data-parallel replica holding the same shard, sent point to point over
 the new group. A digest of every shard, compared across its replicas afterwards (`check_replicas`),
-shows the copies equal bit for bit. The driver decides who sends what (driver/peers.py); no checkpoint
-is read.
+shows the copies equal bit for bit. The driver decides who sends what (driver/collective.py); the rank's
+state and its sources: train/state.py. No checkpoint is read.
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ class ReplicaMismatchError(RuntimeError):
 
 
 @dataclass
-class Held:
+class KeptState:
+    """A rank's training state kept in its process after its attempt failed, for the next attempt to start from."""
+
     run: str
     rank: int  # in the attempt that failed
     world: int
@@ -39,25 +42,25 @@ class Held:
     lines: dict[int, dict]  # the last logged steps read back here (step → metrics): rank 0 may not have written them
 
 
-_held: Held | None = None
+_kept: KeptState | None = None
 
 
-def keep(held: Held | None) -> None:
+def keep(kept: KeptState | None) -> None:
     """What this process keeps for the next attempt (None: nothing; the last kept state is let go)."""
-    global _held
-    _held = held
+    global _kept
+    _kept = kept
 
 
-def held() -> dict | None:
+def offer() -> dict | None:
     """What this process keeps from its last attempt, for the driver's plan (run by the worker, in plain data)."""
-    h = _held
-    return None if h is None else {"run": h.run, "rank": h.rank, "world": h.world, "step": h.step, "lines": h.lines}
+    k = _kept
+    return None if k is None else {"run": k.run, "rank": k.rank, "world": k.world, "step": k.step, "lines": k.lines}
 
 
-def kept(run: str, step: int) -> Held | None:
+def kept_at(run: str, step: int) -> KeptState | None:
     """The kept state if it is `run`'s at `step` (it stays kept until the attempt is under way: `keep(None)`)."""
-    h = _held
-    return h if h is not None and (h.run, h.step) == (run, step) else None
+    k = _kept
+    return k if k is not None and (k.run, k.step) == (run, step) else None
 
 
 def flatten(state: dict) -> dict:
@@ -74,7 +77,7 @@ def tensors(state: dict) -> list[tuple[str, torch.Tensor]]:
     return sorted(((k, local(v)) for k, v in state.items() if isinstance(v, torch.Tensor)), key=lambda kv: kv[0])
 
 
-def fill(state: dict, sources: tuple[int, ...], rank: int, own: Held | None, midway: Callable[[], None]) -> dict:
+def fill(state: dict, sources: tuple[int, ...], rank: int, own: KeptState | None, midway: Callable[[], None]) -> dict:
     """Fill `state` (the fresh model's and optimizer's tensors, flat) for `rank`: from `own` memory when the plan
     names the rank its own source, else from its source's; then send it to the ranks that take theirs from this
     one. Returns the extras this rank now holds (its own, or its source's). `midway` runs once the first
