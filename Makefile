@@ -44,9 +44,9 @@ bench: setup
 
 # The GPU figures (strategies on NCCL, bf16 against fp32, the user's journey: kill, resume, export, generate;
 # the parameter server, a sticky CUDA error) in one command, MFU and collectives with ARGS="--parts ..."; without
-# a GPU, a check that the scripts work. On a GPU machine: make gpu-check TORCH=torch (see jobs/bench/gpu_check.py).
+# a GPU, a check that the scripts work. On a GPU machine: make gpu-check TORCH=torch (see jobs/gpu_check.py).
 gpu-check: setup
-	$(PY) jobs/bench/gpu_check.py $(ARGS)
+	$(PY) jobs/gpu_check.py $(ARGS)
 
 # A folder of wheels that installs distrain, torch excepted, on a GPU node with no package index
 # (docs/install.md): make wheelhouse PYTHON=3.12 PLATFORM=manylinux_2_28_x86_64 [EXTRAS=hf] [OUT=dir].

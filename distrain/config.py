@@ -2,9 +2,9 @@
 
 Hydra composes `conf/` on top of these schemas (so a misspelt key fails at composition); the
 files in `conf/` hold presets, i.e. only what differs from these defaults. `validation.validate`
-checks what types cannot. The dataclasses themselves cross into the ranks of collective training
-(`train.job.RankJob`); `to_plain` makes the plain dict a checkpoint records, a resume compares and
-the parameter server's actors receive (`from_plain` rebuilds the dataclasses). Nothing here touches
+checks what types cannot. The dataclasses themselves cross into the actors (`train.job.RankJob`,
+`ps.job.ServerJob` and `WorkerJob`); `to_plain` makes the plain dict a checkpoint records and a resume
+compares (`from_plain` rebuilds the dataclasses from a recorded one). Nothing here touches
 Hydra's global state: `distrain.driver.cli` registers the schema and composes.
 """
 
@@ -18,8 +18,8 @@ from typing import Any
 
 from omegaconf import MISSING, OmegaConf
 
-from distrain.storage.objectstore import mirror_dir, redact
-from distrain.storage.urls import is_url, run_location
+from distrain.storage.redaction import redact
+from distrain.storage.urls import is_url, mirror_dir, run_location
 
 
 class ConfigError(ValueError):
@@ -261,7 +261,7 @@ class FaultConfig:
     straggler_slowdown: float = 3.0
     hold_file: str | None = None  # while this file exists, every rank waits before each step (tests pin a run down)
     # Rank kill_rank SIGKILLs its own process once step kill_at_step is done (its checkpoint, if due, begun), in an
-    # attempt that began at step 0: a kill at a known step, with no race against a fast run (jobs/bench/gpu_check.py).
+    # attempt that began at step 0: a kill at a known step, with no race against a fast run (jobs/gpu_check.py).
     kill_at_step: int | None = None
     kill_rank: int = 0
     # With run.storage a URL: the kill happens instead while step kill_at_step's checkpoint is being uploaded, once

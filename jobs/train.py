@@ -99,7 +99,7 @@ def main(cfg) -> float | None:
     from omegaconf import OmegaConf
 
     from distrain.driver.sweep import earlier_result, objective
-    from distrain.storage.objectstore import redact, redact_override
+    from distrain.storage.redaction import redact, redact_override
 
     STARTUP["composed_at"] = time.time()
     hydra = HydraConfig.get()
@@ -114,7 +114,7 @@ def main(cfg) -> float | None:
         LOG.open(run_dir)
         out = run_dir / "hydra" / time.strftime("%Y%m%d-%H%M%S") / ".hydra"  # Hydra's own layout
         out.mkdir(parents=True, exist_ok=True)
-        kept = cfg.copy()  # storage.options redacted, should a secret have been put there (objectstore.redact)
+        kept = cfg.copy()  # storage.options redacted, should a secret have been put there (redaction.redact)
         kept.storage.options = redact(OmegaConf.to_container(cfg.storage.options, resolve=True))
         OmegaConf.save(kept, out / "config.yaml")
         OmegaConf.save(OmegaConf.create([redact_override(o) for o in hydra.overrides.task]), out / "overrides.yaml")

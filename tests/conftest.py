@@ -181,10 +181,7 @@ def s3(tmp_path_factory):
     """A real S3-compatible store (SeaweedFS on loopback, free ports, data in tmp) for the session, its key,
     secret and endpoint in this process's environment as a user's would be (the driver forwards AWS_* to the
     workers); ended by its PID, also on failure."""
-    import sys
-
-    sys.path.append(str(REPO / "jobs" / "bench"))
-    from seaweed import Seaweed
+    from distrain.testing.seaweed import Seaweed
 
     store = Seaweed(tmp_path_factory.mktemp("seaweed")).start()
     saved = {k: os.environ.get(k) for k in store.env}

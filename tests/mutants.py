@@ -117,7 +117,7 @@ MUTANTS = (
     ),
     Mutant(
         "stale-summary-kept",
-        "distrain/storage/record.py",
+        "distrain/storage/record_sync.py",
         "(n not in local or n == SUMMARY)",
         "n not in local",
         (

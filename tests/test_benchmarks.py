@@ -14,11 +14,12 @@ from pathlib import Path
 
 import pytest
 
+from distrain.testing import processes
+
 REPO = Path(__file__).resolve().parent.parent
-sys.path.append(str(REPO / "jobs" / "bench"))
+sys.path += [str(REPO / "jobs" / "bench"), str(REPO / "jobs")]  # the harness; gpu_check.py
 
 import harness  # noqa: E402  (jobs/bench/harness.py)
-import processes  # noqa: E402  (jobs/bench/processes.py)
 
 
 def smoke(tmp_path: Path, script: str, timeout_s: float, *extra: str) -> tuple[processes.Finished, Path]:
@@ -169,7 +170,7 @@ def test_gpu_check_walks_the_journey_by_default() -> None:
 
 @pytest.mark.timeout(420)
 def test_gpu_check_cpu_mode(tmp_path: Path) -> None:
-    """Without a GPU (hidden where there is one), jobs/bench/gpu_check.py runs every part at tiny sizes, one worker
+    """Without a GPU (hidden where there is one), jobs/gpu_check.py runs every part at tiny sizes, one worker
     in place of one GPU: those that fit pass, those that need more workers are skipped, and every page goes
     under --storage, none into docs/. The journey, for both model families: a rank SIGKILLed mid-run, the run
     resumed from a committed checkpoint (one restart in its summary.json) with the uninterrupted run's losses
@@ -178,7 +179,7 @@ def test_gpu_check_cpu_mode(tmp_path: Path) -> None:
 
     docs = {name: REPO / "docs" / name for name in ("gpu.md", "mfu.md", "collectives.md")}
     before = {name: path.stat().st_mtime_ns if path.exists() else None for name, path in docs.items()}
-    cmd = [sys.executable, "jobs/bench/gpu_check.py", "--storage", str(tmp_path)]
+    cmd = [sys.executable, "jobs/gpu_check.py", "--storage", str(tmp_path)]
     cmd += ["--parts", ",".join(importlib.import_module("gpu_check").PARTS)]  # every one, the optional benchmarks too
     done = processes.run_command(cmd, tmp_path / "gpu_check.log", 360, env={"CUDA_VISIBLE_DEVICES": ""})
     log = done.log.read_text()

@@ -1,5 +1,5 @@
 """Real hosts: Ray nodes in network namespaces, each with its own address and interface name
-(jobs/bench/hosts.py), jobs sent with `ray job submit` from the head's namespace. What differs between
+(distrain/testing/hosts.py), jobs sent with `ray job submit` from the head's namespace. What differs between
 real hosts shows here and nowhere else: the interface gloo binds to, the rendezvous across hosts, the
 environment each worker gets, and a host lost with every process on it.
 
@@ -9,7 +9,6 @@ Each host has 1 CPU and each worker 0.5, so 4 workers are 2 per host, and one ho
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -28,9 +27,7 @@ from conftest import (
 )
 
 from distrain.driver.launch import train
-
-sys.path.append(str(REPO / "jobs" / "bench"))
-from hosts import Bed, unavailable  # noqa: E402  (jobs/bench/hosts.py: the benchmarks use it too)
+from distrain.testing.hosts import Bed, unavailable
 
 pytestmark = pytest.mark.skipif(bool(reason := unavailable()), reason=reason or "")
 
@@ -296,10 +293,9 @@ def test_on_an_object_store_a_lost_host_shrinks_the_run_which_resumes_from_the_s
     (SeaweedFS on the bed's bridge, reachable from every host): no folder is shared between them. A host is lost
     mid-run; the run goes on, on the head's 2 workers, from the newest checkpoint committed on the store, which
     holds files only the lost host's ranks wrote: the resume fetched them from the store."""
-    from seaweed import Seaweed
-
     from distrain.storage.checkpoint import writer_of
-    from distrain.storage.objectstore import mirror_dir
+    from distrain.storage.urls import mirror_dir
+    from distrain.testing.seaweed import Seaweed
 
     other = next(h for h in bed.hosts[1:] if h.ray is not None)
     store = Seaweed(tmp_path / "seaweed", host=bed.service_address(), namespace=bed.bridge).start()

@@ -26,7 +26,7 @@ from distrain.driver.objectrun import check_run_url, on_store
 from distrain.driver.workers import worker_env
 from distrain.storage.fsutil import LockedError
 from distrain.storage.objectstore import Store, quick_options
-from distrain.storage.record import LOCK_OBJECT, RecordSync, record_sync, store_lock
+from distrain.storage.record_sync import LOCK_OBJECT, RecordSync, record_sync, store_lock
 from distrain.storage.tracking import TRACKER_FILES, Tracker
 
 STEPS = 4

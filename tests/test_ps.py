@@ -24,11 +24,12 @@ from test_fault_tolerance import in_background, when
 from torch import nn
 
 from distrain.channel import Channel
-from distrain.config import TrainConfig, to_plain
+from distrain.config import TrainConfig
 from distrain.data.corpus import load_tokens, unigram_entropy
 from distrain.driver.launch import train
 from distrain.driver.validation import validate
 from distrain.model.llama import Transformer
+from distrain.ps.job import ServerJob, WorkerJob
 from distrain.ps.server import ParameterServer, elastic_exchange, feasible, load_weights
 from distrain.ps.shard import Piece, Slot, as_tensor, plan_shards
 from distrain.ps.worker import PSWorker
@@ -134,7 +135,7 @@ def make_server(ray_cluster, tmp_path: Path) -> Callable[..., ParameterServer]:
     def make(*overrides: str, index: int = 0, resume_from: str | None = None) -> ParameterServer:
         cfg = make_config(tmp_path, "run.name=unit", "strategy=ps", *overrides)
         validate(cfg)
-        server = ParameterServer({"config": to_plain(cfg), "resume_from": resume_from}, index)
+        server = ParameterServer(ServerJob(cfg, resume_from), index)
         made.append(server)
         return server
 
@@ -363,11 +364,10 @@ def test_an_easgd_worker_moves_by_the_difference_the_exchange_returns(ray_cluste
     alpha = 0.25
     cfg = make_config(tmp_path, "run.name=easgd", "strategy=ps", "ps=easgd", "ps.num_servers=2", f"ps.alpha={alpha}")
     layout = validate(cfg)
-    plain = to_plain(cfg)
-    servers = [ray.remote(ParameterServer).options(max_concurrency=4).remote({"config": plain}, k) for k in range(2)]
+    servers = [ray.remote(ParameterServer).options(max_concurrency=4).remote(ServerJob(cfg), k) for k in range(2)]
     try:
         monkeypatch.setenv("RANK", "0")
-        worker = PSWorker({"config": plain, "layout": layout.as_dict(), "servers": servers}, Channel())
+        worker = PSWorker(WorkerJob(cfg, layout, tuple(servers)), Channel())
         params = list(worker.model.parameters())
         assert worker.pull(0) == 0
         centre = nn.utils.parameters_to_vector(params).detach().clone()

@@ -20,11 +20,11 @@ from conftest import make_config
 from torch import nn
 
 from distrain.cluster.placement import WorkerFailure
-from distrain.config import to_plain
 from distrain.driver.launch import train
 from distrain.driver.validation import validate
 from distrain.driver.workers import group_spec
 from distrain.model.llama import Transformer
+from distrain.ps.job import ServerJob
 from distrain.ps.server import SERVER_FILE, ParameterServer, load_weights
 from distrain.storage import checkpoint, safeload, saver
 
@@ -117,10 +117,10 @@ def test_a_server_file_holding_a_callable_is_refused_not_run(tmp_path: Path):
     folder.mkdir()
     cfg = make_config(tmp_path, "run.name=trust", "strategy=ps", "ps=async", "cluster.num_workers=1")
     validate(cfg)
-    job = {"config": to_plain(cfg), "resume_from": None}
+    job = ServerJob(cfg)
     saved = ParameterServer(job, 0)
     saved.save(str(folder))
-    resumed = {**job, "resume_from": str(folder)}
+    resumed = ServerJob(cfg, str(folder))
     assert torch.equal(ParameterServer(resumed, 0).flat, saved.flat)
     model = Transformer(cfg.model, cfg.trainer.seq_len)
     load_weights(folder, model)

@@ -22,10 +22,11 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path += [str(REPO / "jobs"), str(REPO / "jobs" / "bench")]
+from distrain.testing import processes
 
-import processes  # noqa: E402  (jobs/bench/processes.py)
+REPO = Path(__file__).resolve().parent.parent
+sys.path.append(str(REPO / "jobs"))
+
 import wheelhouse  # noqa: E402  (jobs/wheelhouse.py)
 
 

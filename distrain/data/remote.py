@@ -20,8 +20,8 @@ from distrain.config import ConfigError
 from distrain.data.shards import INDEX, SPLITS, parse_index, shard_sizes
 from distrain.storage.fsutil import atomic_write
 from distrain.storage.integrity import checksum
-from distrain.storage.objectstore import StorageError, Store, mirror_dir, store_for
-from distrain.storage.urls import check_location, is_url
+from distrain.storage.objectstore import StorageError, Store, store_for
+from distrain.storage.urls import check_location, is_url, mirror_dir
 
 if TYPE_CHECKING:
     from distrain.config import StorageConfig, TrainConfig

@@ -1,6 +1,6 @@
 """The driver's side of a run on an object store (run.storage=s3://…, any fsspec URL): the URL checked before
 any worker starts, the run's lock on the store, and its record synced there while it trains and at its end
-(storage/record.py). Every process works in its local mirror (cfg.run_dir); the store holds the durable copy."""
+(storage/record_sync.py). Every process works in its local mirror (cfg.run_dir); the store holds the durable copy."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 from distrain.config import ConfigError, TrainConfig
 from distrain.storage.objectstore import StorageError, Store, quick_options, store_for
-from distrain.storage.record import RecordSync, store_lock
+from distrain.storage.record_sync import RecordSync, store_lock
 from distrain.storage.tracking import TRACKER_FILES
 
 

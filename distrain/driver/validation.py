@@ -16,6 +16,7 @@ from distrain.data.corpus import corpus_files
 from distrain.driver.plan import rank_memory
 from distrain.model.families import shipped
 from distrain.model.registry import check_model, has_causal_attention, has_plan
+from distrain.ps import rules as parameter_server
 from distrain.storage import directio
 from distrain.storage.urls import check_location, is_url, looks_like_url
 from distrain.strategy import PARALLELISMS
@@ -29,7 +30,6 @@ WANDB_MODES = (None, "online", "offline", "disabled")
 TENSORBOARD_HINT = 'pip install -e ".[tensorboard]"'  # logger.tensorboard's package
 PRECISIONS = ("auto", "fp32", "bf16")
 OFFLOADS = ("none", "cpu", "nvme")
-PS_MODES = ("sync", "async", "hogwild", "easgd")
 OBJECTIVES = ("val_loss", "loss")  # run.objective: summary.json's final_<objective>
 # What WorkerGroup.environments sets for each rank (distrain/cluster/worker_group.py).
 PER_RANK_VARIABLES = (
@@ -51,7 +51,7 @@ def validate(cfg: TrainConfig) -> Layout:
     _validate_nvme(cfg, layout)
     _validate_cluster(cfg.cluster)
     _validate_elastic(cfg, layout)
-    _validate_parameter_server(cfg)
+    parameter_server.validate(cfg)
     _validate_training(cfg)
     _validate_data(cfg)
     return layout
@@ -200,48 +200,6 @@ def _validate_elastic(cfg: TrainConfig, layout: Layout) -> None:
         f"cluster.min_workers={c.min_workers} allows no layout smaller than {c.num_workers} workers: a run shrinks "
         f"by data-parallel replicas only (strategy.dp_replicate or dp_shard=-1), keeping strategy.tp × pp and a "
         f"trainer.global_batch_size they divide; change one of these or set cluster.min_workers=null",
-    )
-
-
-def _validate_parameter_server(cfg: TrainConfig) -> None:
-    """ps.mode set: a parameter-server run."""
-    p, s, n = cfg.ps, cfg.strategy, cfg.cluster.num_workers
-    if p.mode is None:
-        return
-    require(
-        p.mode in PS_MODES, f"ps.mode={p.mode!r} is not a parameter-server mode; choose one of {', '.join(PS_MODES)}"
-    )
-    require(p.num_servers >= 1, f"ps.num_servers={p.num_servers}: need at least 1 parameter server")
-    require(  # its servers write their shards wherever they run: they would never reach the store
-        not is_url(cfg.run.storage),
-        f"run.storage={cfg.run.storage!r}: a parameter-server run (ps.mode={p.mode}) keeps its checkpoints on "
-        f"storage every node shares; give a directory there (object stores serve collective training)",
-    )
-    require(
-        s.tp == 1 and s.pp == 1 and s.zero == 0 and s.dp_shard == 1,
-        f"ps.mode={p.mode} (parameter server) is data-parallel only, but strategy.tp={s.tp}, pp={s.pp}, "
-        f"zero={s.zero}, dp_shard={s.dp_shard}; use strategy=ps, or an all-reduce strategy with ps=none",
-    )
-    require(
-        0 <= p.backup_workers < n,
-        f"ps.backup_workers={p.backup_workers}: must be ≥ 0 and below cluster.num_workers={n} "
-        f"(each step needs at least one gradient)",
-    )
-    require(
-        p.backup_workers == 0 or p.mode == "sync",
-        f"ps.backup_workers={p.backup_workers} applies to ps.mode=sync only (mode is {p.mode})",
-    )
-    require(
-        p.max_staleness is None or (p.max_staleness >= 0 and p.mode == "async"),
-        f"ps.max_staleness={p.max_staleness}: must be ≥ 0, with ps.mode=async only (mode is {p.mode})",
-    )
-    require(p.tau >= 1, f"ps.tau={p.tau}: EASGD takes at least 1 local step between exchanges")
-    alpha = p.elastic_alpha(n)
-    require(0 < alpha < 1, f"ps.alpha={alpha}: EASGD's elastic coefficient must be in (0, 1)")
-    require(
-        cfg.cluster.min_workers is None,
-        "cluster.min_workers does not apply to a parameter-server run: its workers are replaced one by one "
-        "while the others go on; set cluster.min_workers=null",
     )
 
 

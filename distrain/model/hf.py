@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from distrain.config import ConfigError, ModelConfig, TrainConfig
 from distrain.model.families import FAMILIES, shipped
-from distrain.model.families.record import HFMapping, Rule
+from distrain.model.families.family import HFMapping, Rule
 
 if TYPE_CHECKING:
     import torch

@@ -30,7 +30,7 @@ def _positions_table(family: Family, cfg: ModelConfig, seq_len: int | None) -> i
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs (forward + backward) per token at sequence length `seq_len` (families/record.py)."""
+    """Training FLOPs (forward + backward) per token at sequence length `seq_len` (families/family.py)."""
     family = shipped(cfg._target_)
     if family is None:
         return float(_built(cfg, seq_len).flops_per_token(seq_len))

@@ -27,11 +27,12 @@ from distrain.cluster.placement import GroupSpec
 from distrain.cluster.states import Work
 from distrain.cluster.worker_group import WorkerGroup
 from distrain.config import TrainConfig, recorded, to_plain
+from distrain.ps.job import ServerJob, WorkerJob
 from distrain.ps.metrics import StepLog
 from distrain.ps.server_group import ServerGroup
 from distrain.storage import checkpoint
 from distrain.storage.fsutil import write_json
-from distrain.storage.record import record_sync
+from distrain.storage.record_sync import record_sync
 from distrain.storage.tracking import TRACKER_FILES, Tracker, run_results
 from distrain.strategy.layout import Layout
 
@@ -52,14 +53,14 @@ class ParameterServerEngine:
         on_progress: Callable[[Progress], None] = lambda progress: None,
     ):
         self.cfg, self.spec, self.run_dir, self.root = cfg, spec, run_dir, run_dir / "checkpoints"
-        self.plain, self.layout = to_plain(cfg), layout
-        self.recorded = recorded(self.plain)  # what its checkpoints and W&B record of the config
+        self.layout = layout
+        self.recorded = recorded(to_plain(cfg))  # what its checkpoints and W&B record of the config
         self.wandb_run_id, self.started, self.on_progress = wandb_run_id, started, on_progress
         self.log = StepLog(cfg)  # across attempts: a restore keeps what its checkpoint holds
         self.servers: ServerGroup | None = None
         self.tracker: Tracker | None = None
         self.group: WorkerGroup | None = None
-        self.worker_job: dict = {}
+        self.worker_job: WorkerJob | None = None
         self.last_line: tuple[int, dict] = (0, {})  # the newest step logged, and its line
         self.committed = 0  # the step of the newest committed checkpoint
         self.staged: tuple[int, Path, dict[int, int], dict] | None = None  # (step, dir, applied, files): saved
@@ -69,7 +70,7 @@ class ParameterServerEngine:
     def warm_up(self) -> tuple[Callable[..., Any], tuple]:
         from distrain.ps.worker import warm_up
 
-        return warm_up, ({"config": self.plain},)
+        return warm_up, (self.cfg,)
 
     def begin(self, group: WorkerGroup, attempt: Attempt) -> Work:
         from distrain.ps.worker import run_worker
@@ -82,7 +83,7 @@ class ParameterServerEngine:
         attempt.info["resumed_from_step"] = step
         self.last_line, self.committed, self.stopping, self.begun_at = (step, {}), step, False, time.time()
         p = self.cfg.ps
-        job = {"config": self.plain, "resume_from": latest and str(latest)}
+        job = ServerJob(self.cfg, str(latest) if latest else None)
         self.servers = ServerGroup(
             job, p.num_servers, self.spec.num_workers, self.spec.cpus_per_worker, self.spec.start_timeout_s
         )
@@ -92,12 +93,8 @@ class ParameterServerEngine:
         record = record_sync(self.cfg, self.run_dir, TRACKER_FILES)  # a run on an object store
         self.tracker = Tracker(str(self.run_dir), self.recorded, step, self.wandb_run_id, record)
         self.group = group
-        self.worker_job = {
-            "config": self.plain,
-            "layout": self.layout.as_dict(),
-            "servers": self.servers.actors,
-            "use_gpu": group.spec.gpus_per_worker > 0,  # Ray gave each worker a GPU: it must train on it
-        }
+        use_gpu = group.spec.gpus_per_worker > 0  # Ray gave each worker a GPU: it must train on it
+        self.worker_job = WorkerJob(self.cfg, self.layout, tuple(self.servers.actors), use_gpu)
         return Work(run_worker, (self.worker_job,), [{"server": k, **info} for k, info in enumerate(where)])
 
     def tick(self, suspect: bool) -> None:

@@ -13,6 +13,9 @@ A worker's record of a step (its loss, gradient norm, bytes, time) travels with 
 to shard 0, which hands it to the driver (`drain`) once its fate is known: applied (with its
 staleness, or in sync mode the averaged gradient's norm) or dropped. So every step a checkpoint
 holds has its records on shard 0 by the time the checkpoint is saved.
+
+One file for every mode: they share the shard's state and the condition that guards it, whose rules would
+split across files if the modes did.
 """
 
 from __future__ import annotations
@@ -27,10 +30,10 @@ import ray
 import torch
 from torch import nn
 
-from distrain.config import from_plain
 from distrain.model.contract import fill_parameters
 from distrain.model.hf import hf_weights
 from distrain.model.registry import build_model
+from distrain.ps.job import ServerJob
 from distrain.ps.shard import Piece, ShardView, Slot, as_tensor, model_shards
 from distrain.storage.safeload import load_tensors, refuse_unplain
 from distrain.train.optim import lr_at
@@ -61,8 +64,8 @@ def load_weights(directory: str | Path, model: nn.Module) -> None:
 
 
 class ParameterServer:
-    def __init__(self, job: dict, index: int):
-        cfg = from_plain(job["config"])
+    def __init__(self, job: ServerJob, index: int):
+        cfg = job.config
         self.cfg, self.index = cfg, index
         p, t = cfg.ps, cfg.trainer
         torch.set_num_threads(cfg.cluster.threads_per_worker)
@@ -94,8 +97,8 @@ class ParameterServer:
         self.version_lock = threading.Lock()  # Hogwild: versions counted without losing one
         self.updating: set[tuple[int, int]] = set()  # Hogwild: (worker, step) of the updates under way
         self._published: tuple[int, ray.ObjectRef] | None = None
-        if job.get("resume_from"):
-            self.load(f"{job['resume_from']}/{SERVER_FILE.format(index)}")
+        if job.resume_from:
+            self.load(f"{job.resume_from}/{SERVER_FILE.format(index)}")
         for slot in self.slots[1:]:
             slot.share_state_of(self.slots[0])
 
@@ -308,7 +311,7 @@ class ParameterServer:
         self.slots[0].optimizer.load_state_dict(state["optim"])
         self.version, self.applied, self.norm_sq = state["version"], state["applied"], state["norm_sq"]
 
-    def reset(self, job: dict, index: int) -> dict:
+    def reset(self, job: ServerJob, index: int) -> dict:
         """Start over as a new server of `job` (a kept server, between runs of one driver: no process
         start); where it runs. Called with no other call under way."""
         self.__init__(job, index)

@@ -15,12 +15,13 @@ from distrain.cluster import kill, warm
 from distrain.cluster.attempt import first_line
 from distrain.cluster.placement import PlacementError, WorkerFailure
 from distrain.cluster.states import AttemptLost
+from distrain.ps.job import ServerJob
 
 SERVER_CALLS = 4  # a server's threads beyond one per worker: the driver's drains, saves, stops
 
 
 class ServerGroup:
-    def __init__(self, job: dict, num_servers: int, num_workers: int, cpus: float, timeout_s: float):
+    def __init__(self, job: ServerJob, num_servers: int, num_workers: int, cpus: float, timeout_s: float):
         """Servers spread over the nodes; timeout_s bounds their start and how long one may stay silent.
         The servers an earlier run of this driver kept (cluster.reuse_workers) start over with `job`."""
         self.timeout_s, self.cpus = timeout_s, cpus

@@ -19,43 +19,43 @@ import torch
 from torch import nn
 
 from distrain.channel import Channel, Phase
-from distrain.config import from_plain
+from distrain.config import TrainConfig
 from distrain.data.loader import run_batches
+from distrain.ps.job import WorkerJob
 from distrain.ps.shard import ShardView, as_tensor, model_shards
 from distrain.strategy import resolve
-from distrain.strategy.layout import Layout
 from distrain.train.faults import Faults
 from distrain.train.learner import Learner, local_device
 from distrain.train.metrics import memory_peaks
 from distrain.train.optim import build_optimizer, lr_at, set_lr
 
 
-def run_worker(job: dict, channel: Channel) -> dict:
+def run_worker(job: WorkerJob, channel: Channel) -> dict:
     """Train this worker's part of a parameter-server run until max_steps or a stop."""
     return PSWorker(job, channel).fit()
 
 
-def evaluate_final(job: dict, channel: Channel) -> dict:
+def evaluate_final(job: WorkerJob, channel: Channel) -> dict:
     """The validation loss of the servers' weights (EASGD: the centre) once training has ended."""
     worker = PSWorker(job, channel)
     worker.pull(0)
     return {"val_loss": worker.evaluate()}
 
 
-def warm_up(job: dict) -> None:
+def warm_up(cfg: TrainConfig) -> None:
     """A hot spare's wait: this module's imports (torch, the learner) and the run's corpus."""
-    run_batches(from_plain(job["config"]))
+    run_batches(cfg)
 
 
 class PSWorker:
-    def __init__(self, job: dict, channel: Channel):
-        cfg, layout = from_plain(job["config"]), Layout.from_dict(job["layout"])
-        self.cfg, self.channel, self.servers = cfg, channel, job["servers"]
+    def __init__(self, job: WorkerJob, channel: Channel):
+        cfg, layout = job.config, job.layout
+        self.cfg, self.channel, self.servers = cfg, channel, job.servers
         self.rank = int(os.environ["RANK"])
         faults = Faults(cfg.fault, self.rank, channel)
         # The whole model in this process (no process group), this worker's data-parallel slice.
         single = resolve.single(layout.micro_batches)
-        device = local_device(job.get("use_gpu"))  # absent: whatever torch sees, as under torchrun
+        device = local_device(job.use_gpu)  # None: whatever torch sees, as under torchrun
         self.learner = Learner(cfg, single, layout.data_shard(self.rank), device, faults, collective=False)
         self.model = self.learner.module
         self.views = [ShardView(self.model, pieces) for pieces in model_shards(self.model, cfg.ps.num_servers)]

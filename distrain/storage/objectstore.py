@@ -14,10 +14,7 @@ endpoint), and is redacted wherever a config is recorded.
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
-import re
 import time
 import uuid
 from collections.abc import Callable, Iterable
@@ -30,43 +27,10 @@ T = TypeVar("T")
 # The clients' lines on every client made ("Found credentials in environment variables.", "Found endpoint for s3
 # via: environment_global."): not the run's.
 QUIET_LOGGERS = ("aiobotocore.credentials", "botocore.credentials", "botocore.configprovider")
-# Option names that may carry a secret (s3fs's key/secret/token, adlfs's account_key, gcsfs's token...).
-_SECRET = re.compile(r"key|secret|token|password|credential|sas", re.IGNORECASE)
 
 
 class StorageError(RuntimeError):
     """The object store could not do what was asked after every retry: one line naming the URL and why."""
-
-
-def redact(options: dict) -> dict:
-    """`options` with every value whose name suggests a secret replaced, nested dicts included."""
-    return {
-        k: redact(v) if isinstance(v, dict) else ("<redacted>" if _SECRET.search(str(k)) else v)
-        for k, v in options.items()
-    }
-
-
-def redact_override(override: str) -> str:
-    """A command-line override as it may be recorded: `+storage.options.secret=...` with its value redacted."""
-    key, eq, value = override.partition("=")
-    name = key.lstrip("+")
-    said = name if name.startswith("storage.options.") else value  # one option's name, or the whole dict
-    if eq and name.startswith("storage.options") and _SECRET.search(said):
-        return f"{key}=<redacted>"
-    return override
-
-
-NODE_CACHE_ENV = "DISTRAIN_CACHE_DIR"  # a node's own cache folder, over storage.cache_dir (set where Ray starts)
-
-
-def mirror_dir(url: str, cache_dir: str | Path) -> Path:
-    """The local mirror of `url` under this node's cache folder (DISTRAIN_CACHE_DIR in this process's
-    environment, else `cache_dir`): readable (scheme, then the URL's path) and unique. Computed where it is
-    used: each node's mirror is its own, never assumed shared."""
-    scheme, rest = URL.match(url).groups()
-    tag = hashlib.sha1(url.encode()).hexdigest()[:8]
-    root = Path(os.environ.get(NODE_CACHE_ENV) or cache_dir).expanduser()
-    return root / "mirror" / scheme / f"{rest.strip('/')}-{tag}"
 
 
 class Store:

@@ -12,7 +12,7 @@ from distrain.config import TrainConfig
 from distrain.model.size import flops_per_token, num_params
 from distrain.storage.checkpoint import COMMIT_MARKER, checkpoints
 from distrain.storage.fsutil import atomic_write, write_json
-from distrain.storage.record import RecordSync
+from distrain.storage.record_sync import RecordSync
 
 METRICS_FILE = "metrics.jsonl"
 SUPERSEDED_FILE = "metrics.superseded.jsonl"
@@ -26,7 +26,7 @@ def wandb_mode(mode: str | None) -> str:
     return mode or os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
 
 
-# Rank 0's files of the run record: on an object store, uploaded by rank 0 (storage/record.py), whose node's
+# Rank 0's files of the run record: on an object store, uploaded by rank 0 (storage/record_sync.py), whose node's
 # mirror alone has them
 TRACKER_FILES = (METRICS_FILE, SUPERSEDED_FILE, TENSORBOARD_DIR, "wandb")
 

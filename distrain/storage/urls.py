@@ -1,11 +1,14 @@
 """A place given on the command line (run.storage, data.shards, an output): a local path, or a URL of an object
 store (s3://bucket/prefix, any fsspec URL). A URL is never taken for a local path: text that starts like one
 (`s3:`) but is not well-formed (`s3:/runs`, `s3:///runs`) would otherwise name a local folder `s3:`, so it is
-refused, as is a scheme no installed filesystem serves. Pure text but for the filesystem lookup (fsspec, lazily).
+refused, as is a scheme no installed filesystem serves. Also where a URL's local mirror is on this node. Pure
+text but for the filesystem lookup (fsspec, lazily) and the node's cache folder (its environment).
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
 import re
 from pathlib import Path
 
@@ -58,3 +61,16 @@ def check_location(text: str, key: str) -> None:
 def run_location(storage: str, name: str) -> str:
     """Where the run `name` of `storage` is: a directory, or a URL on an object store."""
     return f"{storage.rstrip('/')}/{name}" if is_url(storage) else str(Path(storage) / name)
+
+
+NODE_CACHE_ENV = "DISTRAIN_CACHE_DIR"  # a node's own cache folder, over storage.cache_dir (set where Ray starts)
+
+
+def mirror_dir(url: str, cache_dir: str | Path) -> Path:
+    """The local mirror of `url` under this node's cache folder (DISTRAIN_CACHE_DIR in this process's
+    environment, else `cache_dir`): readable (scheme, then the URL's path) and unique. Computed where it is
+    used: each node's mirror is its own, never assumed shared."""
+    scheme, rest = URL.match(url).groups()
+    tag = hashlib.sha1(url.encode()).hexdigest()[:8]
+    root = Path(os.environ.get(NODE_CACHE_ENV) or cache_dir).expanduser()
+    return root / "mirror" / scheme / f"{rest.strip('/')}-{tag}"

@@ -19,7 +19,7 @@ from distrain.config import ClusterConfig, recorded
 from distrain.parallel import process_group
 from distrain.storage import checkpoint, remote, saver
 from distrain.storage.objectstore import store_for
-from distrain.storage.record import record_sync
+from distrain.storage.record_sync import record_sync
 from distrain.storage.tracking import TRACKER_FILES, Tracker, read_metrics, run_results
 from distrain.train import replicas
 from distrain.train.faults import AFTER_BACKWARD, AFTER_STEP, Faults

@@ -19,7 +19,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import harness  # first: it keeps Ray on loopback
-import processes
 import torch
 import torch.distributed as dist
 from plots import figure, log2_x  # jobs/bench/plots.py, beside this script
@@ -29,6 +28,7 @@ from distrain.model.llama import Transformer
 from distrain.parallel.parallelize import ParallelModel
 from distrain.strategy.pipeline import SCHEDULES, stage_layers
 from distrain.strategy.resolve import layout_of
+from distrain.testing import processes
 from distrain.train.learner import cross_entropy
 
 # The stage calls a schedule makes that compute; the rest of its time is spent waiting on peers.

@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import harness  # first: it keeps Ray on loopback
-import processes
+
+from distrain.testing import processes
 
 if TYPE_CHECKING:  # torch is imported where it runs: the driver itself never needs it
     import torch

@@ -15,7 +15,6 @@ import time
 import weakref
 
 import harness  # first: it keeps Ray on loopback (nothing here starts Ray)
-import processes
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -24,6 +23,7 @@ from distrain.config import ModelConfig, StrategyConfig
 from distrain.model.llama import Transformer
 from distrain.parallel.parallelize import ParallelModel
 from distrain.strategy.resolve import layout_of
+from distrain.testing import processes
 from distrain.train.learner import cross_entropy
 
 WORLD = 4

@@ -18,8 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import harness  # first: it keeps Ray on loopback
-import processes
 import torch
+
+from distrain.testing import processes
 
 GOAL = 1.02  # distrain's step time may be at most 2% above torchrun's, metrics logged every step
 RUNNERS = {"distrain": "distrain (Ray)", "torchrun": "torchrun", "raytrain": "Ray Train"}

@@ -11,7 +11,7 @@ eager (`strategy.compile=false`) and with each block compiled (`strategy.compile
   its config from `distrain.model.hf.hf_config`) in that same loop, its decoder layers compiled alike;
   left out for a model family transformers lacks.
 
-The two loops run as commands of their own (jobs/bench/processes.py), so each finds the GPU free and gives its
+The two loops run as commands of their own (distrain/testing/processes.py), so each finds the GPU free and gives its
 memory back. The order of the runs alternates over the repeats. Each run's figures are medians over the
 steps after --warmup: tokens/s, MFU (the same FLOPs per token for all three: the model contract's
 `flops_per_token`), step time; then the ratios distrain ÷ plain loop and distrain ÷ transformers. The goals,
@@ -33,7 +33,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import harness  # first: it keeps Ray on loopback
-import processes
+
+from distrain.testing import processes
 
 GOAL = 0.50  # MFU on an H100
 RATIO_GOAL = 1.0  # distrain's tokens/s ÷ the plain loop's

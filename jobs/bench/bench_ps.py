@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Any
 
 import harness  # first: it keeps Ray on loopback
-import hosts  # jobs/bench/hosts.py
 from plots import figure  # jobs/bench/plots.py, beside this script
 
 from distrain.config import OptimConfig
+from distrain.testing import hosts
 
 CONFIGS = {  # key → (label, overrides, colour)
     "ddp": ("DDP (all-reduce)", "strategy=ddp", "#222222"),
@@ -265,7 +265,7 @@ def body(args: argparse.Namespace, runs: list[dict], plot: str) -> str:
     summary = reading(runs, args.target, args.steps, args.workers)
     link_note = (
         f"Two hosts over a slow link: each run's driver and Ray cluster on two hosts made of network namespaces on "
-        f"this machine (`jobs/bench/hosts.py`: own addresses, veth pairs to a bridge), every packet between them "
+        f"this machine (`distrain/testing/hosts.py`: own addresses, veth pairs to a bridge), every packet between them "
         f"shaped on the bridge's ports: {getattr(args, 'link_applied', args.link)}; "
         f"`cluster.placement_strategy=SPREAD ps.num_servers=2`. The hosts still share this machine's cores: the "
         f"link is what differs."
@@ -318,7 +318,7 @@ reversed on every other repeat (a cell is the median over them, a curve the firs
 
 @contextlib.contextmanager
 def two_hosts(args: argparse.Namespace) -> Iterator[Any]:
-    """For the link scenario: two hosts (network namespaces, jobs/bench/hosts.py) whose every packet to the other
+    """For the link scenario: two hosts (network namespaces, distrain/testing/hosts.py) whose every packet to the other
     is delayed by --link's delay and limited to its rate (tc netem); removed at the end."""
     if "link" not in args.scenarios:
         yield None

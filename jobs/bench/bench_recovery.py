@@ -13,7 +13,6 @@ plot beside it, and the plot's numbers: `--replot docs/recovery.json` redraws it
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import random
@@ -25,11 +24,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import harness  # first: it keeps Ray on loopback
-import processes
 import recovery_efficiency
 from plots import figure  # jobs/bench/plots.py, beside this script
+from recovery_job import FIRST, GAP, INTERVAL, logged, overrides, redone
 
-from distrain.storage.tracking import read_metrics
+from distrain.testing import processes
 
 GOAL_S = 1.0  # kill → next step from the replicas, 4 workers; and only the step in flight redone
 SYSTEMS = {  # each distrain system has one hot spare; they differ in the way back only
@@ -37,7 +36,6 @@ SYSTEMS = {  # each distrain system has one hot spare; they differ in the way ba
     "checkpoint": "distrain, from checkpoint",
     "raytrain": "Ray Train",
 }
-INTERVAL, FIRST, GAP, TAIL = 5, 12, 10, 5  # a checkpoint every 5 steps; kill i after step FIRST + GAP·(i−1)
 SPARE_WAIT_S = 120.0  # the longest the killer holds a run for its spares to be warm; then it kills anyway
 MARKS = ("joined_at", "loaded_at", "first_step_at")  # the trainer's own timestamps
 PHASES = {  # the table's rows: label, and the colour of the phases all systems have (the plot's segments)
@@ -101,37 +99,7 @@ def parse_args(argv: list[str] | None = None):
     return args
 
 
-def overrides(
-    args, system: str, workers: int, storage: Path, name: str, steps: int = 0, interval: int = INTERVAL, kills: int = 0
-) -> list[str]:
-    """The Hydra overrides of one run: `python jobs/train.py <these>` trains the same job. fault.hold_file is
-    how the killer pins the run down at a step boundary while it waits for a spare to be warm. `steps`,
-    `interval` and `kills` default to this page's kill runs."""
-    size, tail = "trainer.global_batch_size=32 trainer.micro_batch_size=8 trainer.seq_len=128", TAIL
-    if args.smoke:  # its steps take milliseconds: a longer tail, or the run may end before the killer sees step FIRST
-        tail = 4 * TAIL
-        size = " ".join(harness.TINY)
-    steps, kills = steps or FIRST + (args.kills - 1) * GAP + tail, kills or args.kills
-    return [
-        *harness.CPU_RUN,
-        *(
-            f"model=nano strategy=ddp cluster.num_workers={workers} cluster.spares={int(system != 'raytrain')} "
-            f"cluster.peer_recovery={str(system != 'checkpoint').lower()} cluster.max_failures={kills + 1} "
-            f"cluster.restart_backoff_s=0 checkpoint.interval={interval} trainer.max_steps={steps} {size} "
-            f"trainer.eval_interval=0 trainer.eval_batches=1 fault.hold_file={storage / name}.hold "
-            f"run.storage={storage} run.name={name}"
-        ).split(),
-    ]
-
-
 # -- the killer --------------------------------------------------------------------------------------
-
-
-def logged(run_dir: Path) -> list[dict]:
-    """metrics.jsonl as it is now; [] while a line is half-written (the next look has it whole)."""
-    with contextlib.suppress(ValueError):
-        return read_metrics(str(run_dir))
-    return []
 
 
 def alive(pid: int) -> bool:
@@ -231,12 +199,6 @@ def under_fire(label: str, run_dir: Path, pids: Callable, args, spares: int, cal
 
 
 # -- the three systems -------------------------------------------------------------------------------
-
-
-def redone(failed: dict, next_attempt: dict) -> int:
-    """Steps done twice after a failure: the last step the failed attempt began (the one in flight) minus
-    the step the next one resumed from (summary.json's records of the two attempts)."""
-    return failed["step_begun"] - next_attempt["info"].get("resumed_from_step", 0)
 
 
 def run_distrain(system: str, workers: int, repeat: int, args, storage: Path) -> Run:

@@ -29,9 +29,9 @@ from pathlib import Path
 
 import bench_ddp
 import harness  # first: it keeps Ray on loopback
-import processes
 
 from distrain.ports import free_ports
+from distrain.testing import processes
 
 GOALS_S = {"embedded": 3.0, "attached": 1.0}  # the most each may take beyond torchrun, launch → first step
 MODES = {

@@ -1,6 +1,6 @@
 """Checkpoints on an object store against the local disk:  python jobs/bench/bench_storage.py
 
-Starts SeaweedFS (`weed mini`, every part on loopback: jobs/bench/seaweed.py) and trains the same job
+Starts SeaweedFS (`weed mini`, every part on loopback: distrain/testing/seaweed.py) and trains the same job
 through distrain's own driver, checkpoints on the local disk (`run.storage=<dir>`) and on the object store
 (`run.storage=s3://…`), the order alternating over the repeats; each run then resumed for one more step
 (the store's with its local mirror deleted: resumed from the URL alone). Three measures:
@@ -29,7 +29,8 @@ import time
 from pathlib import Path
 
 import harness
-from seaweed import Seaweed
+
+from distrain.testing.seaweed import Seaweed
 
 GOAL = 0.8  # the upload's throughput ÷ a plain s3fs upload's
 HEAD = ["checkpoints on", "step blocked per save (s)", "checkpoint (MiB)", "upload in the run (MB/s)"]

@@ -15,7 +15,6 @@ import statistics
 from pathlib import Path
 
 import harness  # first: it keeps Ray on loopback
-import processes
 import torch
 
 from distrain.config import ModelConfig, OptimConfig, StrategyConfig
@@ -26,6 +25,7 @@ from distrain.parallel.memory import state_bytes
 from distrain.parallel.parallelize import ParallelModel
 from distrain.strategy.layout import Layout
 from distrain.strategy.resolve import layout_of
+from distrain.testing import processes
 from distrain.train.learner import cross_entropy
 from distrain.train.optim import build_optimizer, local_optimizer
 

@@ -11,7 +11,6 @@ Writes docs/tensor-parallel.md and its plot (its numbers in docs/tensor-parallel
 from __future__ import annotations
 
 import harness  # first: it keeps Ray on loopback (nothing here starts Ray)
-import processes
 import torch
 from plots import figure, log2_x  # jobs/bench/plots.py, beside this script
 
@@ -23,6 +22,7 @@ from distrain.parallel.traffic import Traffic, saved_activations
 from distrain.strategy import tpcost
 from distrain.strategy.resolve import layout_of
 from distrain.strategy.tensor_parallel import grid
+from distrain.testing import processes
 from distrain.train.learner import cross_entropy
 from distrain.train.optim import build_optimizer
 

@@ -7,7 +7,7 @@
 - **Runs.** `alternate()`: each configuration once per repeat, the order reversed on every other repeat
   (ABBA), the 1-minute load average taken before each run. `train()`: one distrain run through
   `distrain.driver.launch.train`, bounded in time, with what it wrote. `ray_cluster()`: one embedded cluster.
-- Starting and ending processes (commands, bounded calls, gloo ranks) is jobs/bench/processes.py's.
+- Starting and ending processes (commands, bounded calls, gloo ranks) is distrain/testing/processes.py's.
 - **Command line.** `parser()` with the options every benchmark has (--out, --repeats, --smoke,
   --storage), `parse()` (which keeps the exact command for the page), `storage()`.
 - **Pages.** `Page` writes a page's header (title, command, commit, date, machine, loads), its body and
@@ -36,7 +36,7 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
-from processes import free_port, interrupt_after
+from distrain.testing.processes import free_port, interrupt_after
 
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # before Ray is imported: bind 127.0.0.1 only
 os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
@@ -194,7 +194,7 @@ class Trained:
 
 def train(overrides: list[str], timeout_s: float = 1800.0, bed: Any = None) -> Trained:
     """`python jobs/train.py <overrides>`, in this process (on the cluster `ray_cluster` started), or as a
-    driver on the head host of `bed` (jobs/bench/hosts.py): the config, its layout, summary.json and
+    driver on the head host of `bed` (distrain/testing/hosts.py): the config, its layout, summary.json and
     metrics.jsonl; a failure, a timeout or a worker off loopback (off the bed's own addresses) is in
     `error`."""
     from distrain.driver.cli import compose

@@ -15,7 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import harness
-import processes
+from recovery_job import logged, overrides, redone
+
+from distrain.testing import processes
 
 WORKERS, EVERY_S, CHECKPOINT_EVERY = 4, 30.0, 20
 SYSTEMS = {"none": "no failure", "replicas": "distrain, from replicas", "checkpoint": "distrain, from checkpoint"}
@@ -48,8 +50,6 @@ class Schedule(threading.Thread):
         return {e["rank"]: e["pid"] for e in placement if "rank" in e}
 
     def run(self) -> None:
-        from bench_recovery import logged
-
         while not self.done.is_set() and not (lines := logged(self.run_dir)):
             time.sleep(0.05)
         if self.done.is_set():
@@ -79,8 +79,6 @@ class Schedule(threading.Thread):
 
 
 def run_window(system: str, args, storage: Path, repeat: int) -> Window:
-    from bench_recovery import logged, overrides, redone
-
     from distrain.driver.cli import compose
     from distrain.driver.launch import train
 

@@ -6,7 +6,7 @@ its Hugging Face counterpart. HF's Conv1D weights are stored (in, out), with Q, 
 from __future__ import annotations
 
 from distrain.config import ConfigError, ModelConfig
-from distrain.model.families.record import Family, HFMapping, Rule, attention_weights, kv_width, untied_embedding
+from distrain.model.families.family import Family, HFMapping, Rule, attention_weights, kv_width, untied_embedding
 
 ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")  # both the tanh approximation distrain's GPT-2 uses
 

@@ -5,7 +5,7 @@ distrain rotates consecutive pairs, so Q's and K's rows are permuted per head (`
 from __future__ import annotations
 
 from distrain.config import ModelConfig
-from distrain.model.families.record import Family, HFMapping, Rule, attention_weights, untied_embedding
+from distrain.model.families.family import Family, HFMapping, Rule, attention_weights, untied_embedding
 
 
 def matmul_weights(cfg: ModelConfig) -> int:

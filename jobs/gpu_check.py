@@ -1,4 +1,4 @@
-"""The GPU figures and the user's journey in one command:  python jobs/bench/gpu_check.py  (make gpu-check)
+"""The GPU figures and the user's journey in one command:  python jobs/gpu_check.py  (make gpu-check)
 
 On a machine with G ≥ 1 GPUs (`torch.cuda.device_count()`) it runs, one console line per part (PASS, FAIL
 or SKIP, and its figure), then a summary, and exits 1 if any part failed. `--parts` picks them (default:
@@ -101,10 +101,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import harness  # first: it keeps Ray on loopback
-import processes
+sys.path.insert(0, str(Path(__file__).resolve().parent / "bench"))  # the benchmarks' harness: its page, its runs
+import harness  # noqa: E402  first: it keeps Ray on loopback
 
-sys.path.append(str(harness.ROOT / "jobs"))  # the user's jobs it runs: export.py, generate.py
+from distrain.testing import processes  # noqa: E402
 
 if TYPE_CHECKING:
     from distrain.config import TrainConfig
@@ -358,7 +358,7 @@ def journey_section(args: argparse.Namespace, workers: int) -> list[str]:
         f"temperature=0 device={device}`. The resumed run's loss must match the uninterrupted run's at every "
         f"step within {RESUME_TOLERANCE['cuda']:.0%} on CUDA in bf16 (kernels are not bitwise reproducible; the "
         "restored state is exact), to the bit on the CPU; the export's logits must match distrain's within "
-        f"{LOGITS_TOLERANCE:g} × the largest logit (fp32). jobs/bench/gpu_check.py's docstring says why.",
+        f"{LOGITS_TOLERANCE:g} × the largest logit (fp32). jobs/gpu_check.py's docstring says why.",
         "",
     ]
 
@@ -391,7 +391,7 @@ def resume_part(label: str, reference: harness.Trained, killed: harness.Trained,
 def export_part(label: str, cfg: TrainConfig, out: Path) -> Part:
     """`python jobs/export.py` on the run; PASS when transformers loads the directory and its logits on the
     same tokens match distrain's own model from the same checkpoint (both fp32, on the CPU)."""
-    import export  # jobs/export.py (sys.path: below)
+    import export  # jobs/export.py, beside this job
     import torch
 
     from distrain.driver.trained import load_trained
@@ -418,7 +418,7 @@ def export_part(label: str, cfg: TrainConfig, out: Path) -> Part:
 
 def generate_part(label: str, cfg: TrainConfig, device: str) -> Part:
     """`python jobs/generate.py` on the run, greedy, on `device`; PASS when it continues the prompt."""
-    import generate  # jobs/generate.py (sys.path: below)
+    import generate  # jobs/generate.py, beside this job
 
     label += f": generate on {device}"
     argv = [f"run.name={cfg.run.name}", f"run.storage={cfg.run.storage}", f"prompt={PROMPT}"]
