@@ -18,8 +18,8 @@ from typing import Any
 
 from omegaconf import MISSING, OmegaConf
 
-from distrain.storage.redaction import redact
-from distrain.storage.urls import is_url, mirror_dir, run_location
+from distrain.redaction import redact
+from distrain.urls import is_url, mirror_dir, run_location
 
 
 class ConfigError(ValueError):

@@ -69,7 +69,7 @@ def export_to(
     """`export` to a local directory, or to a URL through a temporary folder under `storage.cache_dir`,
     config.json uploaded last."""
     from distrain.storage.publish import staged
-    from distrain.storage.urls import is_url
+    from distrain.urls import is_url
 
     if not is_url(out):
         path, step = export(run_dir, out, step)
@@ -87,7 +87,7 @@ def readable(path: Path) -> None:
 
 def main(argv: list[str]) -> None:
     from distrain.driver.jobargs import REQUIRED, Location, boolean, run_job
-    from distrain.storage.urls import run_location
+    from distrain.urls import run_location
 
     def work(args: dict) -> str:
         run = run_location(args["run.storage"], args["run.name"])

@@ -65,7 +65,7 @@ def resolve_device(name: str) -> torch.device:
 def generate(args: dict) -> str:
     from distrain.data.tokenizer import run_tokenizer
     from distrain.driver.trained import load_trained
-    from distrain.storage.urls import run_location
+    from distrain.urls import run_location
 
     if args["temperature"] < 0 or args["top_k"] < 0 or args["max_new_tokens"] < 0:
         raise ConfigError("temperature, top_k and max_new_tokens must be ≥ 0 (temperature=0: greedy; top_k=0: all)")

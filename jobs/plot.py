@@ -24,7 +24,7 @@ from distrain.config import ConfigError
 from distrain.driver.jobargs import meant
 from distrain.storage.objectstore import StorageError, Store, quick_options
 from distrain.storage.tracking import METRICS_FILE, SUMMARY_FILE, parse_metrics
-from distrain.storage.urls import check_location, is_url, looks_like_url, run_location
+from distrain.urls import check_location, is_url, looks_like_url, run_location
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

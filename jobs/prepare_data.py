@@ -40,7 +40,7 @@ def main(argv: list[str]) -> None:
     from distrain.data.prepare import prepare
     from distrain.data.shards import INDEX
     from distrain.storage.publish import staged
-    from distrain.storage.urls import check_location, is_url
+    from distrain.urls import check_location, is_url
 
     try:
         check_location(cfg.data.shards, "data.shards")

@@ -99,7 +99,7 @@ def main(cfg) -> float | None:
     from omegaconf import OmegaConf
 
     from distrain.driver.sweep import earlier_result, objective
-    from distrain.storage.redaction import redact, redact_override
+    from distrain.redaction import redact, redact_override
 
     STARTUP["composed_at"] = time.time()
     hydra = HydraConfig.get()
@@ -181,7 +181,7 @@ def check_sweep_storage(overrides: list[str]) -> None:
     so is one not well-formed (a sampling sweeper's points are checked only as they come)."""
     from distrain.config import RunConfig
     from distrain.storage.fsutil import make_writable_dir
-    from distrain.storage.urls import check_location, is_url
+    from distrain.urls import check_location, is_url
 
     given = [o.partition("=")[2] for o in overrides if o.lstrip("+").startswith("run.storage=")]
     storage = given[-1] if given else RunConfig.storage

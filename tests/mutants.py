@@ -140,7 +140,7 @@ MUTANTS = (
     ),
     Mutant(
         "malformed-url-taken-for-a-path",
-        "distrain/storage/urls.py",
+        "distrain/urls.py",
         'if not is_url(text) or bucket(text) == "":',
         "if False:",
         ("tests/test_urls.py::test_text_that_starts_like_a_url_is_refused_unless_well_formed",),

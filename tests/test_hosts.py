@@ -294,8 +294,8 @@ def test_on_an_object_store_a_lost_host_shrinks_the_run_which_resumes_from_the_s
     mid-run; the run goes on, on the head's 2 workers, from the newest checkpoint committed on the store, which
     holds files only the lost host's ranks wrote: the resume fetched them from the store."""
     from distrain.storage.checkpoint import writer_of
-    from distrain.storage.urls import mirror_dir
     from distrain.testing.seaweed import Seaweed
+    from distrain.urls import mirror_dir
 
     other = next(h for h in bed.hosts[1:] if h.ray is not None)
     store = Seaweed(tmp_path / "seaweed", host=bed.service_address(), namespace=bed.bridge).start()

@@ -97,8 +97,21 @@ RULES = {
         "distrain.train",
         "distrain.ps",
     ),
-    # What the driver checks and prints before anything starts needs neither torch nor Ray.
-    "distrain.config": ("torch", "ray"),
+    # What the driver checks and prints before anything starts needs neither torch nor Ray; the config is the ground
+    # every layer stands on, so it imports none of them (only pure text: distrain.urls, distrain.redaction).
+    "distrain.config": (
+        "torch",
+        "ray",
+        "distrain.storage",
+        "distrain.data",
+        "distrain.model",
+        "distrain.strategy",
+        "distrain.cluster",
+        "distrain.parallel",
+        "distrain.train",
+        "distrain.ps",
+        "distrain.driver",
+    ),
     "distrain.strategy": ("torch", "ray", "distrain.driver"),
     "distrain.driver.validation": ("torch", "ray"),
     "distrain.driver.plan": ("torch", "ray"),
@@ -121,6 +134,13 @@ def test_a_layer_never_reaches_what_it_must_not_know(layer: str, forbidden: tupl
 # shipped family's check and size need no torch: test_the_driver_imports_no_torch runs the driver).
 USER_MODEL_DOOR = "distrain.model.registry"
 DRIVER_LAYERS = ("distrain.driver.validation", "distrain.driver.plan")
+
+
+def test_no_module_of_the_product_reaches_the_test_bed():
+    """distrain/testing/ (namespace hosts, an object store, process helpers) is for the tests and benchmarks only."""
+    product = [m for m in MODULES if not (m == "distrain.testing" or m.startswith("distrain.testing."))]
+    offending = {m: under(reached(m), ("distrain.testing",)) for m in product}
+    assert not any(offending.values()), {m: names for m, names in offending.items() if names}
 
 
 def test_the_parameter_server_uses_parallel_only_through_the_learner():

@@ -18,7 +18,7 @@ from distrain.config import ConfigError, StorageConfig
 from distrain.driver.jobargs import boolean, job_args
 from distrain.driver.validation import validate
 from distrain.storage.publish import staged
-from distrain.storage.urls import check_location
+from distrain.urls import check_location
 
 FIX = "is not a well-formed URL: write s3://runs/team (scheme://bucket/prefix), or ./s3:/runs/team for a local"
 

@@ -12,7 +12,7 @@ from distrain.config import ConfigError
 from distrain.data.shards import read_index
 from distrain.data.tokenizer import load_tokenizer
 from distrain.storage.objectstore import StorageError
-from distrain.storage.urls import is_url
+from distrain.urls import is_url
 
 if TYPE_CHECKING:
     from distrain.config import TrainConfig

@@ -21,7 +21,7 @@ from distrain.data.shards import INDEX, SPLITS, parse_index, shard_sizes
 from distrain.storage.fsutil import atomic_write
 from distrain.storage.integrity import checksum
 from distrain.storage.objectstore import StorageError, Store, store_for
-from distrain.storage.urls import check_location, is_url, mirror_dir
+from distrain.urls import check_location, is_url, mirror_dir
 
 if TYPE_CHECKING:
     from distrain.config import StorageConfig, TrainConfig

@@ -8,7 +8,7 @@ import sys
 from collections.abc import Callable, Iterable
 
 from distrain.config import ConfigError
-from distrain.storage.urls import check_location
+from distrain.urls import check_location
 
 REQUIRED = object()  # a job argument without a default
 Spec = dict[str, tuple[Callable[[str], object], object]]  # each argument's parser (its type) and default

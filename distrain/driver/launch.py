@@ -36,10 +36,10 @@ from distrain.driver.workers import placeable_spec
 from distrain.model.hf import resolve_init_from
 from distrain.progress import ProgressLine
 from distrain.storage.tracking import SUMMARY_FILE, read_metrics, wandb_mode, write_summary
-from distrain.storage.urls import is_url
 from distrain.strategy.layout import Layout
 from distrain.strategy.resolve import smaller
 from distrain.train.job import RankJob
+from distrain.urls import is_url
 
 
 def train(

@@ -12,7 +12,7 @@ from torch import nn
 from distrain.config import ConfigError, StorageConfig, TrainConfig, from_plain
 from distrain.model.registry import build_model
 from distrain.storage import checkpoint, remote, safeload
-from distrain.storage.urls import is_url
+from distrain.urls import is_url
 
 
 def checkpoint_path(run_dir: str | Path, step: int | None = None, storage: StorageConfig | None = None) -> Path:

@@ -18,12 +18,12 @@ from distrain.model.families import shipped
 from distrain.model.registry import check_model, has_causal_attention, has_plan
 from distrain.ps import rules as parameter_server
 from distrain.storage import directio
-from distrain.storage.urls import check_location, is_url, looks_like_url
 from distrain.strategy import PARALLELISMS
 from distrain.strategy.layout import Layout
 from distrain.strategy.parallelism import require
 from distrain.strategy.pipeline import SCHEDULES
 from distrain.strategy.resolve import resolve, smaller
+from distrain.urls import check_location, is_url, looks_like_url
 
 OPTIMIZERS = ("adamw", "sgd")
 WANDB_MODES = (None, "online", "offline", "disabled")
@@ -58,7 +58,7 @@ def validate(cfg: TrainConfig) -> Layout:
 
 
 def _validate_places(cfg: TrainConfig) -> None:
-    """A URL is never taken for a local path (storage/urls.py), and storage.cache_dir is each node's own folder."""
+    """A URL is never taken for a local path (distrain/urls.py), and storage.cache_dir is each node's own folder."""
     for key, text in (("run.storage", cfg.run.storage), ("data.shards", cfg.data.shards)):
         try:
             check_location(text or "", key)

@@ -5,8 +5,8 @@ validates without importing torch."""
 from __future__ import annotations
 
 from distrain.config import TrainConfig
-from distrain.storage.urls import is_url
 from distrain.strategy.parallelism import require
+from distrain.urls import is_url
 
 PS_MODES = ("sync", "async", "hogwild", "easgd")
 

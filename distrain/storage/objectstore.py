@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from distrain.storage.urls import URL, bucket
+from distrain.urls import URL, bucket
 
 T = TypeVar("T")
 # The clients' lines on every client made ("Found credentials in environment variables.", "Found endpoint for s3

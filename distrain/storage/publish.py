@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from distrain.config import ConfigError
 from distrain.storage.objectstore import StorageError, store_for
-from distrain.storage.urls import check_location
+from distrain.urls import check_location
 
 if TYPE_CHECKING:
     from distrain.config import StorageConfig

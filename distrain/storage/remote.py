@@ -25,7 +25,7 @@ from distrain.storage import checkpoint, integrity
 from distrain.storage.checkpoint import COMMIT_MARKER, META_FILE
 from distrain.storage.fsutil import write_json
 from distrain.storage.objectstore import StorageError, Store, store_for
-from distrain.storage.urls import mirror_dir
+from distrain.urls import mirror_dir
 
 PREFIX = "checkpoints"
 LOCK = ".download.lock"  # in a mirror's checkpoints directory: one download per node at a time
