@@ -65,7 +65,7 @@ class DriverLog:
     """Install once (`start`), then `open` a run directory's log and `close` it at the run's end."""
 
     def __init__(self) -> None:
-        self.held: list[str] = []
+        self.buffered: list[str] = []
         self.file: TextIO | None = None
         self.path: Path | None = None
         self.lock = threading.Lock()  # Ray prints its workers' output from threads of its own
@@ -79,7 +79,7 @@ class DriverLog:
                 self.file.write(text)
                 self.file.flush()
             else:
-                self.held.append(text)
+                self.buffered.append(text)
 
     def open(self, run_dir: Path) -> Path:
         """Start the run directory's log of this invocation, with what was printed so far."""
@@ -87,8 +87,8 @@ class DriverLog:
         self.path.parent.mkdir(exist_ok=True)
         with self.lock:
             self.file = open(self.path, "a")
-            self.file.write("".join(self.held))
-            self.held.clear()
+            self.file.write("".join(self.buffered))
+            self.buffered.clear()
         return self.path
 
     def close(self) -> None:

@@ -78,8 +78,8 @@ class ParameterServerEngine:
         latest = checkpoint.latest(self.root)
         meta = checkpoint.read_meta(latest) if latest else {}
         step = meta.get("step", 0)
-        held = meta.get("ps", {"applied": {}, "records": []})
-        self.log.restart(step, {int(w): s for w, s in held["applied"].items()}, held["records"])
+        saved = meta.get("ps", {"applied": {}, "records": []})
+        self.log.restart(step, {int(w): s for w, s in saved["applied"].items()}, saved["records"])
         attempt.info["resumed_from_step"] = step
         self.last_line, self.committed, self.stopping, self.begun_at = (step, {}), step, False, time.time()
         p = self.cfg.ps
@@ -213,7 +213,7 @@ class ParameterServerEngine:
             "world_size": self.cfg.cluster.num_workers,
             "config": self.recorded,
             "wandb_run_id": self.tracker.wandb_run_id if self.tracker else self.wandb_run_id,
-            "ps": {"applied": applied, "records": self.log.held(step, applied)},
+            "ps": {"applied": applied, "records": self.log.unwritten(step, applied)},
         }
         write_json(staging / checkpoint.META_FILE, meta)
         size = (staging / checkpoint.META_FILE).stat().st_size

@@ -60,7 +60,7 @@ class StepLog:
         if version is not None:
             self.versions.append((now, version))
 
-    def held(self, step: int, applied: dict[int, int]) -> list[dict]:
+    def unwritten(self, step: int, applied: dict[int, int]) -> list[dict]:
         """What a checkpoint at `step` whose weights hold each worker's steps up to `applied[w]` must keep
         to write the lines after it again: those workers' records of the steps they will not redo."""
         records = [r for k, got in self.records.items() if k > step for w, r in got.items() if k <= applied[w]]

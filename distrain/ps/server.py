@@ -89,7 +89,7 @@ class ParameterServer:
         self.closed: dict[int, torch.Tensor] = {}  # sync: step → its averaged gradient, until applied
         self.members: dict[int, set[int]] = {}  # sync: step → the workers whose gradients it averaged (recent)
         self.norm_sq: dict[int, float] = {}  # sync: step → its averaged gradient's norm², for recent steps
-        self.held: dict[int, list[dict]] = {}  # sync: step → its members' records, until the round is applied
+        self.waiting: dict[int, list[dict]] = {}  # sync: step → its members' records, until the round is applied
         self.records: list[dict] = []  # records whose fate is known (shard 0), until drained
         self.records_lock = threading.Lock()  # not the condition: Hogwild's pushes take no lock
         self.stopped = False
@@ -148,7 +148,7 @@ class ParameterServer:
         applied = step == self.version + 1 and step not in self.closed and worker not in self.round
         if applied:
             self.round[worker] = grad
-            self.held.setdefault(step, []).extend([record] if record else [])
+            self.waiting.setdefault(step, []).extend([record] if record else [])
             if len(self.round) == self.needed:
                 total = torch.stack([self.round[w] for w in sorted(self.round)]).sum(0)  # in worker order
                 self.closed[step] = total.div_(self.needed)
@@ -167,7 +167,7 @@ class ParameterServer:
         clip = self.cfg.optim.grad_clip
         self.slots[0].step(self.closed.pop(step), self._lr(step), (clip, torch.tensor(norm)) if clip > 0 else None)
         self._advance({})
-        for record in self.held.pop(step, []):
+        for record in self.waiting.pop(step, []):
             self._emit(record, applied=True, round_norm=norm)
 
     def _seen(self, worker: int, step: int) -> bool:
