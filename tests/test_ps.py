@@ -31,7 +31,7 @@ from distrain.driver.validation import validate
 from distrain.model.llama import Transformer
 from distrain.ps.job import ServerJob, WorkerJob
 from distrain.ps.server import ParameterServer, elastic_exchange, feasible, load_weights
-from distrain.ps.shard import Piece, Slot, as_tensor, plan_shards
+from distrain.ps.shard import Piece, Slot, as_tensor, split_into_shards
 from distrain.ps.worker import PSWorker
 from distrain.storage import checkpoint, safeload
 from distrain.storage.tracking import read_metrics
@@ -85,7 +85,7 @@ def assert_close(got: dict, want: dict, tol: float) -> None:
 @pytest.mark.timeout(30)
 def test_shards_are_balanced_and_cover_every_element_once():
     params = [("a", torch.zeros(10, 3)), ("b", torch.zeros(7)), ("c", torch.zeros(100)), ("d", torch.zeros(2, 2))]
-    shards = plan_shards(params, 3)
+    shards = split_into_shards(params, 3)
     sizes = [sum(p.size for p in shard) for shard in shards]
     assert sizes == [47, 47, 47]  # 141 elements: equal to one element
     covered = {name: [] for name, _ in params}

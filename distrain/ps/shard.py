@@ -33,7 +33,7 @@ class Piece:
         return self.end - self.start
 
 
-def plan_shards(params: list[tuple[str, torch.Tensor]], num_servers: int) -> list[list[Piece]]:
+def split_into_shards(params: list[tuple[str, torch.Tensor]], num_servers: int) -> list[list[Piece]]:
     """The pieces each server owns, in order; every element of every parameter exactly once."""
     total = sum(p.numel() for _, p in params)
     bounds = [total * k // num_servers for k in range(num_servers + 1)]
@@ -50,7 +50,7 @@ def plan_shards(params: list[tuple[str, torch.Tensor]], num_servers: int) -> lis
 
 
 def model_shards(model: nn.Module, num_servers: int) -> list[list[Piece]]:
-    return plan_shards([(n, p) for n, p in model.named_parameters() if p.requires_grad], num_servers)
+    return split_into_shards([(n, p) for n, p in model.named_parameters() if p.requires_grad], num_servers)
 
 
 def as_tensor(array: np.ndarray) -> torch.Tensor:
