@@ -51,6 +51,10 @@ def test_3d_mesh_coordinates_and_groups(tmp_path: Path):
     assert not any(line.startswith("  dp_replicate:") for line in lines)  # size 1: no groups
     assert "2 nodes, GPU, bf16" in lines[0]  # precision auto on GPUs
     assert len([line for line in lines if line.startswith("  pp rank ")]) == 2  # memory for each stage
+    # A layout reads its dims and settings by name, and a name no parallelism registered is an error, not a None.
+    assert (layout.pp, layout.tp, layout.schedule) == (2, 2, layout.settings["schedule"])
+    with pytest.raises(AttributeError, match="a layout has no dim or setting 'tpp'"):
+        layout.tpp  # noqa: B018
 
 
 @pytest.mark.timeout(30)
