@@ -331,6 +331,13 @@ MUTANTS = (
         "        for pid in []:",
         ("tests/test_cli.py::test_no_process_of_the_embedded_cluster_outlives_the_run",),
     ),
+    Mutant(
+        "stop-vote-in-float32",
+        "distrain/train/stopvote.py",
+        "time.time() + last_save_s], dtype=torch.float64)",
+        "time.time() + last_save_s]).to(torch.float64)",
+        ("tests/test_step_path.py::test_the_stop_vote_judges_a_save_against_the_deadline_to_the_second",),
+    ),
 )
 
 

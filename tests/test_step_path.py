@@ -16,6 +16,7 @@ from distrain.data.loader import Batches, Prefetch
 from distrain.storage import checkpoint, saver
 from distrain.train.metrics import Readback, memory_peaks
 from distrain.train.optim import kernels
+from distrain.train.stopvote import StopVote
 
 pytestmark = [pytest.mark.usefixtures("process_group"), pytest.mark.timeout(60)]
 
@@ -114,3 +115,13 @@ def test_memory_peaks_start_again_after_a_reset():
 
 def test_the_optimizer_takes_foreach_kernels_off_the_gpu():
     assert kernels([torch.zeros(2)]) == {"foreach": True}
+
+
+def test_the_stop_vote_judges_a_save_against_the_deadline_to_the_second():
+    """A vote is counted a step after it is cast (the last step's at once), and a save fits only if the last one's
+    duration ends before the deadline: one second over is over, though both are wall-clock times near 1.8e9."""
+    vote, deadline = StopVote(), time.time() + 60
+    assert vote.count(deadline, 1.0, last=False) == (False, False)  # cast, counted at the next step
+    assert vote.count(deadline, 61.0, last=False) == (True, True)  # the first vote: 1 s of saving fits
+    assert vote.count(deadline, 61.0, last=True) == (True, False)  # 61 s of saving ends past the deadline
+    assert vote.count(None, 1.0, last=True) == (False, False)  # no stop asked

@@ -18,8 +18,8 @@ class StopVote:
         each step, an all-reduce (MAX) of two numbers in CPU memory that runs while the next step computes, and
         counts the previous step's: every rank gets the same answer at the same step, a step after the
         request, and no step waits for the vote. The last step's vote is counted at once."""
-        votes = torch.tensor([stop_deadline or 0.0, time.time() + last_save_s])
-        votes = votes.to(torch.float64)
+        # float64 from the start: float32 holds a wall-clock time (about 1.8e9 s) only to 128 s.
+        votes = torch.tensor([stop_deadline or 0.0, time.time() + last_save_s], dtype=torch.float64)
         cast = (dist.all_reduce(votes, op=dist.ReduceOp.MAX, async_op=True), votes)
         counted, self.cast = (cast, None) if last else (self.cast, cast)
         if counted is None:
