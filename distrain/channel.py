@@ -50,37 +50,10 @@ class Channel:
         self.progress = Progress()
         self.stop_deadline: float | None = None
 
-    def report(
-        self,
-        *,
-        phase: Phase | None = None,
-        step: int | None = None,
-        max_steps: int | None = None,
-        began: int | None = None,
-        logged: int | None = None,
-        metrics: dict[str, float] | None = None,
-        said: tuple[str, ...] | None = None,
-        returning: str | None = None,
-        running_at: float | None = None,
-        joined_at: float | None = None,
-        loaded_at: float | None = None,
-        first_step_at: float | None = None,
-    ) -> None:
-        """Say what changed (None: unchanged); figures join those said before. After a failure a rank says
-        what it does on its way back (`returning`: its phase stays the one it failed in)."""
-        said_now = {
-            "phase": phase,
-            "step": step,
-            "max_steps": max_steps,
-            "began": began,
-            "logged": logged,
-            "said": said,
-            "returning": returning,
-            "running_at": running_at,
-            "joined_at": joined_at,
-            "loaded_at": loaded_at,
-            "first_step_at": first_step_at,
-        }
-        changed = {name: value for name, value in said_now.items() if value is not None}
+    def report(self, metrics: dict[str, float] | None = None, **changed: object) -> None:
+        """Say what changed, by `Progress`'s field names (None: unchanged; a name it lacks is a TypeError);
+        figures join those said before. After a failure a rank says what it does on its way back (`returning`:
+        its phase stays the one it failed in)."""
+        said_now = {name: value for name, value in changed.items() if value is not None}
         figures = {**self.progress.metrics, **(metrics or {})}
-        self.progress = replace(self.progress, **changed, metrics=figures)
+        self.progress = replace(self.progress, **said_now, metrics=figures)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import io
 from dataclasses import replace
 
+import pytest
+
 from distrain.channel import Channel, Progress
 from distrain.progress import ProgressLine
 
@@ -28,6 +30,10 @@ def test_a_collective_ranks_loss_is_shown_beside_its_own_step():
         rank0.report(**report)
         reports.append(rank0.progress)
     assert lines(reports) == ["step 0/3", "step 1/3 | loss 4.5000", "step 2/3 | loss 4.2500", "step 3/3 | loss 4.0000"]
+    rank0.report(step=None)  # None: unchanged
+    assert rank0.progress.step == 3
+    with pytest.raises(TypeError, match="stpe"):  # a name the record lacks is refused, not stored
+        rank0.report(stpe=4)
 
 
 def test_a_new_attempt_shows_no_loss_of_the_one_before():
