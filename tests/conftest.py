@@ -93,6 +93,33 @@ def rank_env(rank: int, world: int, port: int, **extra: str) -> None:
     os.environ.update(MASTER_PORT=str(port), OMP_NUM_THREADS="1", **extra)
 
 
+# Gloo ranks that run without Ray (parallel-layer, checkpoint and memory tests) are forked from a fork server: one
+# process that imported torch, its distributed packages, distrain's layers and this file once for the session.
+# Spawning a rank afresh costs an interpreter and those imports, seconds each on 2 cores. A rank sets its own
+# environment first (rank_env), as a spawned one does; it sees the parent's environment as it was when the server
+# started, the first time a test spawned ranks.
+RANK_PRELOAD = [
+    "torch",
+    "torch.distributed.tensor",
+    "torch.distributed.checkpoint",
+    "conftest",
+    "distrain.parallel.parallelize",
+    "distrain.train.learner",
+    "distrain.train.state",
+    "distrain.storage.saver",
+]
+
+
+def spawn_ranks(fn: Callable, args: tuple, nprocs: int) -> None:
+    """torch.multiprocessing.spawn(fn, args, nprocs), its ranks forked from the session's fork server."""
+    import multiprocessing
+
+    import torch.multiprocessing as mp
+
+    multiprocessing.set_forkserver_preload(RANK_PRELOAD)  # read when the server starts, once
+    mp.start_processes(fn, args=args, nprocs=nprocs, start_method="forkserver")
+
+
 def documented(page: str, section: str) -> list[str]:
     """The commands of the first bash block in docs/<page>'s `## <section>`, as printed (comments and all)."""
     text = (REPO / "docs" / page).read_text().split(f"\n## {section}\n", 1)[1]

@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from conftest import free_port, make_config, rank_env
+from conftest import free_port, make_config, rank_env, spawn_ranks
 
 WORLD = 4
 # Every layout of a collective run on 4 ranks: (name, overrides). The grid is tp2d's 2×2.
@@ -83,7 +82,7 @@ def test_every_layout_checkpoints_only_tensors_and_plain_data_save_after_save(tm
         return to_plain(cfg), validate(cfg).as_dict()
 
     cases = {name: case(*overrides) for name, overrides in LAYOUTS.items()}
-    mp.spawn(save_every_layout, args=(free_port(), cases, str(tmp_path)), nprocs=WORLD)
+    spawn_ranks(save_every_layout, (free_port(), cases, str(tmp_path)), WORLD)
     for rank in range(WORLD):
         found = torch.load(tmp_path / f"rank{rank}.pt")
         assert found == {name: [] for name in LAYOUTS}, f"rank {rank}"

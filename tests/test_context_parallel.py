@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from conftest import free_port, logged, make_config, rank_env, train_half_then_resume
+from conftest import free_port, logged, make_config, rank_env, spawn_ranks, train_half_then_resume
 
 WORLD = 4
 STEPS = 10
@@ -177,7 +176,7 @@ def runs(tmp_path_factory) -> dict:
     for cp, overrides in MEMORY.items():
         cfg = make_config(tmp, f"cluster.num_workers={WORLD}", *overrides)
         memory[cp] = (to_plain(cfg), validate(cfg).as_dict())
-    mp.spawn(rank_main, args=(free_port(), cases, memory, str(tmp)), nprocs=WORLD)
+    spawn_ranks(rank_main, (free_port(), cases, memory, str(tmp)), WORLD)
     got = torch.load(tmp / "results.pt")
     return {name: (got[name], refs[CASES[name][0]]) for name in CASES} | {
         key: value for key, value in got.items() if "/" in key

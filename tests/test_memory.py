@@ -22,8 +22,7 @@ import weakref
 from pathlib import Path
 
 import pytest
-import torch.multiprocessing as mp
-from conftest import free_port, make_config, rank_env
+from conftest import free_port, make_config, rank_env, spawn_ranks
 
 WORLD = 4
 
@@ -177,7 +176,7 @@ def test_plan_memory_matches_a_measured_step(tmp_path: Path):
         cases[name] = (to_plain(cfg), layout.as_dict())
         plans[name] = {pp_rank: rank_memory(cfg, layout, pp_rank, "fp32") for pp_rank in range(layout.pp)}
 
-    mp.spawn(measure, args=(free_port(), cases, str(tmp_path)), nprocs=WORLD)
+    spawn_ranks(measure, (free_port(), cases, str(tmp_path)), WORLD)
     measured = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(WORLD)]
 
     for name in LAYOUTS:

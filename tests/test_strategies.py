@@ -34,8 +34,8 @@ LAYOUTS = {
     "pp_interleaved_zb": (2, ["strategy=pp", "strategy.schedule=interleaved_zb"], 1e-4),
     "dp_pp": (4, ["strategy=pp"], 1e-4),
     "pp_checkpointed": (2, ["strategy=pp", "strategy.activation_checkpoint=true"], 1e-4),
-    # 8 ranks on the session's CPUs: the first 4 steps (on the 6-step schedule) show the layout as well.
-    "3d": (8, ["strategy=3d", "trainer.max_steps=4", f"optim.decay_steps={STEPS}"], 1e-4),
+    # 3-D (pp × FSDP × TP on 8 ranks) is test_models.py's llama-3d, against this same reference, beside GPT-2's
+    # 3-D: the two share one start of 8 workers, and this module's groups of 1, 2 and 4 stay warm for the resumes.
 }
 
 

@@ -1,15 +1,22 @@
 """2-D, 2.5-D and 3-D tensor parallelism (distrain/parallel/tpnd/): the loss and gradient norm of every
 one of 10 steps match a one-process run to 1e-4 (they agree to ~1e-6: the grid only reorders sums);
 a grid run's checkpoint resumes on one worker and under 1-D tensor parallelism and goes on as the
-one-process run did; the plan shows the grid."""
+one-process run did; the plan shows the grid.
+
+The 2×2 grid's run serves its parity case and, through its checkpoint of step 5, both resumes; the resumes
+come first, so that the groups of 1, 2 and 4 workers they and that run use are still warm (a worker's start
+costs more than its steps), and the two shapes of 8 (blocks of 8: 2.5-D and 3-D; of 4: dp2 and pp2 × 2-D)
+come last, one after the other."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
-from conftest import assert_matches, fake_table, logged, make_config, train_half_then_resume
+from conftest import LayoutArgs, assert_matches, fake_table, logged, make_config
 
+from distrain.config import TrainConfig
 from distrain.driver.launch import train
 from distrain.driver.plan import describe
 from distrain.strategy.resolve import resolve
@@ -37,26 +44,45 @@ def reference(ray_cluster, tmp_path_factory) -> dict[str, dict[int, float]]:
     return {"loss": logged(cfg), "grad_norm": logged(cfg, "grad_norm")}
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("grid", GRIDS)
-def test_grid_matches_one_process(grid: str, reference, tmp_path: Path):
+def grid_run(storage: Path, grid: str, *extra: str) -> TrainConfig:
     workers, overrides = GRIDS[grid]
     cfg = make_config(
-        tmp_path, "run.name=grid", f"cluster.num_workers={workers}", f"trainer.max_steps={STEPS}", *overrides
+        storage, "run.name=grid", f"cluster.num_workers={workers}", f"trainer.max_steps={STEPS}", *overrides, *extra
     )
     assert train(cfg)["status"] == "completed"
-    assert sorted(logged(cfg)) == list(range(1, STEPS + 1))
-    assert_matches(cfg, reference, range(1, STEPS + 1), TOL)
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def grid_2d(ray_cluster, tmp_path_factory) -> TrainConfig:
+    """The 2×2 grid's run, with a checkpoint of step 5 beside its last: the first half of both resumes."""
+    return grid_run(tmp_path_factory.mktemp("grid_2d"), "2d", f"checkpoint.interval={STEPS // 2}", "checkpoint.keep=2")
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
     "then", [(1, ["strategy=ddp"]), (2, ["strategy=tp"])], ids=["on_one_worker", "under_1d_tp"]
 )  # fmt: skip
-def test_grid_checkpoint_resumes_under_another_layout(then: tuple[int, list[str]], reference, tmp_path: Path):
-    """Half the run on a 2×2 grid, the rest from its checkpoint on one worker or under 1-D TP."""
-    cfg = train_half_then_resume(tmp_path, "resume", (4, ["strategy=tp2d"]), then, STEPS)
+def test_grid_checkpoint_resumes_under_another_layout(then: LayoutArgs, grid_2d, reference, tmp_path: Path):
+    """Half the run on a 2×2 grid (its checkpoint of step 5, in a run directory of its own), the rest from that
+    checkpoint on one worker or under 1-D TP, on the whole run's schedule."""
+    half = f"step_{STEPS // 2:08d}"
+    shutil.copytree(Path(grid_2d.run_dir) / "checkpoints" / half, tmp_path / "resume" / "checkpoints" / half)
+    workers, overrides = then
+    cfg = make_config(
+        tmp_path, "run.name=resume", f"cluster.num_workers={workers}", f"trainer.max_steps={STEPS}", *overrides
+    )
+    summary = train(cfg)
+    assert summary["status"] == "completed" and summary["resumed_from"].endswith(half)
     assert_matches(cfg, reference, range(STEPS // 2 + 1, STEPS + 1), TOL)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("grid", GRIDS)
+def test_grid_matches_one_process(grid: str, reference, request, tmp_path: Path):
+    cfg = request.getfixturevalue("grid_2d") if grid == "2d" else grid_run(tmp_path, grid)
+    assert sorted(logged(cfg)) == list(range(1, STEPS + 1))
+    assert_matches(cfg, reference, range(1, STEPS + 1), TOL)
 
 
 def test_layout_lays_the_tp_dim_out_as_the_grid(tmp_path: Path):

@@ -8,8 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-import torch.multiprocessing as mp
-from conftest import free_port, rank_env
+from conftest import free_port, rank_env, spawn_ranks
 
 WORLD = 4
 N = 24  # float32 elements of each message: 96 bytes, divisible over 2 and 4 ranks
@@ -100,7 +99,7 @@ def expected(case: str, rank: int) -> dict[str, dict[str, float]]:
 
 @pytest.mark.timeout(120)
 def test_counts_follow_the_convention(tmp_path: Path) -> None:
-    mp.spawn(rank_main, args=(free_port(), str(tmp_path)), nprocs=WORLD)
+    spawn_ranks(rank_main, (free_port(), str(tmp_path)), WORLD)
     for rank in range(WORLD):
         got = json.loads((tmp_path / f"rank{rank}.json").read_text())
         for case, ops in got.items():
