@@ -121,14 +121,16 @@ def assert_losses(run_dir: Path, want: dict[int, float], tol: float, steps: int 
 
 
 def finish(bed: Bed, job: str, timeout_s: float, context=lambda: "") -> str:
-    """`ray job status`'s words once the job has ended: `ray job logs --follow` returns then, one client waiting
-    (a `ray job status` a look would start Python and Ray's CLI each time, seconds of CPU the run needs)."""
-    deadline = time.monotonic() + timeout_s
-    while not any(w in (said := status(bed, job)) for w in ("succeeded", "failed", "was stopped")):
+    """How the job ended, in `ray job status`'s words: `ray job logs --follow` returns once it has, and says so (the
+    CLI asks the job's status as the log ends). One client waiting, where a `ray job status` a look would start
+    Python and Ray's CLI each time: seconds of CPU the run needs."""
+    deadline, said = time.monotonic() + timeout_s, ""
+    while not any(f"Job '{job}' {end}" in said for end in ("succeeded", "failed", "was stopped")):
         left = deadline - time.monotonic()
         assert left > 0, f"waited {timeout_s:g} s for the end of job {job}\n{context()}"
         try:
-            bed.client("ray", "job", "logs", "--follow", job, timeout=left, check=False)
+            out = bed.client("ray", "job", "logs", "--follow", job, timeout=left, check=False)
+            said = out.stdout + out.stderr
         except subprocess.TimeoutExpired:
             pass  # said so above, with the context
     return said
@@ -277,7 +279,7 @@ def test_a_lost_host_costs_only_the_step_in_flight_when_the_other_holds_a_whole_
         said = finish(bed, "replicas", 240, context)
     finally:
         hold.unlink(missing_ok=True)
-    assert "succeeded" in said, explain(bed, "replicas", run_dir)
+    assert "Job 'replicas' succeeded" in said, explain(bed, "replicas", run_dir)
     summary = json.loads((run_dir / "summary.json").read_text())
     attempts = summary["attempts"]
     assert [(a["world_size"], a["outcome"]) for a in attempts] == [(4, "failed"), (4, "completed")], context()
@@ -345,7 +347,7 @@ def test_a_lost_host_shrinks_the_run_and_a_new_host_grows_it_back(bed, lost_host
     """The lost host's run (the fixture): it failed at once, went on on the head's 2 workers from the newest
     checkpoint, grew back onto the new host at a checkpoint and finished with an uninterrupted run's losses."""
     run_dir, summary = lost_host.run_dir, lost_host.summary
-    assert "succeeded" in lost_host.status, lost_host.explain()
+    assert "Job 'lost' succeeded" in lost_host.status, lost_host.explain()
     attempts = summary["attempts"]
     assert [(a["world_size"], a["outcome"]) for a in attempts] == [(4, "failed"), (2, "resized"), (4, "completed")]
     assert summary["status"] == "completed" and summary["final_step"] == STEPS
@@ -369,7 +371,7 @@ def test_on_an_object_store_a_lost_host_shrinks_the_run_which_resumes_from_the_s
     from distrain.storage.checkpoint import writer_of
 
     run_dir, attempts = lost_host.run_dir, lost_host.summary["attempts"]
-    assert "succeeded" in lost_host.status, lost_host.explain()
+    assert "Job 'lost' succeeded" in lost_host.status, lost_host.explain()
 
     def writers(mirror: Path, step: str) -> set[int]:
         return {w for p in (mirror / "checkpoints" / step).iterdir() if (w := writer_of(p.name)) is not None}
