@@ -207,13 +207,21 @@ class Bed:
     def gcs(self) -> str:
         return f"{self.head.address}:{GCS_PORT}"
 
-    def alive_nodes(self) -> list[str]:
-        """The addresses of the nodes the head counts alive."""
+    def alive_nodes(self, until: int | None = None, timeout_s: float = 0) -> list[str]:
+        """The addresses of the nodes the head counts alive; with `until`, once that many are (or timeout_s has
+        passed), asked every 0.2 s from one client: a client's start (Python, Ray's import, a driver attached) is
+        the cost of a look, seconds of CPU, which each look would otherwise take from the nodes starting."""
         script = (
-            "import json, ray; ray.init(); "
-            "print(json.dumps([n['NodeManagerAddress'] for n in ray.nodes() if n['Alive']]))"
+            "import json, sys, time, ray\n"
+            "ray.init()\n"
+            "until, deadline = int(sys.argv[1]), time.monotonic() + float(sys.argv[2])\n"
+            "alive = lambda: [n['NodeManagerAddress'] for n in ray.nodes() if n['Alive']]\n"
+            "while len(nodes := alive()) != until and time.monotonic() < deadline:\n"
+            "    time.sleep(0.2)\n"
+            "print(json.dumps(nodes))"
         )
-        out = self.client(sys.executable, "-c", script, check=False, address=self.gcs)
+        args = [str(-1 if until is None else until), f"{timeout_s:g}"]
+        out = self.client(sys.executable, "-c", script, *args, check=False, address=self.gcs, timeout=timeout_s + 60)
         return json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else []
 
     def wait_for_nodes(self, n: int, timeout_s: float = 90) -> None:
@@ -222,7 +230,9 @@ class Bed:
             for h in self.hosts:
                 if h.ray is not None and h.ray.poll() is not None:
                     raise RuntimeError(f"ray start on host {h.index} ({h.address}) exited with {h.ray.returncode}")
-            if self.head.ray is not None and len(self.alive_nodes()) == n:
+            # Up to 10 s of looks from one client, then the `ray start` processes checked again.
+            left = deadline - time.monotonic()
+            if self.head.ray is not None and len(self.alive_nodes(until=n, timeout_s=max(0, min(10, left)))) == n:
                 return
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{n} Ray nodes were not up within {timeout_s:g} s")
