@@ -73,7 +73,7 @@ def runs_given_gpus(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple
     """The runs of the test below, one per strategy, started at once: each is mostly the start of one process
     after another (Ray's, the workers', torch's import), so side by side they take about the time of one.
     strategy → its exit status, its stderr, and its storage."""
-    from conftest import REPO, TINY
+    from conftest import REPO, TIMEOUT_SCALE, TINY
 
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
     env.pop("RAY_ADDRESS", None)
@@ -85,7 +85,7 @@ def runs_given_gpus(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple
         with open(storage / "stdout", "w") as out, open(storage / "stderr", "w") as err:
             cmd = [sys.executable, str(REPO / "jobs" / "train.py"), *args]
             started[strategy] = (subprocess.Popen(cmd, stdout=out, stderr=err, cwd=storage, env=env), storage)
-    deadline, ended = time.monotonic() + 180, {}
+    deadline, ended = time.monotonic() + 180 * TIMEOUT_SCALE, {}  # each run's 180 s, stretched as a test's limit
     try:
         for strategy, (proc, storage) in started.items():
             rc = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
