@@ -2,14 +2,19 @@
 
 Each script runs as a command in a session of its own (`processes.run_command`: its log kept, a timeout,
 every process it leaves ended by PID), its page under the test's tmp_path. The smoke runs use tiny
-models, a few steps and 2 workers on the embedded Ray cluster, which harness keeps on 127.0.0.1.
+models, a few steps and 2 workers. Those whose runs share one Ray cluster (`--address`) attach to one that
+`ray start --head` started on 127.0.0.1 for the module (`harness.ray_head`), as each would start and end an
+embedded one of its own (seconds each on 2 cores); the embedded cluster, which harness keeps on 127.0.0.1, is
+started by bench_ddp's runs (jobs/train.py, Ray Train's) and gpu_check's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,13 +26,34 @@ sys.path += [str(REPO / "jobs" / "bench"), str(REPO / "jobs")]  # the harness; g
 
 import harness  # noqa: E402  (jobs/bench/harness.py)
 
+# The benchmarks whose runs share one Ray cluster (`harness.parser(cluster=True)`: they take --address).
+ATTACH = {"bench_strategies", "bench_ps", "bench_recovery", "bench_checkpoint", "bench_offload", "bench_storage"}
 
-def smoke(tmp_path: Path, script: str, timeout_s: float, *extra: str) -> tuple[processes.Finished, Path]:
-    """`python jobs/<script> --smoke --out <tmp_path>/<page>.md`; its exit, and the page's path."""
+
+@pytest.fixture(scope="module")
+def head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A cluster on 127.0.0.1 as `ray start --head` leaves one, for the smoke runs in ATTACH; its address. A head
+    that does not come up (its GCS not answering `ray start` in time, on a loaded machine) is started once more,
+    as `runtime.connect` starts an embedded one once more."""
+    with contextlib.ExitStack() as held:
+        try:
+            address = held.enter_context(harness.ray_head(tmp_path_factory.mktemp("ray-head")))
+        except SystemExit as e:
+            print(f"{e}\nstarting it once more")
+            address = held.enter_context(harness.ray_head(tmp_path_factory.mktemp("ray-head")))
+        yield address
+
+
+def smoke(
+    tmp_path: Path, script: str, timeout_s: float, *extra: str, address: str | None = None
+) -> tuple[processes.Finished, Path]:
+    """`python jobs/<script> --smoke --out <tmp_path>/<page>.md [--address <address>]`; its exit, and the page's
+    path."""
     page = tmp_path / "docs" / f"{script.removeprefix('bench_')}.md"
     cmd = [sys.executable, f"jobs/bench/{script}.py", "--smoke", "--out", str(page)]
-    cmd += ["--storage", str(tmp_path / "runs")]
-    done = processes.run_command([*cmd, *extra], tmp_path / f"{script}.log", timeout_s)
+    cmd += ["--storage", str(tmp_path / "runs"), *(["--address", address] if address else [])]
+    env = harness.AUTH if address else None
+    done = processes.run_command([*cmd, *extra], tmp_path / f"{script}.log", timeout_s, env)
     assert done.rc == 0, f"{script} exited with {done.rc}:\n{done.tail(60)}"
     return done, page
 
@@ -89,8 +115,9 @@ SMOKES = [
     "script, timeout_s, plot, holds",
     [pytest.param(*case, id=case[0], marks=pytest.mark.timeout(case[1] + 60)) for case in SMOKES],
 )
-def test_smoke(tmp_path: Path, script: str, timeout_s: float, plot: bool, holds: list[str]) -> None:
-    _, page = smoke(tmp_path, script, timeout_s)
+def test_smoke(tmp_path: Path, script: str, timeout_s: float, plot: bool, holds: list[str], request) -> None:
+    address = request.getfixturevalue("head") if script in ATTACH else None
+    _, page = smoke(tmp_path, script, timeout_s, address=address)
     text = assert_page(page, plot)
     for expected in holds:
         assert expected in text, text

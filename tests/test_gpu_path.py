@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -64,34 +65,52 @@ def test_a_gpu_rank_whose_torch_cannot_use_cuda_fails_in_one_line_naming_the_nod
     assert result["torchrun"] == "cpu"  # not told it has a GPU (plain torchrun): the CPU, as before
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch that cannot use CUDA")
-@pytest.mark.timeout(200)
-@pytest.mark.parametrize("strategy", ["ddp", "ps"])
-def test_a_run_given_gpus_its_torch_cannot_use_ends_at_once(tmp_path: Path, strategy: str):
-    """The whole path: Ray gives each worker a GPU (an embedded cluster that declares 2), the engine tells
-    the ranks, and the run ends on the first attempt (the error says retrying cannot help). A parameter-server
-    worker, which has no process group, chooses its device through the same `device_for`: before, it trained
-    on the CPU in silence while its GPU sat idle."""
-    import subprocess
+GIVEN_GPUS = ["ddp", "ps"]
 
-    from conftest import REPO, TINY
+
+@pytest.fixture(scope="module")
+def runs_given_gpus(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int, str, Path]]:
+    """The runs of the test below, one per strategy, started at once: each is mostly the start of one process
+    after another (Ray's, the workers', torch's import), so side by side they take about the time of one.
+    strategy → its exit status, its stderr, and its storage."""
+    from conftest import REPO, TIMEOUT_SCALE, TINY
 
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
     env.pop("RAY_ADDRESS", None)
     gpus = ["cluster.local_cpus=2", "cluster.local_gpus=2", "cluster.use_gpu=true", "cluster.reuse_workers=false"]
-    args = [*TINY, *gpus, f"strategy={strategy}", f"run.storage={tmp_path}", "run.name=gpu"]
-    result = subprocess.run(
-        [sys.executable, str(REPO / "jobs" / "train.py"), *args],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        cwd=tmp_path,
-        env=env,
-    )
-    assert result.returncode == 1, result.stderr[-3000:]
-    error = next(line for line in result.stderr.splitlines() if line.startswith("distrain: error:"))
-    assert "GpuUnavailableError: node " in error and "cluster.use_gpu=false" in error, result.stderr[-3000:]
-    attempts = json.loads((tmp_path / "gpu" / "summary.json").read_text())["attempts"]
+    started = {}
+    for strategy in GIVEN_GPUS:
+        storage = tmp_path_factory.mktemp(f"given-gpus-{strategy}")
+        args = [*TINY, *gpus, f"strategy={strategy}", f"run.storage={storage}", "run.name=gpu"]
+        with open(storage / "stdout", "w") as out, open(storage / "stderr", "w") as err:
+            cmd = [sys.executable, str(REPO / "jobs" / "train.py"), *args]
+            started[strategy] = (subprocess.Popen(cmd, stdout=out, stderr=err, cwd=storage, env=env), storage)
+    deadline, ended = time.monotonic() + 180 * TIMEOUT_SCALE, {}  # each run's 180 s, stretched as a test's limit
+    try:
+        for strategy, (proc, storage) in started.items():
+            rc = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            ended[strategy] = (rc, (storage / "stderr").read_text(), storage)
+    finally:
+        for proc, _ in started.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return ended
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch that cannot use CUDA")
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("strategy", GIVEN_GPUS)
+def test_a_run_given_gpus_its_torch_cannot_use_ends_at_once(runs_given_gpus, strategy: str):
+    """The whole path: Ray gives each worker a GPU (an embedded cluster that declares 2), the engine tells
+    the ranks, and the run ends on the first attempt (the error says retrying cannot help). A parameter-server
+    worker, which has no process group, chooses its device through the same `device_for`: before, it trained
+    on the CPU in silence while its GPU sat idle."""
+    returncode, stderr, storage = runs_given_gpus[strategy]
+    assert returncode == 1, stderr[-3000:]
+    error = next(line for line in stderr.splitlines() if line.startswith("distrain: error:"))
+    assert "GpuUnavailableError: node " in error and "cluster.use_gpu=false" in error, stderr[-3000:]
+    attempts = json.loads((storage / "gpu" / "summary.json").read_text())["attempts"]
     assert len(attempts) == 1, [a["cause"] for a in attempts]
 
 

@@ -56,7 +56,7 @@ DEFAULTS = {
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = harness.parser(__doc__, "docs/checkpoint.md", repeats=3)
+    p = harness.parser(__doc__, "docs/checkpoint.md", repeats=3, cluster=True)
     p.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto", help="auto: gpu where CUDA is")
     p.add_argument("--model", default=None, help="a conf/model/*.yaml name (default nano, GPU llama_1b)")
     p.add_argument("--workers", type=int, default=2, help="CPU workers (default 2; a GPU run has one)")
@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     title = "Checkpoints: time lost, foreground vs background" + (" (one GPU)" if args.device == "gpu" else "")
     page = harness.Page(title, args)
-    with harness.storage(args) as storage, harness.ray_cluster():
+    with harness.storage(args) as storage, harness.ray_cluster(args.address):
         trials = harness.alternate(list(VARIANTS), args.repeats, lambda v, k: run(v, k, args, storage))
     text = body(args, trials)
     print(text)

@@ -76,8 +76,7 @@ def sizes(lo: int, hi: int, factor: int) -> list[int]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = harness.parser(__doc__, "docs/collectives.md", repeats=2)
-    p.add_argument("--address", default=None, help="a Ray cluster to check; default an embedded local one")
+    p = harness.parser(__doc__, "docs/collectives.md", repeats=2, cluster=True)
     p.add_argument("--num-workers", type=int, default=None, help="ranks; default: every GPU, or 2 on CPUs")
     p.add_argument("--cpu", action="store_true", help="gloo on CPU workers even when the cluster has GPUs")
     p.add_argument("--min-bytes", type=parse_bytes, default=parse_bytes("1K"), help="smallest message (default 1K)")

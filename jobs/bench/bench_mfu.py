@@ -88,7 +88,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
     args.gpu = torch.cuda.is_available()
     if args.smoke:
-        args.model, args.steps, args.warmup, args.seq_len = "nano", 4, 1, 256
+        args.model, args.steps, args.warmup, args.seq_len = "nano", 4, 1, 32
     # Without a GPU, inductor's compilation of the blocks takes minutes of CPU: the smoke leaves it out.
     default = ",".join(VARIANTS) if args.gpu else "eager"
     args.variants = [v.strip() for v in (args.variants or default).split(",") if v.strip()]

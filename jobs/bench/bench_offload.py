@@ -28,7 +28,7 @@ STEP_KINDS = ("raw", "overlapped", "serial", "in memory")
 
 
 def parse_args(argv: list[str] | None = None):
-    p = harness.parser(__doc__, "docs/offload.md", repeats=2)
+    p = harness.parser(__doc__, "docs/offload.md", repeats=2, cluster=True)
     p.add_argument("--model", default="llama_1b", help="a conf/model/*.yaml name (default llama_1b)")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--steps", type=int, default=4, help="steps per run (default 4; the first is left out)")
@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     page = harness.Page("Offload tiers: host memory, disk bandwidth, step time", args)
     with harness.storage(args) as storage:
-        with harness.ray_cluster():
+        with harness.ray_cluster(args.address):
             tiers = harness.alternate(list(TIERS), args.repeats, lambda t, k: run_tier(t, k, args, storage))
         steps = bandwidth(args, storage)
     text = "\n".join(["## Memory tiers", "", *tier_lines(tiers, args), "", "## The disk", "", *bandwidth_lines(steps)])

@@ -34,7 +34,7 @@ SCENARIOS = {"none": "no straggler", "straggler": "one straggler", "link": "two 
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = harness.parser(__doc__, "docs/ps.md", repeats=1, plot=True)
+    p = harness.parser(__doc__, "docs/ps.md", repeats=1, plot=True, cluster=True)
     p.add_argument("--steps", type=int, default=120, help="training steps per run (default 120)")
     p.add_argument("--workers", type=int, default=4, help="workers of every run (default 4)")
     p.add_argument("--eval-interval", type=int, default=20, help="validation every this many steps (default 20)")
@@ -339,7 +339,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     page = harness.Page("Parameter server beside all-reduce", args)
     keys = [(scenario, config) for scenario in args.scenarios for config in args.configs]
-    with harness.storage(args) as storage, harness.ray_cluster(), two_hosts(args) as bed:
+    with harness.storage(args) as storage, harness.ray_cluster(args.address), two_hosts(args) as bed:
         trials = harness.alternate(
             keys,
             args.repeats,

@@ -82,7 +82,7 @@ class Run:
 
 
 def parse_args(argv: list[str] | None = None):
-    p = harness.parser(__doc__, "docs/recovery.md", repeats=3, plot=True)
+    p = harness.parser(__doc__, "docs/recovery.md", repeats=3, plot=True, cluster=True)
     p.add_argument("--workers", help="comma-separated worker counts, each a run per system (default 2,4; smoke 2)")
     p.add_argument("--kills", type=int, default=1, help="SIGKILLs per run (default 1)")
     p.add_argument("--systems", help=f"a subset of {','.join(SYSTEMS)} (default all; smoke replicas)")
@@ -544,7 +544,7 @@ def main(argv: list[str] | None = None) -> None:
     keys = [(system, n) for n in args.workers for system in args.systems]
     runners = {"checkpoint": run_distrain, "replicas": run_distrain, "raytrain": run_raytrain}
     windows = []
-    with harness.storage(args) as storage, harness.ray_cluster(dashboard="raytrain" in args.systems):
+    with harness.storage(args) as storage, harness.ray_cluster(args.address, dashboard="raytrain" in args.systems):
         trials = harness.alternate(
             keys,
             args.repeats,

@@ -13,24 +13,15 @@ the attempt's `timings`: the supervisor, and rank 0's reports). Writes docs/star
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import shutil
-import signal
 import statistics
 import subprocess
-import sys
-import tempfile
-import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import bench_ddp
 import harness  # first: it keeps Ray on loopback
 
-from distrain.ports import free_ports
 from distrain.testing import processes
 
 GOALS_S = {"embedded": 3.0, "attached": 1.0}  # the most each may take beyond torchrun, launch → first step
@@ -55,7 +46,6 @@ PHASES = [
     ("first_step", "first step"),
 ]
 BASELINE = " (baseline)"
-AUTH = {"RAY_AUTH_MODE": "token"}  # a client of the head sends its token (~/.ray/auth_token)
 
 
 @dataclass
@@ -83,41 +73,6 @@ def describe_checkout(path: Path) -> str:
     return out.stdout.strip() or "unknown"
 
 
-@contextlib.contextmanager
-def ray_head(storage: Path, timeout_s: float = 120.0) -> Iterator[str]:
-    """A running cluster, as `ray start --head` leaves one (token authentication, Ray's default): on
-    127.0.0.1, with its own temp dir and ports, and one small job run on it already, so that no measured
-    run pays for the cluster's first job; its GCS address. Ended by PID: its session."""
-    temp_dir = tempfile.mkdtemp(prefix="rayb", dir="/tmp")  # short: Ray's socket paths are length-limited
-    ports = ["node-manager", "object-manager", "dashboard-agent-listen", "dashboard-agent-grpc", "runtime-env-agent"]
-    names = [*ports, "metrics-export", "ray-client-server"]
-    port, *picked = free_ports(1 + len(names))
-    ports, bin_dir = [f"--{name}-port={p}" for name, p in zip(names, picked, strict=True)], Path(sys.executable).parent
-    cmd = [str(bin_dir / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={port}"]
-    cmd += ["--include-dashboard=false", f"--temp-dir={temp_dir}", "--disable-usage-stats", *ports]
-    log = storage / "ray-head.log"
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
-    with open(log, "w") as out:
-        head = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + timeout_s
-        while "Ray runtime started" not in log.read_text():
-            if head.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"{harness.PROG}: ray start --head did not come up:\n{log.read_text()[-2000:]}")
-            time.sleep(0.5)
-        first_job = f"import ray; ray.init(address='127.0.0.1:{port}'); ray.get(ray.remote(lambda: 0).remote())"
-        done = processes.run_command([sys.executable, "-c", first_job], storage / "first-job.log", timeout_s, AUTH)
-        if done.rc != 0:
-            raise SystemExit(f"{harness.PROG}: the first job on the head failed:\n{done.tail()}")
-        yield f"127.0.0.1:{port}"
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(head.pid, signal.SIGTERM)  # `ray start --block` stops the node's processes
-        head.wait()
-        processes.reap(head.pid)
-        shutil.rmtree(temp_dir, ignore_errors=True)
-
-
 def command(key: str, args, storage: Path, name: str, head: str) -> tuple[list[str], dict[str, str]]:
     """A run's command line and what it adds to the environment: bench_ddp's, attached to `head`, and run
     from its checkout (this one, or the baseline) with that checkout's distrain first on the path of the
@@ -126,7 +81,7 @@ def command(key: str, args, storage: Path, name: str, head: str) -> tuple[list[s
     cmd, env = bench_ddp.command("torchrun" if mode == "torchrun" else "distrain", args, storage, name)
     if mode == "attached":
         cmd.append(f"cluster.address={head}")
-        env.update(AUTH)
+        env.update(harness.AUTH)
     return ["env", "-C", tree, *cmd], {**env, "PYTHONPATH": tree}
 
 
@@ -306,7 +261,7 @@ def main(argv: list[str] | None = None) -> None:
     baseline = describe_checkout(Path(args.baseline)) if args.baseline else ""
     keys = ["embedded", "attached", "torchrun"]
     keys += [f"{k}{BASELINE}" for k in keys[:2]] if baseline else []
-    with harness.storage(args) as storage, ray_head(storage) as head:
+    with harness.storage(args) as storage, harness.ray_head(storage) as head:
         trials = harness.alternate(keys, args.repeats, lambda key, k: run(key, k, args, storage, head), label)
     print("\n" + "\n".join(totals_table(trials)) + "\n\n" + "\n".join(phases_table(trials)))
     page.write(body(args, trials, baseline), trials)

@@ -38,7 +38,7 @@ HEAD += ["uploader alone (MB/s)", "plain s3fs (MB/s)", "ratio", "resume: load (s
 
 
 def parse_args(argv: list[str] | None = None):
-    p = harness.parser(__doc__, "docs/storage.md", repeats=2)
+    p = harness.parser(__doc__, "docs/storage.md", repeats=2, cluster=True)
     p.add_argument("--model", default="llama_124m", help="a conf/model/*.yaml name (default llama_124m)")
     p.add_argument("--workers", type=int, default=2, help="DDP workers on CPU (default 2)")
     p.add_argument("--steps", type=int, default=60, help="steps per run (default 60)")
@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> None:
     page = harness.Page("Checkpoints on an object store", args)
     with harness.storage(args) as local, Seaweed(local / "seaweed") as s3:
         os.environ.update(s3.env)  # as a user's would be: the driver forwards AWS_* to the workers
-        with harness.ray_cluster():
+        with harness.ray_cluster(args.address):
             trials = harness.alternate(["local", "store"], args.repeats, lambda w, k: run(w, k, args, s3, local))
     page.write(body(args, trials), trials)
 

@@ -264,7 +264,7 @@ def body(args, cfg: ModelConfig, memory: dict, rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = harness.parser(__doc__, "docs/strategies.md", repeats=2)
+    p = harness.parser(__doc__, "docs/strategies.md", repeats=2, cluster=True)
     p.add_argument("--workers", type=int, default=4, help="ranks of the memory table, workers of the step times")
     p.add_argument("--steps", type=int, default=20, help="training steps per run of a strategy")
     p.add_argument("--warmup", type=int, default=5, help="first steps left out of the step time")
@@ -279,7 +279,7 @@ def main(argv: list[str] | None = None) -> None:
     print("\n".join(memory_table(memory, num_params(cfg), args.workers)), flush=True)
 
     plan = [(name, args.workers) for name in args.strategies] + list(args.oversubscribed.items())
-    with harness.storage(args) as storage, harness.ray_cluster():
+    with harness.storage(args) as storage, harness.ray_cluster(args.address):
         trials = harness.alternate(
             plan, args.repeats, lambda key, k: run_strategy(*key, k, args, storage), lambda key: f"{key[0]} ×{key[1]}"
         )

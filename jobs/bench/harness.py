@@ -6,7 +6,8 @@
 - **Machine.** `machine()`, `describe()`, `commit()`, `off_loopback()`.
 - **Runs.** `alternate()`: each configuration once per repeat, the order reversed on every other repeat
   (ABBA), the 1-minute load average taken before each run. `train()`: one distrain run through
-  `distrain.driver.launch.train`, bounded in time, with what it wrote. `ray_cluster()`: one embedded cluster.
+  `distrain.driver.launch.train`, bounded in time, with what it wrote. `ray_cluster()`: one embedded cluster,
+  or the one `--address` names (`parser(cluster=True)`); `ray_head()`: a cluster as `ray start --head` leaves one.
 - Starting and ending processes (commands, bounded calls, gloo ranks) is distrain/testing/processes.py's.
 - **Command line.** `parser()` with the options every benchmark has (--out, --repeats, --smoke,
   --storage), `parse()` (which keeps the exact command for the page), `storage()`.
@@ -25,6 +26,8 @@ import os
 import platform
 import re
 import shlex
+import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -36,6 +39,8 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
+from distrain.ports import free_ports
+from distrain.testing import processes
 from distrain.testing.processes import free_port, interrupt_after
 
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # before Ray is imported: bind 127.0.0.1 only
@@ -240,13 +245,58 @@ def ray_cluster(address: str | None = None, dashboard: bool = False) -> Iterator
         ray.shutdown()
 
 
+AUTH = {"RAY_AUTH_MODE": "token"}  # a client of a `ray start` head sends its token (~/.ray/auth_token)
+
+
+@contextlib.contextmanager
+def ray_head(storage: Path, timeout_s: float = 120.0) -> Iterator[str]:
+    """A running cluster, as `ray start --head` leaves one (token authentication, Ray's default): on
+    127.0.0.1, with its own temp dir and ports, and one small job run on it already, so that no measured
+    run pays for the cluster's first job; its GCS address. Ended by PID: its session."""
+    temp_dir = tempfile.mkdtemp(prefix="rayb", dir="/tmp")  # short: Ray's socket paths are length-limited
+    ports = ["node-manager", "object-manager", "dashboard-agent-listen", "dashboard-agent-grpc", "runtime-env-agent"]
+    names = [*ports, "metrics-export", "ray-client-server"]
+    port, *picked = free_ports(1 + len(names))
+    ports, bin_dir = [f"--{name}-port={p}" for name, p in zip(names, picked, strict=True)], Path(sys.executable).parent
+    cmd = [str(bin_dir / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={port}"]
+    cmd += ["--include-dashboard=false", f"--temp-dir={temp_dir}", "--disable-usage-stats", *ports]
+    log = storage / "ray-head.log"
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    with open(log, "w") as out:
+        head = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while "Ray runtime started" not in log.read_text():
+            if head.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"{PROG}: ray start --head did not come up:\n{log.read_text()[-2000:]}")
+            time.sleep(0.5)
+        first_job = f"import ray; ray.init(address='127.0.0.1:{port}'); ray.get(ray.remote(lambda: 0).remote())"
+        done = processes.run_command([sys.executable, "-c", first_job], storage / "first-job.log", timeout_s, AUTH)
+        if done.rc != 0:
+            raise SystemExit(f"{PROG}: the first job on the head failed:\n{done.tail()}")
+        yield f"127.0.0.1:{port}"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(head.pid, signal.SIGTERM)  # `ray start --block` stops the node's processes
+        head.wait()
+        processes.reap(head.pid)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
 # -- the command line -----------------------------------------------------------------------------
 
 
-def parser(doc: str, out: str, repeats: int, plot: bool = False) -> argparse.ArgumentParser:
-    """The options every benchmark has (and --replot, for one that draws a plot); a benchmark adds its own."""
+def parser(doc: str, out: str, repeats: int, plot: bool = False, cluster: bool = False) -> argparse.ArgumentParser:
+    """The options every benchmark has (and --replot, for one that draws a plot; --address, for one whose runs
+    share one Ray cluster: `ray_cluster(args.address)`); a benchmark adds its own."""
     p = argparse.ArgumentParser(description=doc.strip().splitlines()[0])
     p.add_argument("--out", default=out, help=f"the page, '' for none; plots go beside it (default {out})")
+    if cluster:
+        p.add_argument(
+            "--address",
+            default=None,
+            help="a running Ray cluster (host:port of its GCS) to run on; default: an embedded one on loopback",
+        )
     if plot:
         p.add_argument(
             "--replot",
