@@ -72,6 +72,9 @@ def test_model_sizes_are_what_their_names_say():
     assert 100e6 < sizes["llama_124m"] < 130e6
     assert 85e6 < sizes["gpt2_124m"] < 90e6  # GPT-2 small's 124M less 50K − 256 vocabulary rows: 85.8M
     assert 0.9e9 < sizes["llama_1b"] < 1.3e9
+    assert 2e6 < sizes["moe_nano"] < 3e6 and 2e9 < sizes["moe_1b"] < 3e9  # every expert counted
+    active = {c.name: flops_per_token(c, 16) for c in conf_models()}
+    assert active["moe_nano"] == pytest.approx(active["nano"], rel=0.02)  # a token passes through as many weights
     gpt2 = next(c for c in conf_models() if c.name == "gpt2_nano")
     gpt2.n_positions = None  # a learned positions' table sized by the run: without its seq_len, no size
     assert num_params(gpt2, 256) == sizes["gpt2_nano"]  # 256 rows, as its n_positions said
