@@ -27,6 +27,33 @@ class ConfigError(ValueError):
 
 
 @dataclass
+class MoEConfig:
+    """Mixture-of-experts blocks (the moe family, distrain/model/moe.py; model=moe_nano): a chosen block's MLP
+    becomes `num_experts` SwiGLU experts and a router sending each token to `top_k` of them. Which blocks: from
+    block `first_dense` on, every `every`-th. docs/moe.md."""
+
+    num_experts: int = 0  # 0: no block has experts
+    top_k: int = 2
+    expert_dim: int | None = None  # each expert's hidden width; None: model.ffn_dim
+    shared_experts: int = 0  # experts every token passes through besides its top_k (DeepSeek), expert_dim wide each
+    every: int = 1  # blocks i >= first_dense with (i + 1) % every == 0 have experts (Qwen's decoder_sparse_step)
+    first_dense: int = 0  # the first blocks keep a dense MLP (DeepSeek-V3: 3)
+    score: str = "softmax"  # softmax | sigmoid: the experts' scores from the router's logits
+    normalize: bool = True  # the top_k scores divided by their sum (Mixtral; Qwen3's norm_topk_prob)
+    # aux_loss: Switch/Mixtral's load-balancing loss; bias: DeepSeek-V3's loss-free balancing, a per-expert bias
+    # on the choice (not on the weights) moved by bias_rate each step towards the mean load; none
+    balance: str = "aux_loss"
+    aux_loss_weight: float = 0.01
+    bias_rate: float = 0.001
+    z_loss_weight: float = 0.0  # the router's z-loss (ST-MoE): mean logsumexp(logits)²; 0: off
+    capacity_factor: float = 0.0  # 0: dropless; else an expert takes at most cf·tokens·top_k/num_experts tokens
+
+    def is_sparse(self, block: int) -> bool:
+        """Whether block `block` has experts."""
+        return self.num_experts > 0 and block >= self.first_dense and (block + 1) % self.every == 0
+
+
+@dataclass
 class ModelConfig:
     """The shape comes from a preset in conf/model/ (model=nano, gpt2_124m, llama_1b, ...)."""
 
@@ -48,6 +75,7 @@ class ModelConfig:
     n_positions: int | None = None  # learned positions' table (GPT-2); None: trainer.seq_len
     # A Hugging Face model directory (config.json + safetensors): the model's shape and first weights come from it.
     init_from: str | None = None
+    moe: MoEConfig = field(default_factory=MoEConfig)  # the moe family's experts (model=moe_nano)
 
 
 @dataclass

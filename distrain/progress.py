@@ -55,6 +55,9 @@ class WorkLine(_Line):
             self.stream.flush()
 
 
+SHOWN = ("loss", "val_loss", "tokens_per_s")  # the figures of a step's line the progress line shows (and experts')
+
+
 class ProgressLine(_Line):
     """Training's line, from rank 0's progress reports: the newest step whose line the run has logged, with
     that line's figures. A collective rank reads a step's loss back during the next step, and says which step
@@ -77,7 +80,7 @@ class ProgressLine(_Line):
                 self.said.add(line)
                 self.message(line)
         step = progress.step if progress.logged is None else progress.logged
-        metrics = {k: v for k, v in progress.metrics.items() if k in ("loss", "val_loss", "tokens_per_s")}
+        metrics = {k: v for k, v in progress.metrics.items() if k in SHOWN or k.startswith("moe_imbalance_")}
         if step is None or (step, metrics) == self.shown:
             return
         now = time.time()
@@ -105,6 +108,9 @@ class ProgressLine(_Line):
             parts.append(f"val {m['val_loss']:.4f}")
         if "tokens_per_s" in m:
             parts.append(f"{m['tokens_per_s'] / 1e3:.1f}k tok/s")
+        imbalance = [v for k, v in m.items() if k.startswith("moe_imbalance_")]
+        if imbalance:  # the busiest expert of any layer, against its layer's mean
+            parts.append(f"experts ≤ {max(imbalance):.2f}× mean")
         t0, s0 = self.first
         if step > s0:
             parts.append(f"ETA {_duration((now - t0) / (step - s0) * (max_steps - step))}")

@@ -338,6 +338,41 @@ MUTANTS = (
         "time.time() + last_save_s]).to(torch.float64)",
         ("tests/test_step_path.py::test_the_stop_vote_judges_a_save_against_the_deadline_to_the_second",),
     ),
+    Mutant(
+        "moe-rows-to-wrong-expert",
+        "distrain/model/moe.py",
+        "counts = torch.bincount(chosen.flatten(), minlength=m.num_experts)",
+        "counts = torch.bincount(chosen.flatten(), minlength=m.num_experts).flip(0)",
+        ("tests/test_moe.py::test_the_layer_is_each_token_through_its_chosen_experts",),
+    ),
+    Mutant(
+        "moe-capacity-one-over",
+        "distrain/model/moe.py",
+        "starts.repeat_interleave(counts) < capacity",
+        "starts.repeat_interleave(counts) <= capacity",
+        ("tests/test_moe.py::test_an_expert_over_capacity_drops_its_last_tokens_and_counts_them",),
+    ),
+    Mutant(
+        "moe-aux-loss-unscaled",
+        "distrain/model/moe.py",
+        "return grad, torch.full_like(loss, AuxLoss.scale)",
+        "return grad, torch.ones_like(loss)",
+        ("tests/test_moe.py::test_the_auxiliary_losses_gradient_is_that_of_adding_them_to_the_loss",),
+    ),
+    Mutant(
+        "moe-load-not-summed-over-ranks",
+        "distrain/parallel/routing.py",
+        "            dist.all_reduce(figures, group=self.group)",
+        "            pass",
+        ("tests/test_moe.py::test_moe_trains_as_one_process[bias-ddp]",),
+    ),
+    Mutant(
+        "pipeline-shape-inference-counted",
+        "distrain/parallel/parallelize.py",
+        "        if self.pipeline is not None:\n            self.pipeline.step(x, y)",
+        "        if False:\n            self.pipeline.step(x, y)",
+        ("tests/test_moe.py::test_moe_trains_as_one_process[bias-pp]",),
+    ),
 )
 
 

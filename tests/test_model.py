@@ -9,11 +9,14 @@ from omegaconf import OmegaConf
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from distrain.config import ModelConfig
+from distrain.config import ModelConfig, MoEConfig
 from distrain.model.families import FAMILIES
 from distrain.model.llama import Transformer
 from distrain.model.registry import build_model, has_plan
 from distrain.model.size import _counted_parts, flops_per_token, num_params, parts
+
+# The moe family's experts in every block, a shared one beside them (the other families ignore model.moe).
+EXPERTS = MoEConfig(num_experts=4, top_k=2, expert_dim=24, shared_experts=1)
 
 
 def conf_models() -> list[ModelConfig]:
@@ -36,7 +39,9 @@ def test_a_family_record_matches_its_built_model(target: str, tied: bool):
     """Every registered family's record (families/) says what the built model has: its parameter
     count, its pipeline parts, its tensor-parallel plans; with and without a tied head, with
     grouped-query attention and a positions' table sized by the run's seq_len."""
-    cfg = ModelConfig(_target_=target, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, tie_embeddings=tied)
+    cfg = ModelConfig(
+        _target_=target, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, tie_embeddings=tied, moe=EXPERTS
+    )
     with torch.device("meta"):
         model = build_model(cfg, max_seq_len=16)
     assert num_params(cfg, 16) == sum(p.numel() for p in model.parameters())
@@ -50,7 +55,7 @@ def test_a_family_record_matches_its_built_model(target: str, tied: bool):
 def test_flops_per_token_matches_counted_flops(target: str, kv_heads: int | None):
     """torch's FlopCounterMode counts every matmul of forward + backward; with the math attention
     kernel that includes the attention matmuls over the whole sequence, as PaLM's formula does."""
-    cfg = ModelConfig(_target_=target, dim=64, n_layers=3, n_heads=4, n_kv_heads=kv_heads, ffn_dim=96)
+    cfg = ModelConfig(_target_=target, dim=64, n_layers=3, n_heads=4, n_kv_heads=kv_heads, ffn_dim=96, moe=EXPERTS)
     seq_len, batch = 32, 2
     model = build_model(cfg, seq_len)
     tokens = torch.randint(0, 256, (batch, seq_len))
@@ -67,6 +72,9 @@ def test_model_sizes_are_what_their_names_say():
     assert 100e6 < sizes["llama_124m"] < 130e6
     assert 85e6 < sizes["gpt2_124m"] < 90e6  # GPT-2 small's 124M less 50K − 256 vocabulary rows: 85.8M
     assert 0.9e9 < sizes["llama_1b"] < 1.3e9
+    assert 2e6 < sizes["moe_nano"] < 3e6 and 2e9 < sizes["moe_1b"] < 3e9  # every expert counted
+    active = {c.name: flops_per_token(c, 16) for c in conf_models()}
+    assert active["moe_nano"] == pytest.approx(active["nano"], rel=0.02)  # a token passes through as many weights
     gpt2 = next(c for c in conf_models() if c.name == "gpt2_nano")
     gpt2.n_positions = None  # a learned positions' table sized by the run: without its seq_len, no size
     assert num_params(gpt2, 256) == sizes["gpt2_nano"]  # 256 rows, as its n_positions said

@@ -45,3 +45,8 @@ def test_a_new_attempt_shows_no_loss_of_the_one_before():
 def test_a_parameter_servers_line_is_of_the_step_it_reports():
     reports = [Progress(max_steps=2, step=s, metrics={"loss": loss}) for s, loss in ((1, 2.0), (2, 1.5))]
     assert lines(reports) == ["step 1/2 | loss 2.0000", "step 2/2 | loss 1.5000"]
+
+
+def test_a_mixture_of_experts_line_shows_its_busiest_expert():
+    figures = {"loss": 2.0, "moe_imbalance_0": 1.25, "moe_imbalance_3": 1.5, "moe_balance_loss": 1.01}
+    assert lines([Progress(max_steps=2, step=1, metrics=figures)]) == ["step 1/2 | loss 2.0000 | experts ≤ 1.50× mean"]

@@ -30,7 +30,7 @@ def test_prefetched_batches_are_the_loaders_in_order_and_out_of_order():
 
 
 def test_readback_gives_the_reduced_loss_and_the_norm():
-    loss, norm = Readback(torch.tensor(2.5), torch.tensor(0.75)).read()
+    loss, norm, _ = Readback(torch.tensor(2.5), torch.tensor(0.75)).read()
     assert (loss, norm) == (2.5, 0.75)  # one rank: its own sum
 
 

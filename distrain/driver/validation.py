@@ -81,6 +81,8 @@ def _validate_model(cfg: TrainConfig) -> None:
         require(
             (m.dim // m.n_heads) % 2 == 0, f"model.dim / model.n_heads = {m.dim // m.n_heads} must be even (rotary)"
         )
+    if family is not None and family.check is not None:
+        family.check(m)
     kv = m.n_kv_heads or m.n_heads
     require(m.n_heads % kv == 0, f"model.n_kv_heads={kv} must divide model.n_heads={m.n_heads}")
     require(m.vocab_size >= 256, f"model.vocab_size={m.vocab_size}: byte tokens need at least 256")

@@ -47,7 +47,7 @@ def initial_value(cfg: ModelConfig, seed: int, name: str, shape: torch.Size) -> 
     if name.endswith(".bias"):
         return torch.zeros(shape, device="cpu")
     std = cfg.init_std
-    if name.endswith(("wo.weight", "w2.weight")):
+    if name.endswith(("wo.weight", "w2.weight", "experts.w2")):
         std /= math.sqrt(2 * cfg.n_layers)
     generator = torch.Generator().manual_seed(parameter_seed(seed, name))
     return torch.empty(shape, device="cpu").normal_(0.0, std, generator=generator)

@@ -82,12 +82,14 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """Attention, then `feed_forward` (the MLP, or the moe family's experts), each on the normed residual stream."""
+
+    def __init__(self, cfg: ModelConfig, feed_forward: nn.Module):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim)
+        self.feed_forward = feed_forward
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), cos, sin)
@@ -103,13 +105,17 @@ class Transformer(FamilyModel):
     def __init__(self, cfg: ModelConfig, max_seq_len: int, seed: int = 0):
         super().__init__(cfg, max_seq_len, seed)
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
+        self.layers = nn.ModuleDict({str(i): Block(cfg, self.feed_forward(i)) for i in range(cfg.n_layers)})
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         cos, sin = rotary_tables(cfg.dim // cfg.n_heads, max_seq_len, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.ready()
+
+    def feed_forward(self, block: int) -> nn.Module:
+        """Block `block`'s MLP (the moe family gives some blocks experts instead)."""
+        return FeedForward(self.cfg.dim, self.cfg.ffn_dim)
 
     @torch.no_grad()
     def init_weights(self) -> None:

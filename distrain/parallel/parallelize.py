@@ -26,10 +26,12 @@ from torch.nn.parallel import DistributedDataParallel
 
 from distrain.compat import settle_gradients
 from distrain.config import StrategyConfig
+from distrain.model.moe import aux_loss_scale
 from distrain.parallel import context_parallel, data_parallel, tensor_parallel
 from distrain.parallel.data_parallel import no_gradient_sync
 from distrain.parallel.mesh import ParallelMesh
 from distrain.parallel.passes import Pass, PassContext
+from distrain.parallel.routing import Routers
 from distrain.parallel.tensor_parallel import loss_context
 from distrain.parallel.tpnd.grad_sync import GradSync
 from distrain.parallel.tpnd.layers import grid_cross_entropy
@@ -156,6 +158,7 @@ class ParallelModel:
         self.vocab_sharded_loss = layout.tp > 1 and layout.tp_mode == "1d" and cfg.loss_parallel
 
         parts, tied = {0: model}, getattr(model, "tied_parameters", ())  # plain DDP needs no contract
+        self.routers = Routers(model, self.mesh, device)  # mixture-of-experts layers, if any
         if layout.pp > 1:
             from distrain.parallel.pipeline import split_stages  # torch's pipelining imports dynamo: only when used
 
@@ -174,6 +177,8 @@ class ParallelModel:
             self.pipeline = Pipeline(parts, self.mesh.get("pp"), device, layout, self.loss_fn)
         self.parts = list(parts.values())
         self.module = self.parts[0] if len(self.parts) == 1 else stage_union(self.parts)
+        self.routers.hold(self.parts)
+        self.step_figures: torch.Tensor | None = None  # theirs over the last training step (Routers.end)
         self.tied = TiedAcrossStages(self.module, tied, self.mesh.group("pp")) if tied and self.pipeline else None
         held = {name for name, _ in self.module.named_parameters()}
         self.copies = {a: b for a, b in tied if a in held and b not in held}  # tied copies on this stage
@@ -203,8 +208,10 @@ class ParallelModel:
         over the micro-batches) reduced once, after the last. Returns the summed losses (under context
         parallelism each the mean over this rank's share of the tokens)."""
         x, y = self.local_tokens(x, y)
+        if train:
+            self.routers.begin()
         with loss_context(self.vocab_sharded_loss):
-            if self.pipeline is not None:
+            if self.pipeline is not None:  # its schedule scales every gradient by 1 / micro-batches itself
                 losses = [as_tensor(loss.detach()) for loss in self.pipeline.step(x, y, train)]
                 if train and self.tied is not None:
                     self.tied.sum_gradients(self.device)
@@ -214,7 +221,7 @@ class ParallelModel:
             micro = list(zip(x.chunk(n), y.chunk(n), strict=True))
             total = torch.zeros((), device=x.device)
             for i, (xm, ym) in enumerate(micro):
-                with self.no_sync(i == len(micro) - 1) if train else torch.no_grad():
+                with self.no_sync(i == len(micro) - 1) if train else torch.no_grad(), aux_loss_scale(1 / len(micro)):
                     loss = self.loss_fn(self.module(xm), ym)
                     if train:
                         (loss / len(micro)).backward()
@@ -229,9 +236,12 @@ class ParallelModel:
         return self.sequence_split.split(x), self.sequence_split.split(y)
 
     def sync_gradients(self, train: bool) -> None:
-        """The grid layouts reduce gradients here, once per step; the other wrappers did during the backward."""
+        """The grid layouts reduce gradients here, once per step; the other wrappers did during the backward.
+        The mixture-of-experts layers' step ends here too (Routers.end)."""
         if train and self.grad_sync is not None:
             self.grad_sync()
+        if train:
+            self.step_figures = self.routers.end()
 
     def settle_buckets(self, x: torch.Tensor, y: torch.Tensor) -> None:
         """DDP reduces its first backward's gradients in a bucket laid out in reverse parameter
@@ -241,8 +251,15 @@ class ParallelModel:
         the same step in a run that never stopped. One backward before the first step, gradients
         thrown away, gives every step of every run the rebuilt layout. The layout follows the order
         gradients arrive in, not their values, so two tokens of one sequence do (a restart waits
-        for this backward, and a whole micro-batch's would cost a step)."""
-        if isinstance(self.module, DistributedDataParallel):
+        for this backward, and a whole micro-batch's would cost a step).
+
+        A pipeline's schedule infers its stages' shapes with a forward and backward of its own at its first
+        step; run here, they stay out of the step's counts (the mixture-of-experts layers' tokens per expert)."""
+        if self.pipeline is not None:
+            self.pipeline.step(x, y)
+            for part in self.parts:
+                part.zero_grad(set_to_none=True)
+        elif isinstance(self.module, DistributedDataParallel):
             # under context parallelism a whole sequence: its ranks' attention meets only over all of it
             x, y = self.local_tokens(x[:1], y[:1]) if self.sequence_split is not None else (x[:1, :2], y[:1, :2])
             self.loss_fn(self.module(x), y).backward()

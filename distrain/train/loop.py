@@ -91,7 +91,10 @@ class Trainer:
             self.resumed_at = self.state.step
             self.learner.settle(self.state.step + 1)
             self.tracker = self.open_tracker(store or None)
-        self.log = StepLog(cfg, device, self.learner.precision, self.world, self.tracker, channel, self.mean_of)
+        routers = self.learner.parallel.routers
+        self.log = StepLog(
+            cfg, device, self.learner.precision, self.world, self.tracker, channel, self.mean_of, routers.describe
+        )
         self.vote = StopVote()
         # Under way: what a recovery from replicas started from is in this attempt's model now. (Kept until here,
         # untouched: if this attempt fails before it gets here, a kill mid-transfer, the next starts from it again.)
@@ -174,7 +177,8 @@ class Trainer:
         t, step = self.cfg.trainer, self.state.step
         evaluate_now = (t.eval_interval > 0 and step % t.eval_interval == 0) or last
         if step % t.log_interval == 0 or evaluate_now:
-            self.log.close(step, self.state.optimizer.param_groups[0]["lr"], loss_sum, grad_norm, self.saver)
+            lr, figures = self.state.optimizer.param_groups[0]["lr"], self.learner.parallel.step_figures
+            self.log.close(step, lr, loss_sum, grad_norm, figures, self.saver)
         if evaluate_now:
             self.val_loss = self.evaluate()
             self.log_read(val_loss=self.val_loss)

@@ -55,27 +55,29 @@ class Readback:
     the all-reduce is stream-ordered (NCCL) and the copy into host memory does not block, an event marks
     its end; on a CPU the all-reduce (gloo) runs as asynchronous work, waited for when read."""
 
-    def __init__(self, loss_sum: torch.Tensor, grad_norm: torch.Tensor):
+    def __init__(self, loss_sum: torch.Tensor, grad_norm: torch.Tensor, more: torch.Tensor | None = None):
+        """`more`: further figures of the step, already summed over the ranks (the experts' loads), read with them."""
         total = loss_sum.detach().float().clone()
         norm = grad_norm.detach().float().to(total.device)  # on the CPU under CPU offload
+        rest = [] if more is None else [more.detach().float().flatten().to(total.device)]
         if total.is_cuda:
             dist.all_reduce(total)
-            self.values = torch.stack([total, norm]).to("cpu", non_blocking=True)
+            self.values = torch.cat([total[None], norm[None], *rest]).to("cpu", non_blocking=True)
             self.done = torch.cuda.Event()
             self.done.record()
         else:
-            self.values = torch.stack([total, norm])
+            self.values = torch.cat([total[None], norm[None], *rest])
             self.done = dist.all_reduce(self.values[:1], async_op=True)
 
     def ready(self) -> bool:
         """Whether `read` would return without waiting (after a failure: never wait on a dead peer)."""
         return self.done.query() if isinstance(self.done, torch.cuda.Event) else self.done.is_completed()
 
-    def read(self) -> tuple[float, float]:
-        """(the loss summed over the ranks, the gradient norm)."""
+    def read(self) -> tuple[float, float, list[float]]:
+        """(the loss summed over the ranks, the gradient norm, the further figures)."""
         if isinstance(self.done, torch.cuda.Event):
             self.done.synchronize()
         else:
             self.done.wait()
-        loss, norm = self.values.tolist()
-        return loss, norm
+        loss, norm, *more = self.values.tolist()
+        return loss, norm, more

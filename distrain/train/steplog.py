@@ -46,8 +46,11 @@ class StepLog:
         tracker: Tracker | None,
         channel: Channel,
         mean_of: Callable[[float], float],
+        name_figures: Callable[[list[float]], dict[str, float]],
     ):
+        """`name_figures`: a step's further figures (the experts' loads, `close`'s `more`) as its metrics."""
         self.cfg, self.device, self.tracker, self.channel, self.mean_of = cfg, device, tracker, channel, mean_of
+        self.name_figures = name_figures
         t, peak = cfg.trainer, peak_flops(device, precision)  # a logged step's FLOP/s as MFU: once, here
         self.flops_to_mfu = flops_per_token(cfg.model, t.seq_len) / (peak * world) if peak else None
         self.window = Window(time.perf_counter())
@@ -64,8 +67,17 @@ class StepLog:
         """Time spent outside steps (checkpoints, evaluation): not training time."""
         self.window.began += seconds
 
-    def close(self, step: int, lr: float, loss_sum: torch.Tensor, grad_norm: torch.Tensor, saver: Saver) -> None:
-        """Close this logging window at `step`: its figures now, its loss and gradient norm on their way to the host."""
+    def close(
+        self,
+        step: int,
+        lr: float,
+        loss_sum: torch.Tensor,
+        grad_norm: torch.Tensor,
+        more: torch.Tensor | None,
+        saver: Saver,
+    ) -> None:
+        """Close this logging window at `step`: its figures now, its loss, gradient norm and `more` (figures summed
+        over the ranks already) on their way to the host."""
         t = self.cfg.trainer
         elapsed = time.perf_counter() - self.window.began
         tokens_per_s = t.global_batch_size * t.seq_len * self.window.steps / elapsed
@@ -82,7 +94,7 @@ class StepLog:
         store = saver.remote
         if store is not None and store.upload_s is not None:  # a commit on the store since the last line
             metrics["checkpoint_upload_s"], store.upload_s = store.upload_s, None
-        self.unread = Unread(step, metrics, Readback(loss_sum, grad_norm))
+        self.unread = Unread(step, metrics, Readback(loss_sum, grad_norm, more))
         self.window = Window(time.perf_counter())
 
     def settle(self) -> None:
@@ -95,8 +107,7 @@ class StepLog:
         if self.unread is None:
             return None
         unread, self.unread = self.unread, None
-        loss_total, grad_norm = unread.readback.read()
-        metrics = {"loss": self.mean_of(loss_total), "grad_norm": grad_norm, **unread.metrics, **extra}
+        metrics = {**self.figures_read(unread), **extra}
         self.last_read = {unread.step: metrics}
         if self.tracker is not None:
             self.tracker.log(unread.step, metrics)
@@ -110,6 +121,11 @@ class StepLog:
         unread = self.unread
         if unread is not None and unread.step == committed and unread.readback.ready():
             with contextlib.suppress(Exception):
-                total, norm = unread.readback.read()
-                lines[committed] = {"loss": self.mean_of(total), "grad_norm": norm, **unread.metrics}
+                lines[committed] = self.figures_read(unread)
         return lines
+
+    def figures_read(self, unread: Unread) -> dict:
+        """A logged step's line: its figures read back (waiting for them) and those taken when its window closed."""
+        loss_total, grad_norm, more = unread.readback.read()
+        named = self.name_figures(more) if more else {}
+        return {"loss": self.mean_of(loss_total), "grad_norm": grad_norm, **named, **unread.metrics}

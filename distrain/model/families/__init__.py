@@ -4,10 +4,10 @@ here, one entry in FAMILIES."""
 
 from __future__ import annotations
 
-from distrain.model.families import gpt2, llama
+from distrain.model.families import gpt2, llama, moe
 from distrain.model.families.family import Family
 
-FAMILIES: dict[str, Family] = {f.target: f for f in (llama.FAMILY, gpt2.FAMILY)}  # by model._target_
+FAMILIES: dict[str, Family] = {f.target: f for f in (llama.FAMILY, gpt2.FAMILY, moe.FAMILY)}  # by model._target_
 
 
 def shipped(target: str) -> Family | None:

@@ -63,10 +63,14 @@ class Family:
     tp: bool
     grid_tp: bool
     hf: HFMapping | None = None
+    # A sparse model's matmul weights one token passes through (its FLOPs count these); None: all of them.
+    active_weights: Callable[[ModelConfig], int] | None = None
+    # Rules on the family's own settings (model.moe), one-line ConfigErrors; None: it has none.
+    check: Callable[[ModelConfig], None] | None = None
 
     def flops_per_token(self, cfg: ModelConfig, seq_len: int) -> float:
         """Training FLOPs (forward + backward) per token at sequence length `seq_len` (module docstring)."""
-        return decoder_flops(self.matmul_weights(cfg), cfg, seq_len)
+        return decoder_flops((self.active_weights or self.matmul_weights)(cfg), cfg, seq_len)
 
 
 def decoder_flops(matmul_weights: int, cfg: ModelConfig, seq_len: int) -> float:

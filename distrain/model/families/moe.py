@@ -1,0 +1,70 @@
+"""The moe family's record (the model: distrain/model/moe.py): the Llama decoder's sizes with experts in the
+blocks model.moe chooses. Its parameters count every expert; its FLOPs count the weights a token passes
+through (`active_weights`): the router, its top_k experts and the shared ones, as DeepSeek and torchtitan
+count a sparse model's MFU."""
+
+from __future__ import annotations
+
+from distrain.config import ConfigError, ModelConfig
+from distrain.model.families import llama
+from distrain.model.families.family import Family, attention_weights
+
+
+def _weights(cfg: ModelConfig, experts_per_token: int | None) -> int:
+    """Matmul weights of the whole model, or (`experts_per_token`) those one token passes through."""
+    m, mlp = cfg.moe, 3 * cfg.dim
+    hidden = m.expert_dim or cfg.ffn_dim
+    total = cfg.vocab_size * cfg.dim
+    for block in range(cfg.n_layers):
+        total += attention_weights(cfg)
+        if m.is_sparse(block):
+            experts = m.num_experts if experts_per_token is None else experts_per_token
+            total += cfg.dim * m.num_experts + mlp * hidden * (experts + m.shared_experts)
+        else:
+            total += mlp * cfg.ffn_dim
+    return total
+
+
+def matmul_weights(cfg: ModelConfig) -> int:
+    return _weights(cfg, None)
+
+
+def active_weights(cfg: ModelConfig) -> int:
+    return _weights(cfg, cfg.moe.top_k)
+
+
+SCORES, BALANCES = ("softmax", "sigmoid"), ("aux_loss", "bias", "none")
+
+
+def check(cfg: ModelConfig) -> None:
+    """model.moe's rules, each a one-line ConfigError naming the key and the fix."""
+    m = cfg.moe
+    rules = (
+        (m.num_experts >= 1, f"model.moe.num_experts={m.num_experts}: the moe family needs at least 1 expert"),
+        (1 <= m.top_k <= m.num_experts, f"model.moe.top_k={m.top_k}: must be 1 to num_experts={m.num_experts}"),
+        (m.score in SCORES, f"model.moe.score={m.score}: must be one of {', '.join(SCORES)}"),
+        (m.balance in BALANCES, f"model.moe.balance={m.balance}: must be one of {', '.join(BALANCES)}"),
+        (m.expert_dim is None or m.expert_dim >= 1, f"model.moe.expert_dim={m.expert_dim}: must be ≥ 1 (or null)"),
+        (m.every >= 1, f"model.moe.every={m.every}: must be ≥ 1"),
+        (m.first_dense >= 0 and m.shared_experts >= 0, "model.moe.first_dense and shared_experts must be ≥ 0"),
+        (min(m.aux_loss_weight, m.z_loss_weight, m.bias_rate, m.capacity_factor) >= 0,
+         "model.moe.aux_loss_weight, z_loss_weight, bias_rate and capacity_factor must be ≥ 0"),
+        (m.every < 1 or any(m.is_sparse(b) for b in range(cfg.n_layers)),
+         f"model.moe: no block of {cfg.n_layers} has experts (first_dense={m.first_dense}, every={m.every})"),
+    )  # fmt: skip
+    for ok, message in rules:
+        if not ok:
+            raise ConfigError(message)
+
+
+FAMILY = Family(
+    target="distrain.model.moe.MoETransformer",
+    matmul_weights=matmul_weights,
+    other_params=llama.other_params,
+    learned_positions=False,
+    rotary=True,
+    tp=False,
+    grid_tp=False,
+    active_weights=active_weights,
+    check=check,
+)
