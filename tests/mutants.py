@@ -362,16 +362,16 @@ MUTANTS = (
     Mutant(
         "moe-load-not-summed-over-ranks",
         "distrain/parallel/routing.py",
-        "            dist.all_reduce(figures, group=self.group)",
+        "            dist.all_reduce(figures, group=group)",
         "            pass",
-        ("tests/test_moe.py::test_moe_trains_as_one_process[bias-ddp]",),
+        ("tests/test_moe.py::test_moe_trains_as_one_process[bias-hsdp]",),
     ),
     Mutant(
         "pipeline-shape-inference-counted",
         "distrain/parallel/parallelize.py",
-        "        if self.pipeline is not None:\n            self.pipeline.step(x, y)",
-        "        if False:\n            self.pipeline.step(x, y)",
-        ("tests/test_moe.py::test_moe_trains_as_one_process[bias-pp]",),
+        "            with loss_context(self.vocab_sharded_loss):\n                self.pipeline.step(x, y)",
+        "            with loss_context(self.vocab_sharded_loss):\n                pass",
+        ("tests/test_moe.py::test_moe_trains_as_one_process[aux-pp]",),
     ),
 )
 

@@ -1,6 +1,6 @@
 """The moe family (distrain/model/moe.py): its layer against a token-by-token reference that shares none of its
 dispatch, its capacity, its balancing (the auxiliary loss's gradient and the loss-free bias), its size record,
-and its training under data parallelism, ZeRO-3 and a pipeline exactly as one process trains it. Tolerances,
+and its training under data parallelism, HSDP (ZeRO-3 on a 2-D mesh) and a pipeline exactly as one process trains it. Tolerances,
 absolute and relative: 1e-5 for the layer against the reference (fp32, sums in another order) and where only
 the data is split; 1e-4 under a pipeline."""
 
@@ -184,10 +184,10 @@ COMMON = (
 )
 LAYOUTS = {
     "ddp": (2, ["strategy=ddp"], 1e-5),
-    "zero3": (2, ["strategy=zero3"], 1e-5),
+    "hsdp": (4, ["strategy=zero3", "strategy.dp_replicate=2", "strategy.dp_shard=2"], 1e-5),  # a 2-D gradient mesh
     "pp": (2, ["strategy=pp", "strategy.schedule=1f1b"], 1e-4),
 }
-CASES = [("aux", "ddp"), ("bias", "ddp"), ("aux", "zero3"), ("bias", "pp")]
+CASES = [("aux", "ddp"), ("bias", "ddp"), ("bias", "hsdp"), ("aux", "pp")]
 
 
 @pytest.fixture(scope="module")

@@ -256,7 +256,8 @@ class ParallelModel:
         A pipeline's schedule infers its stages' shapes with a forward and backward of its own at its first
         step; run here, they stay out of the step's counts (the mixture-of-experts layers' tokens per expert)."""
         if self.pipeline is not None:
-            self.pipeline.step(x, y)
+            with loss_context(self.vocab_sharded_loss):
+                self.pipeline.step(x, y)
             for part in self.parts:
                 part.zero_grad(set_to_none=True)
         elif isinstance(self.module, DistributedDataParallel):

@@ -23,8 +23,8 @@ class Routers:
         self.width = next(iter(whole.values())).m.num_experts + len(FIGURES) if whole else 0
         self.device = device
         self.layers: dict[int, MoE] = {}
-        gradient = mesh.gradient
-        self.group = gradient.get_group() if gradient is not None else None
+        gradient = mesh.gradient  # 2-D under HSDP: a sum over each of its dims in turn is the sum over all
+        self.groups = gradient.get_all_groups() if gradient is not None else []
         self.stages = mesh.group("pp") if mesh.layout.pp > 1 else None
 
     def hold(self, parts: list[nn.Module]) -> None:
@@ -43,8 +43,8 @@ class Routers:
         figures = torch.zeros(len(self.blocks), self.width, device=self.device)
         for block, layer in self.layers.items():
             figures[self.blocks.index(block)] = layer.figures
-        if self.group is not None:
-            dist.all_reduce(figures, group=self.group)
+        for group in self.groups:
+            dist.all_reduce(figures, group=group)
         for block, layer in self.layers.items():
             layer.balance(figures[self.blocks.index(block), : -len(FIGURES)])
         if self.stages is not None:  # each stage's rows to every stage (the others hold zeros there)
