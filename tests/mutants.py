@@ -367,6 +367,13 @@ MUTANTS = (
         ("tests/test_moe.py::test_moe_trains_as_one_process[bias-hsdp]",),
     ),
     Mutant(
+        "moe-shares-of-a-sequence-share",
+        "distrain/model/moe.py",
+        "            dist.all_reduce(share, group=self.sequence_group)",
+        "            pass",
+        ("tests/test_moe.py::test_moe_trains_as_one_process[aux-cp]",),
+    ),
+    Mutant(
         "pipeline-shape-inference-counted",
         "distrain/parallel/parallelize.py",
         "            with loss_context(self.vocab_sharded_loss):\n                self.pipeline.step(x, y)",

@@ -1,8 +1,8 @@
 """The moe family (distrain/model/moe.py): its layer against a token-by-token reference that shares none of its
 dispatch, its capacity, its balancing (the auxiliary loss's gradient and the loss-free bias), its size record,
-and its training under data parallelism, HSDP (ZeRO-3 on a 2-D mesh) and a pipeline exactly as one process trains it. Tolerances,
-absolute and relative: 1e-5 for the layer against the reference (fp32, sums in another order) and where only
-the data is split; 1e-4 under a pipeline."""
+and its training under data parallelism, HSDP (ZeRO-3 on a 2-D mesh), a pipeline and context parallelism exactly
+as one process trains it. Tolerances, absolute and relative: 1e-5 for the layer against the reference (fp32, sums
+in another order) and where only the data is split; 1e-4 under a pipeline and context parallelism."""
 
 from __future__ import annotations
 
@@ -186,8 +186,10 @@ LAYOUTS = {
     "ddp": (2, ["strategy=ddp"], 1e-5),
     "hsdp": (4, ["strategy=zero3", "strategy.dp_replicate=2", "strategy.dp_shard=2"], 1e-5),  # a 2-D gradient mesh
     "pp": (2, ["strategy=pp", "strategy.schedule=1f1b"], 1e-4),
+    # each rank a share of every sequence: the balance loss's shares are counted over whole sequences
+    "cp": (2, ["strategy.cp=2"], 1e-4),
 }
-CASES = [("aux", "ddp"), ("bias", "ddp"), ("bias", "hsdp"), ("aux", "pp")]
+CASES = [("aux", "ddp"), ("bias", "ddp"), ("bias", "hsdp"), ("aux", "pp"), ("aux", "cp")]
 
 
 @pytest.fixture(scope="module")

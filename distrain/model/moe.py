@@ -21,6 +21,7 @@ import math
 from collections.abc import Iterator
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -125,6 +126,9 @@ class MoE(nn.Module):
         self.shared = FeedForward(cfg.dim, hidden * m.shared_experts) if m.shared_experts else None
         self.register_buffer("expert_bias", torch.zeros(m.num_experts), persistent=m.balance == "bias")
         self.figures: torch.Tensor | None = None
+        # Set by context parallelism: the ranks holding the rest of this rank's sequences, over whose tokens the
+        # balance loss counts each expert's share (a product of means: over a share of the tokens it is another)
+        self.sequence_group: dist.ProcessGroup | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape, m = x.shape, self.m
@@ -179,9 +183,12 @@ class MoE(nn.Module):
         self, logits: torch.Tensor, scores: torch.Tensor, counts: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
         """(balance, z), unweighted. Balance (Switch): num_experts · Σ_e f_e · P_e, f_e the share of the token
-        copies sent to e, P_e the mean over tokens of e's score normalised over the experts. z (ST-MoE): the mean
-        over tokens of logsumexp(logits)²."""
-        share = counts.float() / counts.sum()
+        copies sent to e (of the whole sequences under context parallelism), P_e the mean over tokens of e's score
+        normalised over the experts. z (ST-MoE): the mean over tokens of logsumexp(logits)²."""
+        share = counts.float()
+        if self.sequence_group is not None:
+            dist.all_reduce(share, group=self.sequence_group)
+        share = share / share.sum()
         probs = scores / scores.sum(-1, keepdim=True)
         balance = self.m.num_experts * (share * probs.mean(0)).sum()
         z = torch.logsumexp(logits.float(), -1).pow(2).mean()

@@ -28,6 +28,7 @@ from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 
 from distrain.model.common import CausalAttention
+from distrain.model.moe import MoE
 from distrain.parallel.passes import PassContext
 from distrain.parallel.ring_attention import RingAttention
 from distrain.parallel.sequence_split import SequenceSplit
@@ -97,4 +98,7 @@ def parallelize(model: nn.Module, on: PassContext) -> nn.Module:
         name = type(model).__name__
         raise ValueError(f"{name} has no CausalAttention module: strategy.cp needs its attention in one")
     model.sequence_split = on.sequence_split
+    for layer in model.modules():
+        if isinstance(layer, MoE):  # its balance loss counts the experts' shares over whole sequences
+            layer.sequence_group = cp_mesh.get_group()
     return model
