@@ -254,8 +254,9 @@ class ParallelModel:
         for this backward, and a whole micro-batch's would cost a step).
 
         A pipeline's schedule infers its stages' shapes with a forward and backward of its own at its first
-        step; run here, they stay out of the step's counts (the mixture-of-experts layers' tokens per expert)."""
-        if self.pipeline is not None:
+        step; run here for a model with experts, they stay out of the step's counts (their tokens per expert).
+        (A dense model's pipeline counts nothing: its start is spared a step.)"""
+        if self.pipeline is not None and self.routers.blocks:
             with loss_context(self.vocab_sharded_loss):
                 self.pipeline.step(x, y)
             for part in self.parts:
