@@ -21,8 +21,10 @@ $(VENV)/.installed: pyproject.toml
 train: setup
 	$(PY) jobs/train.py $(ARGS)
 
+# Two streams side by side (tests/conftest.py:_two_streams); STREAMS= runs the suite as one.
+STREAMS ?= -n 2 --dist loadgroup
 test: setup
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q $(STREAMS) $(ARGS)
 
 # Line and branch coverage of distrain/ over the whole suite, Ray workers and spawned ranks included, and which
 # checks fire (tests/checks.py rewrites tests/checks.txt); the report: docs/development.md#coverage.

@@ -149,12 +149,26 @@ TIMEOUT_SCALE = float(os.environ.get("DISTRAIN_TIMEOUT_SCALE", "1"))
 FIXTURE_TIMEOUT_S = 900 * TIMEOUT_SCALE
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups
 def pytest_collection_modifyitems(config, items):
+    if config.pluginmanager.hasplugin("xdist") and config.getoption("dist", "no") == "loadgroup":
+        _two_streams(items)
     if TIMEOUT_SCALE != 1:
         for item in items:
             marker = item.get_closest_marker("timeout")
             limit = marker.args[0] if marker and marker.args else config.getini("timeout")
             item.add_marker(pytest.mark.timeout(float(limit) * TIMEOUT_SCALE), append=False)
+
+
+def _two_streams(items: list) -> None:
+    """`make test` runs the suite in two streams (pytest-xdist, `-n 2 --dist loadgroup`): every module that uses
+    the session's Ray cluster in one, in file order (so a module's warm workers serve the next), and each other
+    module, whole (its fixtures set up once), beside it. Alone, the cluster's stream keeps 2 cores about
+    two-thirds busy; the rest (parsing, planning, the journeys run as subprocesses) fills the other third."""
+    on_cluster = {item.module.__name__ for item in items if "ray_cluster" in item.fixturenames}
+    for item in items:
+        module = item.module.__name__
+        item.add_marker(pytest.mark.xdist_group("cluster" if module in on_cluster else module))
 
 
 @pytest.hookimpl(wrapper=True)
@@ -189,7 +203,7 @@ def pytest_runtest_protocol(item, nextitem):
         return (yield)
     finally:
         with open(out, "a") as f:
-            f.write(f"{time.monotonic() - wall:.2f} {_cpu_busy_s() - busy:.2f} {item.nodeid}\n")
+            f.write(f"{time.monotonic() - wall:.2f} {_cpu_busy_s() - busy:.2f} {item.nodeid.split('@')[0]}\n")
 
 
 @pytest.fixture(scope="session")
