@@ -1,10 +1,10 @@
 """The moe family (distrain/model/moe.py): its layer against a token-by-token reference that shares none of its
 dispatch, its capacity, its balancing (the auxiliary loss's gradient and the loss-free bias), its size record,
 and its training under data parallelism, HSDP (ZeRO-3 on a 2-D mesh), a pipeline, context parallelism and expert
-parallelism (each alone and with data parallelism, DDP and ZeRO-3) exactly as one process trains it, and a
+parallelism (alone, with DDP and activation checkpointing, with HSDP, with cp) exactly as one process trains it, and a
 checkpoint of expert parallelism resumed without it. Tolerances, absolute and relative: 1e-5 for the layer against
-the reference (fp32, sums in another order) and where only the data is split; 1e-4 under a pipeline, context and
-expert parallelism."""
+the reference (fp32, sums in another order) and where only the data or the experts are split; 1e-4 under a
+pipeline and context parallelism."""
 
 from __future__ import annotations
 
@@ -192,8 +192,10 @@ LAYOUTS = {
     "cp": (2, ["strategy.cp=2"], 1e-4),
     # expert parallelism borrows ranks of the gradient group: every rank its 8 / ep experts, tokens all-to-all
     "ep4": (4, ["strategy.ep=4"], 1e-5),  # all four ranks split the experts (2 each)
-    "dp2ep2": (4, ["strategy.ep=2"], 1e-5),  # DDP over 4, each expert on 2 ranks: their gradients summed over 2
-    "zero3ep2": (4, ["strategy=zero3", "strategy.ep=2"], 1e-5),  # the rest sharded over 4 by FSDP2, the experts not
+    # DDP over 4, each expert on 2 ranks (their gradients summed over 2), the exchanges rerun by the recomputation
+    "dp2ep2": (4, ["strategy.ep=2", "strategy.activation_checkpoint=true"], 1e-5),
+    # HSDP: the rest sharded over dp_shard 2 by FSDP2, whose ranks ep borrows; the experts split by ep alone
+    "hsdpep2": (4, ["strategy=zero3", "strategy.dp_replicate=2", "strategy.dp_shard=2", "strategy.ep=2"], 1e-5),
 }
 CASES = [
     ("aux", "ddp"),
@@ -203,7 +205,7 @@ CASES = [
     ("aux", "cp"),
     ("aux", "ep4"),
     ("bias", "dp2ep2"),
-    ("aux", "zero3ep2"),
+    ("aux", "hsdpep2"),
 ]
 
 
