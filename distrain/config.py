@@ -93,6 +93,9 @@ class StrategyConfig:
     tp: int = 1  # tensor-parallel ranks in all, laid out as tp_mode says
     pp: int = 1
     cp: int = 1  # context-parallel ranks: each holds 1/cp of every sequence (distrain/parallel/context_parallel.py)
+    # expert-parallel ranks, borrowed from the gradient group (dp_replicate × dp_shard × cp): each holds
+    # num_experts / ep of every mixture-of-experts layer's experts (distrain/parallel/expert_parallel.py)
+    ep: int = 1
     cp_mode: str = "ring"  # ring: K/V passed round the cp group; alltoall: heads <-> sequence (Ulysses)
     # 1d: Megatron (DTensor); 2d: a q×q grid, SUMMA (tp = q²); 2.5d: tp_depth stacked q×q grids (tp = d·q²);
     # 3d: a q×q×q cube (tp = q³). See distrain/parallel/tpnd/.

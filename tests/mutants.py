@@ -380,6 +380,30 @@ MUTANTS = (
         "            with loss_context(self.vocab_sharded_loss):\n                pass",
         ("tests/test_moe.py::test_moe_trains_as_one_process[aux-pp]",),
     ),
+    Mutant(
+        "ep-tokens-to-wrong-rank",
+        "distrain/parallel/expert_parallel.py",
+        "send = counts.reshape(ep, local)  # row r",
+        "send = counts.reshape(ep, local).roll(1, 0)  # row r",
+        ("tests/test_moe.py::test_moe_trains_as_one_process[aux-ep4]",),
+    ),
+    Mutant(
+        "ep-expert-grads-not-averaged",
+        "distrain/parallel/expert_parallel.py",
+        "            dist.all_reduce(flat, group=self.group)",
+        "            pass",
+        ("tests/test_moe.py::test_moe_trains_as_one_process[bias-dp2ep2]",),
+    ),
+    Mutant(
+        "ep-replicas-of-other-experts",
+        "distrain/strategy/layout.py",
+        'return (*(v for k, v in c.items() if k != "dp_replicate"), self.expert_rank(rank))',
+        'return (*(v for k, v in c.items() if k != "dp_replicate"), 0)',
+        (
+            "tests/test_moe.py::test_expert_parallelism_borrows_consecutive_ranks_of_the_gradient_group",
+            "tests/test_peer_recovery.py::test_a_killed_rank_costs_only_the_step_in_flight[ddp_ep]",
+        ),
+    ),
 )
 
 

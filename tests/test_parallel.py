@@ -143,7 +143,7 @@ def test_every_parallelism_the_driver_knows_is_applied_in_torchtitans_order():
 
     assert MESH_DIMS == ("pp", "dp_replicate", "dp_shard", "cp", "tp")
     assert {p.name for p in PARALLELISMS} - PASSES.keys() == {"pp"}
-    assert list(PASSES) == ["cp", "tp", "activation_checkpoint", "compile", "dp"]
+    assert list(PASSES) == ["cp", "tp", "ep", "activation_checkpoint", "compile", "dp"]
 
 
 WORLD = 4

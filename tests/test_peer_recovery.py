@@ -42,6 +42,8 @@ LAYOUTS = {
     "ddp_cp": ["strategy.cp=2"],  # two replicas of a ring of two
     # A model that draws random numbers every step: the replacement must take its source's generator states.
     "ddp_dropout": ["model._target_=dropout_model.DropoutLlama"],
+    # Expert parallelism borrows dp_replicate's ranks: rank 1's experts are rank 3's, not rank 0's or 2's.
+    "ddp_ep": ["model=moe_nano", "model.moe.expert_dim=24", "strategy.ep=2"],
 }
 
 

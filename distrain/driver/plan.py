@@ -15,6 +15,7 @@ from distrain.driver.survival import survivable
 from distrain.model.size import num_params, parts
 from distrain.strategy import MESH_DIMS, PARALLELISMS
 from distrain.strategy.context_parallel import ring_scores
+from distrain.strategy.expert_parallel import expert_params
 from distrain.strategy.layout import Layout
 from distrain.strategy.pipeline import in_flight, stage_layers
 
@@ -97,10 +98,13 @@ def rank_memory(cfg: TrainConfig, layout: Layout, pp_rank: int, precision: str, 
     """Per-rank memory for the ranks at `pp_rank` (the other coordinates hold equal shares). With
     P the rank's parameters and N = dp_shard × cp: ZeRO-0 keeps P params, P grads, K·P optimizer state;
     ZeRO-1 shards the optimizer state (K·P/N); ZeRO-2 the gradients too (P/N); ZeRO-3 the parameters
-    too (P/N). Offload keeps the ZeRO-3 numbers in CPU memory."""
+    too (P/N). Offload keeps the ZeRO-3 numbers in CPU memory. Expert parallelism's experts are 1/ep on each
+    rank, outside ZeRO's sharding (it needs pp = 1: the rank holds every block)."""
     s = cfg.strategy
     stages, n_stages = layout.stages(pp_rank), layout.num_stages
     p = sum(stage_params(cfg, i, n_stages, layout) for i in stages)
+    experts = expert_params(cfg) if layout.settings.get("ep", 1) > 1 else 0
+    p, mine = p - experts, experts // layout.settings.get("ep", 1)
 
     def shard(n: int, level: int) -> int:  # over dp_shard (× cp, folded in) from ZeRO `level` up (rounded up: padding)
         return -(-n // (layout.dp_shard * layout.cp)) if s.zero >= level else n
@@ -109,9 +113,9 @@ def rank_memory(cfg: TrainConfig, layout: Layout, pp_rank: int, precision: str, 
     kept, full = layer_activations(cfg, layout, precision, scores)
     activations = layers * in_flight(layout, pp_rank) * kept + (full - kept)
     return Memory(
-        params=FP32 * shard(p, 3),
-        grads=FP32 * shard(p, 2),
-        optimizer=FP32 * shard(optimizer_states(cfg) * p, 1),
+        params=FP32 * (shard(p, 3) + mine),
+        grads=FP32 * (shard(p, 2) + mine),
+        optimizer=FP32 * (shard(optimizer_states(cfg) * p, 1) + optimizer_states(cfg) * mine),
         activations=activations,
         offload=s.offload,
     )

@@ -12,13 +12,14 @@ def survivable(layout: Layout, table: list[RankPlace], peer_recovery: bool = Tru
     the step in flight, and which a restart from the checkpoint."""
     if not peer_recovery:
         return ["failures: every one restarts from the last checkpoint (cluster.peer_recovery=false)"]
-    replicas = layout.dp_replicate
+    copies = replica_groups(layout)
+    replicas = len(copies[0])
     if replicas < 2:
+        borrowed = f" (expert parallelism, ep={layout.ep}, borrows them)" if layout.dp_replicate > 1 else ""
         return [
-            "failures: no data-parallel replica (dp_replicate=1): every one restarts from the last checkpoint; "
-            "with dp_replicate ≥ 2 one costs only the step in flight"
+            f"failures: no data-parallel replica (dp_replicate={layout.dp_replicate}){borrowed}: every one restarts "
+            "from the last checkpoint; with dp_replicate ≥ 2 one costs only the step in flight"
         ]
-    copies = layout.groups("dp_replicate")
     members = "; ".join(f"replica {i}: {_ranks([g[i] for g in copies])}" for i in range(replicas))
     lines = [
         f"failures: any {replicas - 1} rank{'s' * (replicas > 2)} lost cost only the step in flight, from the "
@@ -37,6 +38,15 @@ def survivable(layout: Layout, table: list[RankPlace], peer_recovery: bool = Tru
                 + ("the step in flight" if whole else "a restart from the last checkpoint")
             )
     return lines
+
+
+def replica_groups(layout: Layout) -> list[list[int]]:
+    """The ranks holding each shard of the training state (Layout.shard_of): data-parallel replicas, less
+    those expert parallelism gave other experts."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for rank in range(layout.world_size):
+        groups.setdefault(layout.shard_of(rank), []).append(rank)
+    return list(groups.values())
 
 
 def _ranks(ranks: list[int]) -> str:

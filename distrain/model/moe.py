@@ -4,8 +4,8 @@
 The layer runs in three plain steps: route (scores, the top-k choice, the weights), dispatch (each token's
 copies sorted by expert, so every expert's tokens are contiguous), and the experts' matmuls over their
 contiguous rows (one per expert, or one grouped matmul where torch has it on the device). Expert
-parallelism (distrain/parallel/expert_parallel.py) replaces only the dispatch: `MoE.dispatch` is where
-tokens would travel to their experts' ranks and back.
+parallelism (distrain/parallel/expert_parallel.py) changes only where the sorted rows meet their experts
+(`MoE.exchange`): it sends them to their experts' ranks and back.
 
 Load balancing is one of: the Switch/Mixtral auxiliary loss, whose gradient joins the backward pass at the
 layer's output (`AuxLoss`) so that every pipeline stage trains its own routers without the loss crossing
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -82,7 +82,8 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x: the tokens sorted by expert, `counts[e]` rows for this module's expert e in turn."""
-        w1, w2, w3 = (w.to_local() if hasattr(w, "to_local") else w for w in (self.w1, self.w2, self.w3))
+        # a DTensor's local experts (expert parallelism), in the compute dtype (FSDP2 leaves them out of its cast)
+        w1, w2, w3 = ((w.to_local() if hasattr(w, "to_local") else w).to(x.dtype) for w in (self.w1, self.w2, self.w3))
         if grouped_mm_usable(x):
             offsets = counts.cumsum(0).to(torch.int32)
             h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offsets))
@@ -129,6 +130,9 @@ class MoE(nn.Module):
         # Set by context parallelism: the ranks holding the rest of this rank's sequences, over whose tokens the
         # balance loss counts each expert's share (a product of means: over a share of the tokens it is another)
         self.sequence_group: dist.ProcessGroup | None = None
+        # Set by expert parallelism: the rows sorted by expert (and their counts) through the experts on their
+        # ranks and back; None: through this layer's own experts
+        self.exchange: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape, m = x.shape, self.m
@@ -164,7 +168,7 @@ class MoE(nn.Module):
         if keep is not None:
             order = order[keep]
         token = order // self.m.top_k
-        out = self.experts(x[token], counts) * weights.flatten()[order, None]
+        out = (self.exchange or self.experts)(x[token], counts) * weights.flatten()[order, None]
         return torch.zeros_like(x).index_add_(0, token, out.to(x.dtype))
 
     def within_capacity(self, counts: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:

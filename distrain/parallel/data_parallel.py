@@ -6,7 +6,8 @@ zero 1: DDP; the optimizer shards its state (ZeroRedundancyOptimizer, train/opti
 zero 2: FSDP2 `fully_shard`, parameters kept gathered from forward to backward
 zero 3: FSDP2 `fully_shard`, parameters resharded after each block's forward
 HSDP is zero 2/3 on a 2-D (dp_replicate, dp_shard) mesh; offload adds FSDP2's CPUOffloadPolicy.
-The grid layouts of tensor parallelism (2-D, 2.5-D, 3-D) sum their gradients themselves (tpnd/grad_sync.py).
+The grid layouts of tensor parallelism (2-D, 2.5-D, 3-D) sum their gradients themselves (tpnd/grad_sync.py), and
+expert parallelism its experts' (expert_parallel.py): DDP and FSDP2 leave those out.
 
 It is the last pass of parallelize.PASSES: a model built on the meta device is materialised here.
 """
@@ -35,19 +36,21 @@ def parallelize(model: nn.Module, on: PassContext) -> nn.Module:
     allocates and initialises only its shards, and before replicating, as DDP and `replicate` need
     real parameters when they wrap a model."""
     c, mesh = on.cfg, on.mesh.gradient
+    own = on.experts.params() if on.experts is not None else []  # expert parallelism sums their gradients
     if on.grid is not None:  # gradients summed over the grid by GradSync (ParallelModel)
         materialize(model, on.device)
         return model
     if mesh is not None and c.zero >= 2:
         offload = c.offload != "none"  # nvme too: it moves only the optimizer state on from host memory
-        apply_fsdp(model, mesh, reshard_after_forward=c.zero == 3, bf16=on.bf16, offload=offload)
+        apply_fsdp(model, mesh, reshard_after_forward=c.zero == 3, bf16=on.bf16, offload=offload, ignored=set(own))
         materialize(model, on.device, offload=offload)
         return model
+    ignored = [name for name, p in model.named_parameters() if any(p is q for q in own)]
     materialize(model, on.device)
     if mesh is None:  # every worker is taken by tensor or pipeline parallelism
         return model
     if on.layout.tp == 1 and on.layout.pp == 1:
-        return apply_ddp(model, mesh, c.bucket_cap_mb)
+        return apply_ddp(model, mesh, c.bucket_cap_mb, ignored)
     return apply_replicate(model, mesh, on.bf16)
 
 
@@ -68,8 +71,11 @@ def materialize(model: nn.Module, device: torch.device, offload: bool = False) -
                 setattr(module, name, buffer.to(device))
 
 
-def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, bucket_cap_mb: float) -> nn.Module:
+def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, bucket_cap_mb: float, ignored: list[str]) -> nn.Module:
+    """DDP over the gradient mesh, but for the parameters named in `ignored` (whose gradients are summed apart)."""
     device = next(model.parameters()).device
+    if ignored:
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
     return DistributedDataParallel(
         model,
         device_ids=[device] if device.type == "cuda" else None,
@@ -93,11 +99,20 @@ def mixed_precision(bf16: bool) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy(cast_forward_inputs=False)
 
 
-def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, reshard_after_forward: bool, bf16: bool, offload: bool) -> None:
+def apply_fsdp(
+    model: nn.Module,
+    dp_mesh: DeviceMesh,
+    reshard_after_forward: bool,
+    bf16: bool,
+    offload: bool,
+    ignored: set[nn.Parameter] | None = None,
+) -> None:
     """Shard each block, the model's input modules and its output modules (contract.py) as their own
     units, so that at most one block's parameters are gathered at a time and the root holds none of
-    its own. Input and output modules sharing a tied parameter form one unit: a parameter belongs to one."""
+    its own. Input and output modules sharing a tied parameter form one unit: a parameter belongs to one.
+    The `ignored` parameters stay as they are (expert parallelism's experts)."""
     options = {
+        "ignored_params": ignored or None,
         "mesh": dp_mesh,
         "reshard_after_forward": reshard_after_forward,
         "mp_policy": mixed_precision(bf16),

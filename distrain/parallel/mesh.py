@@ -4,10 +4,12 @@
 process group, the device mesh over the layout's mesh dims, each named, and the flattened gradient mesh
 (data parallelism's dims with cp folded in), as torchtitan's ParallelDims holds its world mesh and the
 meshes flattened from it. Dims of size 1 are left out of the mesh (no groups to build). A new dim is a new
-record in distrain/strategy/; this file builds whatever dims the layout has."""
+record in distrain/strategy/; this file builds whatever dims the layout has. Expert parallelism, which borrows
+ranks of the gradient group rather than adding a dim, gets a mesh of its own over them (`experts`)."""
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -23,11 +25,14 @@ class ParallelMesh:
         self.layout = layout
         self.world: DeviceMesh | None = None
         self.gradient: DeviceMesh | None = None  # the dims whose ranks sum their gradients; None where none are
+        self.experts: DeviceMesh | None = None  # (ep_rest, ep) over this rank's gradient group, under EP
         if collective:
             kept = [(name, size) for name, size in layout.mesh_sizes().items() if size > 1] or [("dp_replicate", 1)]
             names = tuple(n for n, _ in kept)
             self.world = init_device_mesh(device_type, tuple(s for _, s in kept), mesh_dim_names=names)
             self.gradient = self._gradient_mesh(sharded)
+            if layout.settings.get("ep", 1) > 1:
+                self.experts = self._expert_mesh(device_type)
 
     def get(self, dim: str) -> DeviceMesh:
         """The mesh along one dim of size > 1."""
@@ -36,6 +41,17 @@ class ParallelMesh:
 
     def group(self, dim: str) -> dist.ProcessGroup:
         return self.get(dim).get_group()
+
+    def _expert_mesh(self, device_type: str) -> DeviceMesh:
+        """Each gradient group's ranks (dp_replicate, dp_shard, cp, row-major) as an (ep_rest, ep) grid, ep
+        innermost: `ep` splits the experts, `ep_rest` holds the same ones. Every rank builds every group's."""
+        layout, grad = self.layout, (*DP_DIMS, "cp")
+        others = [d for d in layout.dims if d not in grad]
+        order = [list(layout.dims).index(d) for d in (*others, *grad)]
+        ranks = torch.arange(layout.world_size).reshape(tuple(layout.dims.values())).permute(order)
+        grid = ranks.reshape(-1, layout.gradient_width // layout.ep, layout.ep)
+        mesh = DeviceMesh(device_type, grid, mesh_dim_names=("ep_other", "ep_rest", "ep"))
+        return mesh[("ep_rest", "ep")]
 
     def _gradient_mesh(self, sharded: bool) -> DeviceMesh | None:
         """The dims whose ranks hold the same weights and sum their gradients: the data-parallel ones and cp

@@ -1,6 +1,7 @@
 """Compose the parallelisms on one mesh, always in the same order:
 
-    pipeline split → context parallel → tensor parallel → activation checkpointing → compile → data parallel
+    pipeline split → context parallel → tensor parallel → expert parallel → activation checkpointing → compile
+    → data parallel
 
 The pipeline cuts the model into this rank's stages; every other parallelism is a pass (`PASSES`)
 applied to each of them in turn, as torchtitan's parallelize_llama applies them. A model built on the
@@ -27,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 from distrain.compat import settle_gradients
 from distrain.config import StrategyConfig
 from distrain.model.moe import aux_loss_scale
-from distrain.parallel import context_parallel, data_parallel, tensor_parallel
+from distrain.parallel import context_parallel, data_parallel, expert_parallel, tensor_parallel
 from distrain.parallel.data_parallel import no_gradient_sync
 from distrain.parallel.mesh import ParallelMesh
 from distrain.parallel.passes import Pass, PassContext
@@ -62,6 +63,7 @@ def apply_compile(model: nn.Module, on: PassContext) -> nn.Module:
 PASSES: dict[str, Pass] = {
     "cp": context_parallel.parallelize,
     "tp": tensor_parallel.parallelize,
+    "ep": expert_parallel.parallelize,
     "activation_checkpoint": apply_activation_checkpointing,
     "compile": apply_compile,
     "dp": data_parallel.parallelize,
@@ -168,6 +170,7 @@ class ParallelModel:
             parts = {index: apply(part, on) for index, part in parts.items()}
         self.grid, self.grad_sync = on.grid, None  # 2-D, 2.5-D, 3-D tensor parallelism
         self.sequence_split = on.sequence_split  # context parallelism: this rank's tokens of each sequence
+        self.experts = on.experts  # expert parallelism: the experts' gradients, summed apart
         self.loss_fn = loss_fn if self.grid is None else functools.partial(grid_cross_entropy, self.grid)
 
         self.pipeline = None
@@ -236,10 +239,12 @@ class ParallelModel:
         return self.sequence_split.split(x), self.sequence_split.split(y)
 
     def sync_gradients(self, train: bool) -> None:
-        """The grid layouts reduce gradients here, once per step; the other wrappers did during the backward.
-        The mixture-of-experts layers' step ends here too (Routers.end)."""
+        """The grid layouts reduce gradients here, once per step, and expert parallelism its experts'; the other
+        wrappers did during the backward. The mixture-of-experts layers' step ends here too (Routers.end)."""
         if train and self.grad_sync is not None:
             self.grad_sync()
+        if train and self.experts is not None:
+            self.experts()
         if train:
             self.step_figures = self.routers.end()
 
@@ -272,12 +277,18 @@ class ParallelModel:
         scale the gradient down to max_norm when it is positive and the norm exceeds it."""
         params = [p for p in self.module.parameters() if p.grad is not None]
         settle_gradients(params)
-        grads = [p.grad for p in (self.tied.counted(params) if self.tied is not None else params)]
+        experts = {id(p) for p in self.experts.params()} if self.experts is not None else set()
+        groups = [[p for p in params if id(p) not in experts], [p for p in params if id(p) in experts]]
+        grads = [p.grad for p in (self.tied.counted(groups[0]) if self.tied is not None else groups[0])]
         norm = self.grid.total_norm(grads) if self.grid is not None else as_tensor(torch.nn.utils.get_total_norm(grads))
+        if groups[1]:  # expert parallelism's experts, DTensors on a mesh of their own: their norm taken apart
+            expert_norm = as_tensor(torch.nn.utils.get_total_norm([p.grad for p in groups[1]]))
+            norm = torch.linalg.vector_norm(torch.stack([norm, expert_norm]))
         if self.pipeline is not None:
             norm = norm.pow(2)
             dist.all_reduce(norm, group=self.mesh.group("pp"))
             norm = norm.sqrt()
         if max_norm > 0:
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+            for group in groups:
+                torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm)
         return norm

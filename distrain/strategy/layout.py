@@ -49,6 +49,11 @@ class Layout:
         return self.dp_replicate * self.dp_shard
 
     @property
+    def gradient_width(self) -> int:
+        """Ranks holding the same weights and different tokens: data parallelism's, with cp folded in."""
+        return self.dp * self.cp
+
+    @property
     def num_stages(self) -> int:
         return self.pp * self.stages_per_rank if self.pp > 1 else 1
 
@@ -78,8 +83,17 @@ class Layout:
 
     def shard_of(self, rank: int) -> tuple[int, ...]:
         """Which part of the training state a rank holds: its coordinate on every dim but dp_replicate, whose
-        ranks hold the same weights and optimizer state (the replicas a failed rank's state is taken from)."""
-        return tuple(v for k, v in self.coordinate(rank).items() if k != "dp_replicate")
+        ranks hold the same weights and optimizer state (the replicas a failed rank's state is taken from), and its
+        expert-parallel rank: expert parallelism borrows ranks of the gradient group, dp_replicate's among them."""
+        c = self.coordinate(rank)
+        return (*(v for k, v in c.items() if k != "dp_replicate"), self.expert_rank(rank))
+
+    def expert_rank(self, rank: int) -> int:
+        """Which experts' share a rank holds: its place in its gradient group (dp_replicate, dp_shard, cp,
+        row-major) modulo ep, whose ranks are consecutive there (0 without expert parallelism)."""
+        c = self.coordinate(rank)
+        place = (c["dp_replicate"] * self.dp_shard + c["dp_shard"]) * self.cp + c["cp"]
+        return place % self.settings.get("ep", 1)
 
     def mesh_coordinate(self, rank: int) -> dict[str, int]:
         """Rank → its position on each device-mesh dim (`mesh_dims`); row-major, so a dim laid out as a

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
 
 from distrain.config import OptimConfig
 from distrain.train.nvme import NVMeAdamW, Scratch
@@ -32,10 +33,10 @@ def make_optimizer(
     scratch: Scratch | None = None,
 ) -> torch.optim.Optimizer:
     """The configured optimizer over two groups, weight decay on the first only (a parameter
-    server's shard passes its pieces of matrices and of gains apart)."""
+    server's shard passes its pieces of matrices and of gains apart), each split by device mesh."""
     groups = [
-        {"params": decayed, "weight_decay": cfg.weight_decay},
-        {"params": undecayed, "weight_decay": 0.0},
+        *({"params": part, "weight_decay": cfg.weight_decay} for part in by_mesh(decayed)),
+        *({"params": part, "weight_decay": 0.0} for part in by_mesh(undecayed)),
     ]
     if cfg.name == "adamw":
         cls, options = torch.optim.AdamW, {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps}
@@ -50,6 +51,15 @@ def make_optimizer(
     if zero_group is not None:
         return ZeroRedundancyOptimizer(groups, optimizer_class=cls, process_group=zero_group, **options)
     return cls(groups, **options)
+
+
+def by_mesh(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """`params` in one list per device mesh they are DTensors on (or none), in order: a multi-tensor kernel takes
+    tensors of one kind (expert parallelism's experts are DTensors on a mesh of their own beside the rest)."""
+    parts: dict[object, list[torch.Tensor]] = {}
+    for p in params:
+        parts.setdefault(p.device_mesh if isinstance(p, DTensor) else None, []).append(p)
+    return list(parts.values()) or [params]
 
 
 def kernels(params: list[torch.Tensor]) -> dict[str, bool]:

@@ -1,0 +1,102 @@
+"""Expert parallelism as the driver sees it: `strategy.ep` ranks split each mixture-of-experts layer's experts,
+num_experts / ep each, and send every token to its experts' ranks and back (two all-to-alls a layer, and two in
+the backward). Applied by distrain/parallel/expert_parallel.py.
+
+EP borrows its ranks from the gradient group (dp_replicate × dp_shard × cp, ep innermost: consecutive ranks of
+the group), as torchtitan's dp2ep borrows dp_shard × cp, and adds no dim to the mesh. The experts are the only
+weights it splits: attention and the dense weights stay replicated (or sharded) over the whole gradient group,
+whose ranks keep their different tokens, so the batch, the world size and every other parallelism's sizes stay
+as they were and no rank idles beside the experts. A rank's expert gradients are summed over the ranks holding
+the same experts (`ep_rest`) and scaled as the rest of the gradient is, by the whole group."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from distrain.config import TrainConfig
+from distrain.model.families import shipped
+from distrain.strategy.layout import Layout
+from distrain.strategy.parallelism import Parallelism, require
+
+
+def fields(cfg: TrainConfig, sizes: dict[str, int]) -> dict[str, Any]:
+    ep = cfg.strategy.ep
+    require(ep >= 1, f"strategy.ep={ep}: must be at least 1 (1: every rank holds every expert)")
+    return {"ep": ep}
+
+
+def check(cfg: TrainConfig, layout: Layout) -> None:
+    """On every layout the run may take (an elastic run's smaller ones too): EP borrows ranks of the gradient group."""
+    if layout.ep == 1:
+        return
+    ep, width = f"strategy.ep={layout.ep}", layout.gradient_width
+    require(
+        width % layout.ep == 0,
+        f"{ep} borrows ranks of the gradient group (dp_replicate × dp_shard × cp = {width}), which it does not "
+        f"divide; choose an ep that divides {width}",
+    )
+    require(
+        layout.tp == 1 and layout.pp == 1,
+        f"{ep} does not combine with strategy.tp={layout.tp} or strategy.pp={layout.pp} yet (the experts have no "
+        f"tensor-parallel plan; a stage's all-to-alls are not scheduled); use data and context parallelism with it",
+    )
+
+
+def validate(cfg: TrainConfig) -> None:
+    """The model and the strategy settings EP needs."""
+    s, m = cfg.strategy, cfg.model.moe
+    if s.ep == 1:
+        return
+    ep = f"strategy.ep={s.ep}"
+    require(m.num_experts >= 1, f"{ep} splits a mixture of experts, but model.moe.num_experts=0; use model=moe_nano")
+    require(
+        m.num_experts % s.ep == 0,
+        f"{ep} does not divide model.moe.num_experts={m.num_experts}; choose an ep that divides it",
+    )
+    refused = (
+        (cfg.ps.mode is None, f"ps.mode={cfg.ps.mode}", "a parameter-server worker holds every expert"),
+        (s.zero != 1, "strategy.zero=1", "ZeroRedundancyOptimizer sends each weight from one rank"),
+        (s.offload == "none", f"strategy.offload={s.offload}", "the experts stay outside FSDP2, which offloads"),
+        (not s.compile, "strategy.compile=true", "the all-to-all's split sizes are read on the host"),
+    )
+    for ok, setting, why in refused:
+        require(ok, f"{ep} does not combine with {setting} ({why}); leave it out, or set strategy.ep=1")
+
+
+def expert_params(cfg: TrainConfig) -> int:
+    """The experts' parameters of the whole model (every routed expert of every block with experts)."""
+    m, c = cfg.model.moe, cfg.model
+    return sum(3 * c.dim * (m.expert_dim or c.ffn_dim) * m.num_experts for b in range(c.n_layers) if m.is_sparse(b))
+
+
+def alltoall_bytes(cfg: TrainConfig, layout: Layout) -> float:
+    """Bytes one rank sends per step in the all-to-alls: each layer with experts sends its tokens' top_k copies
+    (dim values each) out and back in the forward, and their gradients in the backward, of which the (ep − 1)/ep
+    bound for other ranks leave it."""
+    c, t = cfg.model, cfg.trainer
+    tokens = t.global_batch_size * t.seq_len // layout.gradient_width
+    element = 2 if t.precision == "bf16" else 4  # auto: as on a CPU (fp32) unless told
+    layers = sum(c.moe.is_sparse(b) for b in range(c.n_layers))
+    return layers * tokens * c.moe.top_k * c.dim * element * 2 * 2 * (layout.ep - 1) / layout.ep
+
+
+def plan_lines(cfg: TrainConfig, layout: Layout) -> list[str]:
+    if layout.ep == 1:
+        return []
+    m, experts = cfg.model.moe, expert_params(cfg)
+    family = shipped(cfg.model._target_)
+    rest = family.matmul_weights(cfg.model) + family.other_params(cfg.model) - experts if family else None
+    held = f"{m.num_experts // layout.ep} of {m.num_experts} experts a layer"
+    return [
+        f"expert parallel: ep={layout.ep} consecutive ranks of each gradient group of {layout.gradient_width} "
+        f"split the experts, {held}",
+        f"  each rank: expert parameters {experts // layout.ep:,} of {experts:,}"
+        + (f"; the other {rest:,} as data parallelism holds them" if rest is not None else ""),
+        f"  each rank sends {alltoall_bytes(cfg, layout) / 2**20:.2f} MiB per step in the all-to-alls "
+        f"(forward and backward)",
+    ]
+
+
+EXPERT_PARALLEL = Parallelism(
+    name="ep", dims=(), defaults={"ep": 1}, fields=fields, check=check, validate=validate, plan_lines=plan_lines
+)
