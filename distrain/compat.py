@@ -22,7 +22,8 @@ Private torch names distrain relies on, the first place to look after a torch up
 - DCP's `.metadata` pickle: `metadata._MEM_FORMAT_ENCODING`, `filesystem._StorageInfo`,
   `serialization._get_layout` (safeload._metadata_globals), and `FileSystemReader._get_metadata_path`
   (safeload._guarded_reader);
-- `distributed_c10d._abort_process_group`, `_set_pg_timeout` and `_world.pg_map` (parallel/process_group.py);
+- `distributed_c10d._abort_process_group`, `_set_pg_timeout` and `_world.pg_map`, and
+  `torch.distributed.tensor.debug._clear_sharding_prop_cache` (parallel/process_group.py);
 - `DistributedDataParallel._set_params_and_buffers_to_ignore_for_model` (parallel/data_parallel.py: expert
   parallelism's experts left out of DDP);
 - `torch.distributed._composable.replicate_with_fsdp.replicate` (parallel/data_parallel.py) and

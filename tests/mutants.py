@@ -339,6 +339,20 @@ MUTANTS = (
         ("tests/test_step_path.py::test_the_stop_vote_judges_a_save_against_the_deadline_to_the_second",),
     ),
     Mutant(
+        "meshes-kept-across-groups",
+        "distrain/parallel/process_group.py",
+        "        forget_meshes()\n",
+        "",
+        ("tests/test_process_group.py::test_a_group_formed_again_builds_its_meshes_anew",),
+    ),
+    Mutant(
+        "hf-expert-slices-shifted",
+        "distrain/model/families/moe.py",
+        '(f"{d}.experts.{w}",), expert=e)',
+        '(f"{d}.experts.{w}",), expert=(e + 1) % cfg.moe.num_experts)',
+        ("tests/test_hf.py::test_import_matches_transformers",),
+    ),
+    Mutant(
         "moe-rows-to-wrong-expert",
         "distrain/model/moe.py",
         "counts = torch.bincount(chosen.flatten(), minlength=m.num_experts)",

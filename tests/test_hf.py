@@ -1,6 +1,7 @@
 """Hugging Face interop checked against `transformers` itself: tiny random models built locally (no
-download), imported into distrain with model.init_from; distrain runs trained under TP and FSDP, exported,
-and loaded by `transformers`. Logits agree to 1e-5 in fp32 on the same tokens, both ways, both families."""
+download), imported into distrain with model.init_from; distrain runs trained under TP and FSDP (a mixture of
+experts under expert parallelism), exported, and loaded by `transformers`. Logits agree to 1e-5 in fp32 on the
+same tokens, both ways, every family."""
 
 from __future__ import annotations
 
@@ -38,6 +39,10 @@ HF_MODELS = {
     "llama_tied": lambda: transformers.LlamaConfig(
         vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
         initializer_range=INIT, tie_word_embeddings=True,
+    ),
+    "mixtral": lambda: transformers.MixtralConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, initializer_range=INIT,
     ),
     "gpt2": lambda: transformers.GPT2Config(
         vocab_size=256, n_embd=32, n_layer=2, n_head=2, n_positions=64, initializer_range=INIT,
@@ -167,6 +172,35 @@ def test_trained_run_exports_to_transformers(family: str, strategy: str, ray_clu
 
 
 @pytest.mark.timeout(300)
+def test_an_expert_parallel_run_exports_to_mixtral_and_decodes_as_transformers_does(ray_cluster, tmp_path: Path):
+    """Trained with its 4 experts split over 2 ranks; transformers' Mixtral gives the same logits, and its greedy
+    continuation is jobs/generate.py's."""
+    sys.path.insert(0, str(REPO / "jobs"))
+    from export import export
+    from generate import generate
+
+    cfg = make_config(
+        tmp_path, "run.name=mixtral", "model=moe_nano", "model.moe.num_experts=4", "model.moe.expert_dim=48",
+        "cluster.num_workers=2", "strategy.ep=2", "trainer.max_steps=12",
+    )  # fmt: skip
+    assert train(cfg)["status"] == "completed"
+    out, _ = export(cfg.run_dir, tmp_path / "export")
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["MixtralForCausalLM"]
+    _, ours = load_trained(cfg.run_dir)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        assert (
+            ours(tokens(seq_len=cfg.trainer.seq_len)) - theirs(tokens(seq_len=cfg.trainer.seq_len)).logits
+        ).abs().max() <= TOL
+    args = {"run.storage": cfg.run.storage, "run.name": "mixtral", "prompt": "def ", "temperature": 0.0, "top_k": 0}
+    text = generate(args | {"max_new_tokens": 16, "device": "cpu", "seed": 0, "step": None})
+    tokenizer = run_tokenizer(cfg)
+    prompt = torch.tensor([tokenizer.encode("def ")])
+    reference = theirs.generate(prompt, max_new_tokens=16, do_sample=False, pad_token_id=0)
+    assert text == tokenizer.decode(reference[0].tolist())
+
+
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("strategy", ["zero3", "ps"])  # the workers load the weights; the parameter server does
 def test_init_from_trains_from_the_imported_weights(strategy: str, ray_cluster, tmp_path: Path):
     """The first step's loss, before any update, is transformers' loss on that batch."""
@@ -236,15 +270,20 @@ def test_bpe_run_exports_its_tokenizer(ray_cluster, tmp_path: Path):
 
 
 def test_a_model_transformers_cannot_hold_is_refused_by_name():
-    """Export refuses before writing: grouped-query attention in a GPT-2 (Hugging Face's has none), and a
-    model of the user's own, which has no Hugging Face class at all."""
-    from distrain.config import ModelConfig
+    """Export refuses before writing: grouped-query attention in a GPT-2 (Hugging Face's has none), a router
+    Mixtral's cannot compute, and a model of the user's own, which has no Hugging Face class at all."""
+    from distrain.config import ModelConfig, MoEConfig
     from distrain.model.hf import hf_config
 
     shape = dict(dim=64, n_layers=1, n_heads=4, ffn_dim=128, vocab_size=256, n_positions=64)
     gqa = ModelConfig(_target_="distrain.model.gpt2.GPT2", name="g", n_kv_heads=2, **shape)
     with pytest.raises(ConfigError, match="model.n_kv_heads=2: Hugging Face's GPT-2 has no grouped-query attention"):
         hf_config(gqa, 64)
+    sigmoid = ModelConfig(
+        _target_="distrain.model.moe.MoETransformer", name="m", moe=MoEConfig(4, score="sigmoid"), **shape
+    )
+    with pytest.raises(ConfigError, match="model.moe.score=sigmoid: Mixtral's router is a softmax"):
+        hf_config(sigmoid, 64)
     own = ModelConfig(_target_="dropout_model.DropoutLlama", name="d", **shape)
     with pytest.raises(ConfigError, match="model._target_=dropout_model.DropoutLlama has no Hugging Face counterpart"):
         hf_config(own, 64)

@@ -7,7 +7,8 @@ A family's table of `Rule`s says where each distrain parameter lives in the HF f
 directions: `hf_weights` reads one tensor at a time (safetensors' `safe_open`, sharded files included)
 for `contract.fill_parameters`, so every layout loads only what it keeps; `to_hf` turns a whole state
 dict into HF's. A rule also says how a layout differs beyond names: stored transposed (GPT-2's Conv1D),
-fused along rows (GPT-2's Q, K, V), rows permuted per head (Llama's rotary halves).
+fused along rows (GPT-2's Q, K, V), rows permuted per head (Llama's rotary halves), one expert's slice of
+distrain's stacked experts (Mixtral's tensor per expert).
 
 The driver imports this module (`resolve_init_from`): torch is imported only where tensors are read.
 """
@@ -53,6 +54,8 @@ def model_config(directory: str | Path, base: ModelConfig) -> ModelConfig:
         shape = mapping.shape(hf)
     except KeyError as e:
         _refuse(directory, f"its config.json has no {e}", f"save it with transformers' {arch}")
+    if "moe" in shape:  # the experts' shape; the rest of model.moe (balancing, ...) as the run sets it
+        shape["moe"] = dataclasses.replace(base.moe, **shape["moe"])
     return dataclasses.replace(
         base, _target_=target, name=Path(directory).name, init_from=os.path.abspath(directory), **shape
     )
@@ -139,19 +142,23 @@ class _Files:
 def hf_weights(directory: str | Path, cfg: ModelConfig) -> Callable[[str, torch.Size], torch.Tensor]:
     """`value_of(name, shape)` for contract.fill_parameters: distrain parameter `name`'s full value read
     from the HF directory (only the tensor holding it), as float32."""
+    import torch
+
     mapping = _mapping(cfg)
     files, by_name = _Files(directory, mapping.bare_prefix), {}
     for rule in mapping.rules(cfg):
         for index, name in enumerate(rule.names):
-            by_name[name] = (rule, index)
+            by_name.setdefault(name, []).append((rule, index))  # several: one expert's slice each, in order
     if cfg.tie_embeddings:
         by_name["output.weight"] = by_name["tok_embeddings.weight"]
 
     def value_of(name: str, shape: torch.Size) -> torch.Tensor:
         if name not in by_name:
             _refuse(directory, f"distrain parameter {name!r} has no Hugging Face counterpart", "check model._target_")
-        rule, index = by_name[name]
-        value = _to_distrain(rule, files.get(rule.hf).float())[index]
+        held = sorted(by_name[name], key=lambda h: h[0].expert or 0)  # an expert's slice at its place
+        pieces = [_to_distrain(r, files.get(r.hf).float())[i] for r, i in held]
+        rule = held[0][0]
+        value = torch.stack(pieces) if rule.expert is not None else pieces[0]
         if value.shape != shape:
             _refuse(directory, f"{rule.hf} gives {name} shape {tuple(value.shape)}, not {tuple(shape)}", "re-save it")
         return value
@@ -162,7 +169,11 @@ def hf_weights(directory: str | Path, cfg: ModelConfig) -> Callable[[str, torch.
 def to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """A whole distrain state dict (full tensors) as the HF model's tensors (a tied head left out, as
     `save_pretrained` does)."""
-    return {rule.hf: _to_hf(rule, [state[n] for n in rule.names]) for rule in _mapping(cfg).rules(cfg)}
+
+    def parts(rule: Rule) -> list[torch.Tensor]:
+        return [state[n] if rule.expert is None else state[n][rule.expert] for n in rule.names]
+
+    return {rule.hf: _to_hf(rule, parts(rule)) for rule in _mapping(cfg).rules(cfg)}
 
 
 def hf_config(cfg: ModelConfig, max_seq_len: int) -> dict:

@@ -92,6 +92,7 @@ def init_from_env(timeout_s: float = 600.0, gpu: bool | None = None) -> torch.de
                     f"environment says rank {rank} in {world}"
                 )
             return device
+        forget_meshes()
         if rank > 0:
             wait_for_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeout_s)
         store = _loopback_store(rank, world, timeout_s) if loopback else None
@@ -105,6 +106,17 @@ def init_from_env(timeout_s: float = 600.0, gpu: bool | None = None) -> torch.de
         )
         _formed = True
     return device
+
+
+def forget_meshes() -> None:
+    """Empty DTensor's sharding caches (Python's and, where torch has it, the C++ fast path's) before new
+    groups form. They keep the device meshes of the ops they saw, and torch counts two meshes equal by their
+    ranks and dim names alone, not their groups: a worker's next attempt (or run) that builds a mesh of the
+    same shape would be handed the old one, whose group names no longer resolve or name other groups now
+    ("Could not resolve the process group registered under the name 7", seen in the suite)."""
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
 
 
 def _loopback_store(rank: int, world: int, timeout_s: float) -> dist.TCPStore:

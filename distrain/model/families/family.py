@@ -19,12 +19,14 @@ from distrain.config import ModelConfig
 @dataclass(frozen=True)
 class Rule:
     """HF tensor `hf` holds distrain's `names`, concatenated along rows (GPT-2's fused Q, K, V);
-    `conv1d`: stored transposed (in, out); `heads`: rows permuted per head (Llama's Q and K)."""
+    `conv1d`: stored transposed (in, out); `heads`: rows permuted per head (Llama's Q and K); `expert`: it is
+    one expert's slice of distrain's stacked experts (`names[0][expert]`: Mixtral's tensor per expert)."""
 
     hf: str
     names: tuple[str, ...]
     conv1d: bool = False
     heads: int | None = None
+    expert: int | None = None
 
 
 @dataclass(frozen=True)

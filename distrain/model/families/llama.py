@@ -25,7 +25,7 @@ def unsupported(hf: dict) -> dict[str, tuple[bool, str]]:
         "rope_parameters": (rope.get("rope_type", "default") != "default", "rope_type default"),
         "attention_bias": (hf.get("attention_bias", False), "false"),
         "mlp_bias": (hf.get("mlp_bias", False), "false"),
-        "head_dim": (hf.get("head_dim", dim // heads) != dim // heads, "hidden_size / num_attention_heads"),
+        "head_dim": ((hf.get("head_dim") or dim // heads) != dim // heads, "hidden_size / num_attention_heads"),
         "pretraining_tp": (hf.get("pretraining_tp", 1) != 1, "1"),
     }
 

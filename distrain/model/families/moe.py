@@ -1,13 +1,15 @@
 """The moe family's record (the model: distrain/model/moe.py): the Llama decoder's sizes with experts in the
 blocks model.moe chooses. Its parameters count every expert; its FLOPs count the weights a token passes
 through (`active_weights`): the router, its top_k experts and the shared ones, as DeepSeek and torchtitan
-count a sparse model's MFU."""
+count a sparse model's MFU. Its Hugging Face counterpart is Mixtral (`MixtralForCausalLM`): Llama's attention, and
+in every block a softmax router choosing top_k experts, their weights renormalised, no shared expert, none dropped;
+a tensor per expert where distrain stacks them (`Rule.expert`)."""
 
 from __future__ import annotations
 
 from distrain.config import ConfigError, ModelConfig
 from distrain.model.families import llama
-from distrain.model.families.family import Family, attention_weights
+from distrain.model.families.family import Family, HFMapping, Rule, attention_weights
 
 
 def _weights(cfg: ModelConfig, experts_per_token: int | None) -> int:
@@ -57,6 +59,49 @@ def check(cfg: ModelConfig) -> None:
             raise ConfigError(message)
 
 
+def unsupported(hf: dict) -> dict[str, tuple[bool, str]]:
+    return llama.unsupported(hf) | {"sliding_window": (hf.get("sliding_window") is not None, "null")}
+
+
+def shape(hf: dict) -> dict:
+    experts = {"num_experts": hf["num_local_experts"], "top_k": hf["num_experts_per_tok"], "expert_dim": None}
+    experts |= {"shared_experts": 0, "every": 1, "first_dense": 0, "score": "softmax", "normalize": True}
+    experts |= {"capacity_factor": 0.0, "aux_loss_weight": hf.get("router_aux_loss_coef", 0.001)}
+    return llama.shape(hf) | {"moe": experts}
+
+
+def config(cfg: ModelConfig, max_seq_len: int) -> dict:
+    """Mixtral's config.json; a ConfigError for each model.moe setting Mixtral computes otherwise."""
+    m = cfg.moe
+    differs = (
+        (m.score == "softmax", f"model.moe.score={m.score}: Mixtral's router is a softmax"),
+        (m.normalize, "model.moe.normalize=false: Mixtral renormalises the chosen experts' weights"),
+        (m.shared_experts == 0, f"model.moe.shared_experts={m.shared_experts}: Mixtral has no shared expert"),
+        (m.every == 1 and m.first_dense == 0,
+         f"model.moe.every={m.every}, first_dense={m.first_dense}: Mixtral has experts in every block (1 and 0)"),
+        (m.balance != "bias", "model.moe.balance=bias: Mixtral's router has no per-expert bias on its choice"),
+        (m.capacity_factor == 0, f"model.moe.capacity_factor={m.capacity_factor}: Mixtral drops no token"),
+    )  # fmt: skip
+    for ok, message in differs:
+        if not ok:
+            raise ConfigError(message)
+    hf = llama.config(cfg, max_seq_len) | {"model_type": "mixtral", "intermediate_size": m.expert_dim or cfg.ffn_dim}
+    experts = {"num_local_experts": m.num_experts, "num_experts_per_tok": m.top_k}
+    experts |= {"router_aux_loss_coef": m.aux_loss_weight, "router_jitter_noise": 0.0, "sliding_window": None}
+    return hf | experts
+
+
+def rules(cfg: ModelConfig) -> list[Rule]:
+    """Llama's, less its MLPs, and per block the router and each expert's three matrices."""
+    out = [rule for rule in llama.rules(cfg) if ".mlp." not in rule.hf]
+    for i in range(cfg.n_layers):
+        hf, d = f"model.layers.{i}.block_sparse_moe", f"layers.{i}.feed_forward"
+        out.append(Rule(f"{hf}.gate.weight", (f"{d}.router.weight",)))
+        for e in range(cfg.moe.num_experts):
+            out += [Rule(f"{hf}.experts.{e}.{w}.weight", (f"{d}.experts.{w}",), expert=e) for w in ("w1", "w2", "w3")]
+    return out
+
+
 FAMILY = Family(
     target="distrain.model.moe.MoETransformer",
     matmul_weights=matmul_weights,
@@ -67,4 +112,5 @@ FAMILY = Family(
     grid_tp=False,
     active_weights=active_weights,
     check=check,
+    hf=HFMapping("MixtralForCausalLM", unsupported, shape, config, rules),
 )
