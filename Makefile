@@ -21,8 +21,8 @@ $(VENV)/.installed: pyproject.toml
 train: setup
 	$(PY) jobs/train.py $(ARGS)
 
-# Two streams side by side (tests/conftest.py:_two_streams); STREAMS= runs the suite as one.
-STREAMS ?= -n 2 --dist loadgroup
+# Two streams side by side (tests/conftest.py:pytest_xdist_make_scheduler); STREAMS= runs the suite as one.
+STREAMS ?= -n 2
 test: setup
 	$(PY) -m pytest -q $(STREAMS) $(ARGS)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import threading
@@ -149,10 +150,7 @@ TIMEOUT_SCALE = float(os.environ.get("DISTRAIN_TIMEOUT_SCALE", "1"))
 FIXTURE_TIMEOUT_S = 900 * TIMEOUT_SCALE
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups
 def pytest_collection_modifyitems(config, items):
-    if config.pluginmanager.hasplugin("xdist") and config.getoption("dist", "no") == "loadgroup":
-        _two_streams(items)
     if TIMEOUT_SCALE != 1:
         for item in items:
             marker = item.get_closest_marker("timeout")
@@ -160,15 +158,30 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.timeout(float(limit) * TIMEOUT_SCALE), append=False)
 
 
-def _two_streams(items: list) -> None:
-    """`make test` runs the suite in two streams (pytest-xdist, `-n 2 --dist loadgroup`): every module that uses
-    the session's Ray cluster in one, in file order (so a module's warm workers serve the next), and each other
-    module, whole (its fixtures set up once), beside it. Alone, the cluster's stream keeps 2 cores about
-    two-thirds busy; the rest (parsing, planning, the journeys run as subprocesses) fills the other third."""
-    on_cluster = {item.module.__name__ for item in items if "ray_cluster" in item.fixturenames}
-    for item in items:
-        module = item.module.__name__
-        item.add_marker(pytest.mark.xdist_group("cluster" if module in on_cluster else module))
+def pytest_xdist_make_scheduler(config, log):  # noqa: ANN001, ANN201
+    """`make test` runs the suite in two streams (pytest-xdist, `-n 2`): every module that uses the session's Ray
+    cluster in one, in file order (so one module's warm workers serve the next, and one cluster serves them all),
+    and each other module, whole (its fixtures set up once), beside it. Alone, the cluster's stream keeps 2 cores
+    about two-thirds busy; the rest (parsing, planning, the journeys run as subprocesses) fills the other third."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    on_cluster = _modules_on_the_cluster()
+
+    class TwoStreams(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return "the cluster" if module.rsplit("/", 1)[-1] in on_cluster else module
+
+    return TwoStreams(config, log)
+
+
+def _modules_on_the_cluster() -> set[str]:
+    """The test modules that name the session's cluster or a fixture of this file that takes it (xdist's
+    controller schedules by node ids alone, before any fixture is resolved)."""
+    here = Path(__file__).read_text()
+    names = {"ray_cluster", *re.findall(r"^def (\w+)\([^)]*\bray_cluster\b", here, flags=re.M)}
+    uses = re.compile(rf"\b({'|'.join(names)})\b")
+    return {p.name for p in Path(__file__).parent.glob("test_*.py") if uses.search(p.read_text())}
 
 
 @pytest.hookimpl(wrapper=True)
