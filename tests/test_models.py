@@ -1,7 +1,7 @@
 """The model contract and registry: both shipped families (Llama; GPT-2 with its tied head) and a user's
 model living outside the package train under DDP, ZeRO-3, tensor and pipeline parallelism (and both families
-under 3-D: pipeline × FSDP × TP on 8 ranks) exactly as one process does; checkpoints move between layouts;
-bad targets are one-line errors before any worker.
+under 3-D: pipeline × FSDP × TP on 8 ranks) exactly as one process does, the user's with experts under expert
+parallelism too; checkpoints move between layouts; bad targets are one-line errors before any worker.
 
 Tolerances, absolute and relative: 1e-5 on each step's loss and gradient norm and on every final weight
 where only the data is split (DDP, ZeRO-3); 1e-4 where tensor or pipeline parallelism reorders sums."""
@@ -34,16 +34,21 @@ FAMILIES = {
         f"+cluster.env_vars.PYTHONPATH={EXAMPLES}",
     ],
 }
+# The same with 4 experts in every block (distrain's MoE layer, the contract of docs/models.md)
+FAMILIES["user_moe"] = [*FAMILIES["user"], "model.moe.num_experts=4", "model.moe.expert_dim=32"]
 LAYOUTS = {
     # id: (workers, overrides, tolerance)
     "ddp": (2, ["strategy=ddp"], 1e-5),
     "zero3": (2, ["strategy=zero3"], 1e-5),
     "tp": (2, ["strategy=tp"], 1e-4),
     "pp": (2, ["strategy=pp", "strategy.schedule=1f1b"], 1e-4),
+    "ep": (2, ["strategy.ep=2"], 1e-5),  # each rank 2 of the 4 experts, their tokens exchanged
     # pipeline × FSDP × TP on 8 ranks: the tied head's copy is a DTensor sharded two ways (4 of the 6 steps)
     "3d": (8, ["strategy=3d", "trainer.max_steps=4", f"optim.decay_steps={STEPS}"], 1e-4),
 }
-CASES = [(f, lay) for f in FAMILIES for lay in LAYOUTS if lay != "3d" and not (f == "user" and lay == "tp")]
+CASES = [(f, lay) for f in ("llama", "gpt2", "user") for lay in ("ddp", "zero3", "tp", "pp")]
+CASES.remove(("user", "tp"))
+CASES += [("user_moe", "ep")]  # the user's model with experts, under expert parallelism
 # The user's model has no TP plan. The two 3-D runs (test_strategies.py's 3-D parity is Llama's here) come one
 # after the other, last: the second takes the first's 8 warm workers, whose start costs more than their 4 steps.
 CASES += [("llama", "3d"), ("gpt2", "3d")]
@@ -143,6 +148,8 @@ def test_family_matches_one_process(family: str, layout: str, references, tmp_pa
     want, steps = references[family], cfg.trainer.max_steps
     assert sorted(logged(cfg)) == list(range(1, steps + 1))
     assert_matches(cfg, want, range(1, steps + 1), tol)
+    if family == "user_moe":  # its layers found by block, as the shipped family's are: balanced and logged
+        assert sorted(logged(cfg, f"moe_imbalance_{cfg.model.n_layers - 1}")) == list(range(1, steps + 1))
     if steps < STEPS:
         return
     weights = final_weights(cfg)

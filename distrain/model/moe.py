@@ -225,9 +225,17 @@ class MoETransformer(Transformer):
     def init_weights(self) -> None:
         """The parameters' initial values, the rotary tables, and every router's bias and figures zeroed."""
         super().init_weights()
-        for layer in moe_layers(self):
-            layer.expert_bias.zero_()
-            layer.figures = None
+        reset_routers(self)
+
+
+@torch.no_grad()
+def reset_routers(model: nn.Module) -> None:
+    """Every MoE layer's loss-free bias zeroed and its figures cleared: part of a model's `init_weights`, since a
+    model built on the meta device has its buffers unset until then. The contract a model of the user's own keeps
+    to have experts (docs/models.md): `MoE(cfg)` as a block's feed-forward, and this in its init_weights."""
+    for layer in moe_layers(model):
+        layer.expert_bias.zero_()
+        layer.figures = None
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:
