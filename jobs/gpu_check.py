@@ -2,7 +2,7 @@
 
 On a machine with G ≥ 1 GPUs (`torch.cuda.device_count()`) it runs, one console line per part (PASS, FAIL
 or SKIP, and its figure), then a summary, and exits 1 if any part failed. `--parts` picks them (default:
-strategies, journey, ps, sticky; the benchmarks mfu and collectives are optional, five minutes of their own):
+strategies, journey, ps, sticky, moe; the benchmarks mfu and collectives are optional, five minutes of their own):
 
 1. **strategies**: a short NCCL run of every preset in conf/strategy/ that fits on G GPUs, through
    distrain's own driver (`distrain.driver.launch.train`, what `python jobs/train.py` runs): `model=nano`, 20
@@ -49,10 +49,15 @@ strategies, journey, ps, sticky; the benchmarks mfu and collectives are optional
    (`process_group.check_device`), then writes far out of bounds on the device (issue 14's recipe: an
    illegal address, which leaves the process's CUDA context unusable for good); it passes when the check
    then fails and the group kills the worker instead of keeping it for the next attempt.
-6. **MFU** (optional): jobs/bench/bench_mfu.py, llama_1b in bf16 with compiled blocks, distrain beside a plain
+6. **moe**: `model=moe_1b` (2.5B parameters, 0.64B active: 16 experts, top-2 and a shared one) on the GPUs in
+   bf16, its experts split over them (`strategy.ep`, when more than one divides them): it passes as a strategy
+   does; the figure gives tokens/s, MFU counted on the active parameters (the weights a token passes through,
+   as DeepSeek and torchtitan count a sparse model's) and the busiest expert's load ÷ the mean at the last
+   step. CPU mode: `moe_nano` at the tests' tiny size.
+7. **MFU** (optional): jobs/bench/bench_mfu.py, llama_1b in bf16 with compiled blocks, distrain beside a plain
    PyTorch loop and transformers (the ratios are reported): writes docs/mfu.md. It passes when distrain's
    best run reaches the goal, ≥ 50% MFU (set for one H100).
-7. **collectives** (optional): jobs/bench/bench_collectives.py on every GPU (NCCL), against torch.distributed's
+8. **collectives** (optional): jobs/bench/bench_collectives.py on every GPU (NCCL), against torch.distributed's
    plain processes on the same GPUs (--repeats passes of each, alternating): writes docs/collectives.md.
    It passes when every operation's bandwidth ratio is ≥ 0.95; on one GPU, where nothing crosses a link,
    the ratio is only reported.
@@ -73,9 +78,10 @@ docs/gpu.md), collectives on one H100 (2026-11-24):
 | 3. journey llama_1b: the same, 12 GB checkpoints, 4 GB export          |     222 |
 | 4. ps at 1 worker, its server                                          |      13 |
 | 5. sticky: one fresh GPU worker                                        |       5 |
-| total by default                                                       |     406 |
-| 6. optional: bench_mfu, 6 runs of llama_1b × 30 steps (3 sides × 2)    |     330 |
-| 7. optional: bench_collectives, 1 KB–256 MB, 2 passes of each side     |     184 |
+| 6. moe: moe_1b, 20 steps (not yet measured on a GPU)                   |       — |
+| total by default (without moe)                                         |     406 |
+| 7. optional: bench_mfu, 6 runs of llama_1b × 30 steps (3 sides × 2)    |     330 |
+| 8. optional: bench_collectives, 1 KB–256 MB, 2 passes of each side     |     184 |
 
 Without a GPU it runs in CPU mode, which checks that the scripts work: the same parts at tiny sizes (the
 tests' tiny model, 8 steps, 12 for the journey, whose presets are nano and gpt2_nano; gloo; --workers CPU
@@ -112,8 +118,8 @@ if TYPE_CHECKING:
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "offload", "nvme", "tp", "pp", "hsdp", "fsdp_tp", "3d")
 STRATEGIES += ("tp2d", "tp2p5d", "tp3d")  # 4 and 8 GPUs
 STRATEGIES += ("cp", "cp_alltoall")  # 2 GPUs
-PARTS = ("strategies", "journey", "ps", "sticky", "mfu", "collectives")
-DEFAULT_PARTS = PARTS[:4]  # the benchmarks take 5 minutes of their own: --parts names them
+PARTS = ("strategies", "journey", "ps", "sticky", "moe", "mfu", "collectives")
+DEFAULT_PARTS = PARTS[:5]  # the benchmarks take 5 minutes of their own: --parts names them
 TOLERANCE = 0.02  # bf16's final loss against fp32's, relative
 MOST_WORKERS = 64  # how far to look for the worker count a preset needs
 RUN = ["checkpoint.interval=0", "trainer.eval_interval=0", "trainer.eval_batches=1", "cluster.reuse_workers=true"]
@@ -449,6 +455,24 @@ def ps_part(args: argparse.Namespace, storage: Path) -> Part:
     return part
 
 
+def moe_part(args: argparse.Namespace, storage: Path) -> Part:
+    """moe_1b (CPU: moe_nano, tiny) on every GPU, its experts split over them where they divide: PASS as a strategy
+    passes; the figure adds tokens/s, MFU on the active parameters and the last step's load imbalance."""
+    workers, unit = most_workers(args)
+    model = "moe_1b" if args.gpus else "moe_nano"
+    ep = workers if workers > 1 and 16 % workers == 0 else 1  # moe_1b's 16 experts (moe_nano's 8: any that divides)
+    run = [f"strategy.ep={ep}", f"cluster.num_workers={workers}", "trainer.precision=bf16", "run.name=moe"]
+    trained = harness.train([*overrides(args, storage, model), *run], timeout_s=600)
+    part = strategy_part(trained, model, workers, unit)
+    part.name = f"{model}, ep {ep} ({plural(workers, unit)})"
+    if part.status == "PASS":
+        last = trained.metrics[-1]
+        busiest = max(v for k, v in last.items() if k.startswith("moe_imbalance_"))
+        mfu = f", MFU {last['mfu']:.1%} on active parameters" if "mfu" in last else ""
+        part.figure += f"; {last['tokens_per_s']:,.0f} tokens/s{mfu}; busiest expert {busiest:.2f}× the mean"
+    return part
+
+
 def poison_the_device(channel: object) -> None:
     """In a worker given a GPU: a write far out of bounds, an illegal address that leaves the process's CUDA
     context unusable for good (a sticky error; issue 14's recipe)."""
@@ -588,10 +612,10 @@ def main(argv: list[str] | None = None) -> None:
                 for model in models:
                     parts += journey(args, storage, model, workers)
                 section += journey_section(args, workers)
-            for name, part in (("ps", ps_part), ("sticky", sticky_part)):
+            for name, part in (("ps", ps_part), ("sticky", sticky_part), ("moe", moe_part)):
                 if name in args.parts:
                     began = time.time()
-                    parts.append(report(part(args, storage) if name == "ps" else part(args), began))
+                    parts.append(report(part(args) if name == "sticky" else part(args, storage), began))
         for name, part in (("mfu", mfu_part), ("collectives", collectives_part)):
             if name in args.parts:
                 began = time.time()

@@ -228,7 +228,8 @@ def test_gpu_check_cpu_mode(tmp_path: Path) -> None:
         assert [a["outcome"] for a in summary["attempts"]] == ["failed", "completed"], summary
         assert summary["attempts"][1]["info"]["resumed_from_step"] in (4, 8), summary  # committed before step 10
     assert "SKIP  a sticky CUDA error leaves the worker unreused" in log and "needs a GPU" in log
-    assert "16 passed, 0 failed, 11 skipped" in log and "are still to be taken" in log
+    assert "17 passed, 0 failed, 11 skipped" in log and "are still to be taken" in log
+    assert "PASS  moe_nano, ep 1 (1 CPU worker)" in log and "× the mean" in lines.get("PASS  moe_nano, ep 1", ""), log
     assert all(f"SKIP  strategy {grid} " in log for grid in ("tp2d", "tp2p5d", "tp3d"))  # 4 and 8 workers
     assert "SKIP  strategy cp " in log and "needs 2 CPU workers (cp 2)" in log
     assert {name: path.stat().st_mtime_ns if path.exists() else None for name, path in docs.items()} == before
