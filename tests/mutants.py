@@ -414,9 +414,23 @@ MUTANTS = (
         'return (*(v for k, v in c.items() if k != "dp_replicate"), self.expert_rank(rank))',
         'return (*(v for k, v in c.items() if k != "dp_replicate"), 0)',
         (
-            "tests/test_moe.py::test_expert_parallelism_borrows_consecutive_ranks_of_the_gradient_group",
+            "tests/test_expert_parallel.py::test_expert_parallelism_borrows_consecutive_ranks_of_the_gradient_group",
             "tests/test_peer_recovery.py::test_a_killed_rank_costs_only_the_step_in_flight[ddp_ep]",
         ),
+    ),
+    Mutant(
+        "ep-alltoall-own-rows-counted",
+        "distrain/parallel/traffic.py",
+        "return row * (sum(in_rows) - in_rows[me]), row * (sum(out_rows) - out_rows[me])",
+        "return row * sum(in_rows), row * sum(out_rows)",
+        ("tests/test_expert_parallel.py::test_each_rank_sends_what_its_routing_says",),
+    ),
+    Mutant(
+        "ep-alltoall-estimate-forward-only",
+        "distrain/strategy/expert_parallel.py",
+        "layers * tokens * c.moe.top_k * c.dim * element * 2 * 2",
+        "layers * tokens * c.moe.top_k * c.dim * element * 2",
+        ("tests/test_expert_parallel.py::test_each_rank_sends_what_its_routing_says",),
     ),
 )
 

@@ -4,7 +4,7 @@ and its training under data parallelism, HSDP (ZeRO-3 on a 2-D mesh), a pipeline
 parallelism (alone, with DDP and activation checkpointing, with HSDP, with cp) exactly as one process trains it, and a
 checkpoint of expert parallelism resumed without it. Tolerances, absolute and relative: 1e-5 for the layer against
 the reference (fp32, sums in another order) and where only the data or the experts are split; 1e-4 under a
-pipeline and context parallelism."""
+pipeline and context parallelism. Expert parallelism's layout and bytes: tests/test_expert_parallel.py."""
 
 from __future__ import annotations
 
@@ -260,52 +260,3 @@ def test_an_expert_parallel_checkpoint_resumes_without_expert_parallelism(refere
     cfg = train_half_then_resume(tmp_path, "ep_to_one", first, (1, []), STEPS, *COMMON, *MODELS["bias"])
     want = references["bias"]["lines"]
     assert_matches(cfg, {k: {s: want[s][k] for s in want} for k in ("loss", "grad_norm")}, range(1, STEPS + 1), 1e-4)
-
-
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize(
-    ("overrides", "says"),
-    [
-        (["strategy.ep=0"], "strategy.ep=0: must be at least 1"),
-        (["strategy.ep=4"], "gradient group (dp_replicate × dp_shard × cp = 2), which it does not divide"),
-        (["strategy=tp", "cluster.num_workers=4", "strategy.ep=2"], "does not combine with strategy.tp=2"),
-        (["strategy=pp", "cluster.num_workers=4", "strategy.ep=2"], "strategy.pp=2 yet"),
-        (["model=nano", "strategy.ep=2"], "strategy.ep=2 splits a mixture of experts, but model.moe.num_experts=0"),
-        (["model.moe.num_experts=6", "cluster.num_workers=4", "strategy.ep=4"], "does not divide model.moe.num"),
-        (["strategy=ps", "strategy.ep=2"], "does not combine with ps.mode=sync"),
-        (["strategy=zero1", "strategy.ep=2"], "does not combine with strategy.zero=1"),
-        (["strategy=offload", "strategy.ep=2"], "does not combine with strategy.offload=cpu"),
-        (["strategy.compile=true", "strategy.ep=2"], "does not combine with strategy.compile=true"),
-    ],
-)
-def test_an_expert_parallel_layout_that_cannot_work_is_refused_in_one_line(tmp_path, overrides: list, says: str):
-    with pytest.raises(ConfigError) as err:
-        validate(make_config(tmp_path, "model=moe_nano", *overrides))
-    assert says in str(err.value) and "\n" not in str(err.value), str(err.value)
-
-
-@pytest.mark.timeout(60)
-def test_expert_parallelism_borrows_consecutive_ranks_of_the_gradient_group(tmp_path):
-    """ep 2 on 4 DDP ranks: the world and the batch's shards as without it; ranks 0 and 2 hold the same experts
-    (a replica of each other's state), 1 and 3 the others; --plan says each rank's share and its all-to-all bytes."""
-    from distrain.driver.plan import describe, rank_memory
-    from distrain.strategy.expert_parallel import alltoall_bytes
-
-    cfg = make_config(tmp_path, "model=moe_nano", "cluster.num_workers=4", "strategy.ep=2")
-    layout = validate(cfg)
-    without = validate(make_config(tmp_path, "model=moe_nano", "cluster.num_workers=4"))
-    assert layout.mesh_sizes() == without.mesh_sizes() and layout.data_shard(3) == without.data_shard(3)
-    assert [layout.expert_rank(r) for r in range(4)] == [0, 1, 0, 1]
-    assert layout.shard_of(0) == layout.shard_of(2) != layout.shard_of(1) == layout.shard_of(3)
-    plan = describe(cfg, layout, None)
-    assert "4 of 8 experts a layer" in plan and "expert parameters 147,456 of 294,912" in plan, plan
-    assert "replica 0: ranks 0-1; replica 1: ranks 2-3" in plan, plan
-    # 2 layers with experts; 8 sequences of 32 tokens over 4 ranks, 2 copies each of 32 values of 4 bytes, out and
-    # back, forward and backward, half of it to the other rank
-    assert alltoall_bytes(cfg, layout) == 2 * 64 * 2 * 32 * 4 * 2 * 2 / 2 and "sends 0.06 MiB per step" in plan
-    # the memory estimate: half the experts' 294,912 weights on each rank, the other 25,248 whole (DDP)
-    for estimate, experts in (
-        (rank_memory(cfg, layout, 0, "fp32"), 294_912 // 2),
-        (rank_memory(cfg, without, 0, "fp32"), 294_912),
-    ):
-        assert estimate.params == 4 * (25_248 + experts) and estimate.optimizer == 2 * estimate.params
