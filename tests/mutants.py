@@ -432,6 +432,20 @@ MUTANTS = (
         "layers * tokens * c.moe.top_k * c.dim * element * 2",
         ("tests/test_expert_parallel.py::test_each_rank_sends_what_its_routing_says",),
     ),
+    Mutant(
+        "moe-bias-moves-away-from-the-mean",
+        "distrain/model/moe.py",
+        "self.expert_bias += self.m.bias_rate * torch.sign(load.mean() - load)",
+        "self.expert_bias -= self.m.bias_rate * torch.sign(load.mean() - load)",
+        ("tests/test_moe_balance.py::test_balancing_lowers_the_load_imbalance",),
+    ),
+    Mutant(
+        "moe-aux-loss-raises-the-imbalance",
+        "distrain/model/moe.py",
+        "return grad, torch.full_like(loss, AuxLoss.scale)",
+        "return grad, torch.full_like(loss, -AuxLoss.scale)",
+        ("tests/test_moe_balance.py::test_balancing_lowers_the_load_imbalance",),
+    ),
 )
 
 
