@@ -419,6 +419,13 @@ MUTANTS = (
         ),
     ),
     Mutant(
+        "ep-resume-wrong-expert-slice",
+        "distrain/parallel/mesh.py",
+        "grid = ranks.reshape(-1, layout.gradient_width // layout.ep, layout.ep)",
+        "grid = ranks.reshape(-1, layout.gradient_width // layout.ep, layout.ep).flip(-1)",
+        ("tests/test_moe.py::test_a_checkpoint_resumes_under_another_ep[ep4-to-ep2]",),
+    ),
+    Mutant(
         "ep-alltoall-own-rows-counted",
         "distrain/parallel/traffic.py",
         "return row * (sum(in_rows) - in_rows[me]), row * (sum(out_rows) - out_rows[me])",
