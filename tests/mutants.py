@@ -414,9 +414,44 @@ MUTANTS = (
         'return (*(v for k, v in c.items() if k != "dp_replicate"), self.expert_rank(rank))',
         'return (*(v for k, v in c.items() if k != "dp_replicate"), 0)',
         (
-            "tests/test_moe.py::test_expert_parallelism_borrows_consecutive_ranks_of_the_gradient_group",
+            "tests/test_expert_parallel.py::test_expert_parallelism_borrows_consecutive_ranks_of_the_gradient_group",
             "tests/test_peer_recovery.py::test_a_killed_rank_costs_only_the_step_in_flight[ddp_ep]",
         ),
+    ),
+    Mutant(
+        "ep-resume-wrong-expert-slice",
+        "distrain/parallel/mesh.py",
+        "grid = ranks.reshape(-1, layout.gradient_width // layout.ep, layout.ep)",
+        "grid = ranks.reshape(-1, layout.gradient_width // layout.ep, layout.ep).flip(-1)",
+        ("tests/test_moe.py::test_a_checkpoint_resumes_under_another_ep[ep4-to-ep2]",),
+    ),
+    Mutant(
+        "ep-alltoall-own-rows-counted",
+        "distrain/parallel/traffic.py",
+        "return row * (sum(in_rows) - in_rows[me]), row * (sum(out_rows) - out_rows[me])",
+        "return row * sum(in_rows), row * sum(out_rows)",
+        ("tests/test_expert_parallel.py::test_each_rank_sends_what_its_routing_says",),
+    ),
+    Mutant(
+        "ep-alltoall-estimate-forward-only",
+        "distrain/strategy/expert_parallel.py",
+        "layers * tokens * c.moe.top_k * c.dim * element * 2 * 2",
+        "layers * tokens * c.moe.top_k * c.dim * element * 2",
+        ("tests/test_expert_parallel.py::test_each_rank_sends_what_its_routing_says",),
+    ),
+    Mutant(
+        "moe-bias-moves-away-from-the-mean",
+        "distrain/model/moe.py",
+        "self.expert_bias += self.m.bias_rate * torch.sign(load.mean() - load)",
+        "self.expert_bias -= self.m.bias_rate * torch.sign(load.mean() - load)",
+        ("tests/test_moe_balance.py::test_balancing_lowers_the_load_imbalance",),
+    ),
+    Mutant(
+        "moe-aux-loss-raises-the-imbalance",
+        "distrain/model/moe.py",
+        "return grad, torch.full_like(loss, AuxLoss.scale)",
+        "return grad, torch.full_like(loss, -AuxLoss.scale)",
+        ("tests/test_moe_balance.py::test_balancing_lowers_the_load_imbalance",),
     ),
 )
 

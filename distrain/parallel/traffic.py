@@ -5,8 +5,10 @@ the backward: the measured side of docs/tensor-parallel.md, set beside distrain/
 functional one (what DTensor's redistributions call), forward and backward alike: CPU autograd runs
 the backward in the calling thread, under the same dispatch mode. Bytes follow nccl-tests' convention
 (docs/collectives.md), for a group of g ranks and a per-rank message of n bytes: all-reduce sends and
-receives 2(g−1)/g·n; all-gather (n: its output), reduce-scatter (n: its input), all-to-all, broadcast
-and reduce (g−1)/g·n (a broadcast's or reduce's (g−1)·n bytes shared over its g ranks); send and recv n.
+receives 2(g−1)/g·n; all-gather (n: its output), reduce-scatter (n: its input), broadcast and reduce
+(g−1)/g·n (a broadcast's or reduce's (g−1)·n bytes shared over its g ranks); send and recv n. An all-to-all
+counts exactly what leaves the rank and what reaches it, its own share left out: (g−1)/g·n when its splits
+are even, and with uneven ones (expert parallelism's tokens) what its split sizes say.
 """
 
 from __future__ import annotations
@@ -65,12 +67,29 @@ def nbytes(x: object) -> int:
     return sum(nbytes(t) for t in x) if isinstance(x, list | tuple) else 0
 
 
-def group_size(func: torch._ops.OpOverload, args: tuple) -> int:
+def process_group(func: torch._ops.OpOverload, args: tuple) -> dist.ProcessGroup:
+    """The group a collective's arguments name."""
     if func._overloadpacket._qualified_op_name.startswith("_c10d_functional::"):
-        return _resolve_process_group(args[-1]).size()
+        return _resolve_process_group(args[-1])
     at = next(i for i, a in enumerate(func._schema.arguments) if "ProcessGroup" in str(a.type))
     group = args[at]  # the TorchScript object that boxes the ProcessGroup
-    return (group if isinstance(group, dist.ProcessGroup) else dist.ProcessGroup.unbox(group)).size()
+    return group if isinstance(group, dist.ProcessGroup) else dist.ProcessGroup.unbox(group)
+
+
+def all_to_all_bytes(func: torch._ops.OpOverload, args: tuple) -> tuple[float, float]:
+    """(sent, received): an all-to-all's bytes to and from the other ranks, this rank's rows for itself left out.
+    c10d's lists of tensors, one per rank; or one tensor of rows, split by the split sizes (none: evenly)."""
+    group = process_group(func, args)
+    g, me = group.size(), group.rank()
+    if func._overloadpacket is c10d.alltoall_:
+        outputs, inputs = args[0], args[1]
+        return nbytes(inputs) - nbytes(inputs[me]), nbytes(outputs) - nbytes(outputs[me])
+    # c10d's (output, input, group, output splits, input splits); the functional (input, output splits, input splits)
+    x, out_rows, in_rows = (args[1], *args[3:5]) if func._overloadpacket is c10d.alltoall_base_ else args[:3]
+    even = [x.shape[0] // g] * g
+    out_rows, in_rows = list(out_rows) or even, list(in_rows) or even
+    row = nbytes(x) / max(x.shape[0], 1)
+    return row * (sum(in_rows) - in_rows[me]), row * (sum(out_rows) - out_rows[me])
 
 
 class Traffic(TorchDispatchMode):
@@ -93,10 +112,12 @@ class Traffic(TorchDispatchMode):
 
     def count(self, packet: object, func: torch._ops.OpOverload, args: tuple) -> None:
         kind, at, times_group = OPS[packet]
-        g = group_size(func, args)
+        g = process_group(func, args).size()
         n = nbytes(args[at]) * (g if times_group else 1)
         if kind in ("send", "recv"):
             sent, received = (n, 0) if kind == "send" else (0, n)
+        elif kind == "all_to_all":
+            sent, received = all_to_all_bytes(func, args)
         else:
             share = n * (g - 1) / g * (2 if kind == "all_reduce" else 1)
             sent = received = share
