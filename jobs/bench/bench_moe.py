@@ -238,8 +238,10 @@ def body(args, rows: list[dict], share: tuple[list[str], dict], data: dict, plot
             f"{t.micro_batch_size}; {args.repeats} repeat(s) of {args.steps} steps, the order reversed on every other "
             f"repeat (ABBA). A pass's step is the median of the trainer's `step_time_s` over steps {args.warmup + 1}–"
             f"{args.steps}; the table's is the least pass (other processes only add time), and 'step ÷ nano' divides "
-            "it by nano's least; each repeat's ratio divides that repeat's passes. The load before each run is in "
-            "the header and the table: another's work on the cores slows every configuration of a repeat alike.",
+            "it by nano's least; each repeat's ratio divides that repeat's passes. One run of nano before them is not "
+            "counted: a fresh cluster's first run steps slower (Ray still starting processes beside it). The load "
+            "before each run is in the header and the table: another's work on the cores slows every configuration "
+            "of a repeat alike.",
             "",
             *step_table(rows),
             "",
@@ -306,6 +308,8 @@ def main(argv: list[str] | None = None) -> None:
     print("\n".join(share[0]), flush=True)
     keys = [("nano", 1)] + [("moe_nano", ep) for ep in eps]
     with harness.storage(args) as storage, harness.ray_cluster(args.address):
+        print("bench_moe: one run unmeasured: a fresh cluster's first run steps slower", flush=True)
+        timed_run(keys[0], 0, args, storage)
         trials = harness.alternate(
             keys, args.repeats, lambda key, k: timed_run(key, k, args, storage), lambda key: f"{key[0]} ep {key[1]}"
         )
