@@ -264,7 +264,9 @@ def body(args, rows: list[dict], share: tuple[list[str], dict], data: dict, plot
             + ". Section 1 gives a second, coarser estimate through the product path: the share of the ep step that "
             "ep 1 (no exchange, every expert on every rank, the same FLOPs) does not take: "
             + (", ".join(f"{c:.0%} at ep {ep}" for ep, c in ep_cost.items()) or "—")
-            + ". On CPUs the exchange is a copy through loopback sockets that needs a core, and the "
+            + ". The two differ: a rank that waits in an all-to-all for a slower peer would, without the exchange, "
+            "wait as long in DDP's gradient all-reduce, so the first counts that wait and the second does not. On CPUs "
+            "the exchange is a copy through loopback sockets that needs a core, and the "
             f"{args.workers} single-threaded ranks share the machine's cores, so a rank waiting in an all-to-all "
             "also waits for a descheduled peer; "
             "on GPUs with NCCL the compute is far faster and the exchange crosses NVLink or the network instead.",
