@@ -27,7 +27,15 @@ sys.path += [str(REPO / "jobs" / "bench"), str(REPO / "jobs")]  # the harness; g
 import harness  # noqa: E402  (jobs/bench/harness.py)
 
 # The benchmarks whose runs share one Ray cluster (`harness.parser(cluster=True)`: they take --address).
-ATTACH = {"bench_strategies", "bench_ps", "bench_recovery", "bench_checkpoint", "bench_offload", "bench_storage"}
+ATTACH = {
+    "bench_strategies",
+    "bench_ps",
+    "bench_recovery",
+    "bench_checkpoint",
+    "bench_offload",
+    "bench_storage",
+    "bench_moe",
+}
 
 
 @pytest.fixture(scope="module")
@@ -106,6 +114,9 @@ SMOKES = [
     ("bench_offload", 180, False, ["| `strategy=nvme` |", "within it", "identical step for step", "| overlapped |"]),
     # both storages trained the same, the store's resumed from its URL alone, a plain s3fs upload timed beside it
     ("bench_storage", 180, False, ["| the object store (SeaweedFS, loopback) |", "| the local disk |", "The upload: "]),
+    # every layout timed beside the dense model; the clock saw the exchange's 5 all-to-alls per layer and
+    # micro-batch (2 layers, 2 micro-batches); a curve for every balancing mode
+    ("bench_moe", 90, True, ["| moe_nano | 2 | ", "| ep 2 | 20 |", "| aux_loss |", "| bias |", "| none |"]),
     # the checksum a commit reads files with, and every candidate it was chosen from
     ("bench_checksum", 60, False, ["| `integrity.checksum`: read + CRC-32 |", "| `hashlib.blake2b` |", "s per GB"]),
 ]
@@ -123,7 +134,13 @@ def test_smoke(tmp_path: Path, script: str, timeout_s: float, plot: bool, holds:
         assert expected in text, text
 
 
-PLOTS = {"bench_bubble": "bubble", "bench_ps": "ps", "bench_recovery": "recovery", "bench_tp": "tensor-parallel"}
+PLOTS = {
+    "bench_bubble": "bubble",
+    "bench_ps": "ps",
+    "bench_recovery": "recovery",
+    "bench_tp": "tensor-parallel",
+    "bench_moe": "moe",
+}
 
 
 @pytest.mark.parametrize("script, page", PLOTS.items(), ids=list(PLOTS))
@@ -151,6 +168,7 @@ NUMBERS = {  # page → what its figure must draw, from its numbers: a line's po
         + [[(p[1], p[2]) for p in r["curve"]] for r in d["runs"]]
     ),
     "recovery": lambda d: [(0.0, b["detect_teardown"]) for b in d["bars"]],
+    "moe": lambda d: [list(zip(d["steps"], v, strict=True)) for by in d["modes"].values() for v in by.values()],
     "tensor-parallel": lambda d: [[(x["p"], x["sent_mib"]) for x in d["measured"] if x["mode"] == "3d" or x["p"] == 1]],
 }
 
