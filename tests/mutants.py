@@ -346,6 +346,13 @@ MUTANTS = (
         ("tests/test_process_group.py::test_a_group_formed_again_builds_its_meshes_anew",),
     ),
     Mutant(
+        "mixtral-export-takes-a-sigmoid-router",
+        "distrain/model/families/moe.py",
+        '(m.score == "softmax", f"model.moe.score={m.score}: Mixtral\'s router is a softmax"),',
+        '(True, f"model.moe.score={m.score}: Mixtral\'s router is a softmax"),',
+        ("tests/test_hf.py::test_a_model_transformers_cannot_hold_is_refused_by_name",),
+    ),
+    Mutant(
         "hf-expert-slices-shifted",
         "distrain/model/families/moe.py",
         '(f"{d}.experts.{w}",), expert=e)',
