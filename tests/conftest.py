@@ -20,6 +20,10 @@ import pytest
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # before Ray is imported: bind 127.0.0.1 only
 os.environ["RAY_USAGE_STATS_ENABLED"] = "0"  # and send nothing anywhere else
 os.environ.pop("RAY_ADDRESS", None)
+# Ray starts its workers at nice 15: beside the suite's other stream (nice 0, tests/conftest.py's scheduler) they got
+# a few percent of a core, and a fresh worker's import of torch took 20 s or more (limits of 8 s ran out). Fair
+# shares for every process of the suite: its clusters', its beds' and the jobs it submits.
+os.environ["RAY_worker_niceness"] = "0"
 os.environ.pop("WANDB_API_KEY", None)
 
 from distrain.cluster.attempt import Mark  # noqa: E402
