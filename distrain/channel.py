@@ -5,6 +5,7 @@ layers use it."""
 from __future__ import annotations
 
 import enum
+import threading
 from dataclasses import dataclass, field, replace
 
 
@@ -44,16 +45,20 @@ class Progress:
 class Channel:
     """The supervisor's line to a rank: progress up (`report`), a stop request down (`stop_deadline`: the
     wall-clock time by which it wants the rank to have returned, or None). The worker actor holds it and
-    answers the supervisor's questions from it while the rank runs."""
+    answers the supervisor's questions from it while the rank runs. A rank reports from more than one thread (a
+    background checkpoint says it did not commit while the step reports its figures): each report is one
+    read-modify-write under a lock, or one would write back a Progress without the other's news."""
 
     def __init__(self) -> None:
         self.progress = Progress()
         self.stop_deadline: float | None = None
+        self._lock = threading.Lock()
 
     def report(self, metrics: dict[str, float] | None = None, **changed: object) -> None:
         """Say what changed, by `Progress`'s field names (None: unchanged; a name it lacks is a TypeError);
         figures join those said before. After a failure a rank says what it does on its way back (`returning`:
         its phase stays the one it failed in)."""
         said_now = {name: value for name, value in changed.items() if value is not None}
-        figures = {**self.progress.metrics, **(metrics or {})}
-        self.progress = replace(self.progress, **said_now, metrics=figures)
+        with self._lock:
+            figures = {**self.progress.metrics, **(metrics or {})}
+            self.progress = replace(self.progress, **said_now, metrics=figures)

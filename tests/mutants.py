@@ -339,6 +339,13 @@ MUTANTS = (
         ("tests/test_step_path.py::test_the_stop_vote_judges_a_save_against_the_deadline_to_the_second",),
     ),
     Mutant(
+        "channel-report-unlocked",
+        "distrain/channel.py",
+        "        with self._lock:\n",
+        "        if True:\n",
+        ("tests/test_progress.py::test_reports_from_two_threads_lose_neither",),
+    ),
+    Mutant(
         "meshes-kept-across-groups",
         "distrain/parallel/process_group.py",
         "        forget_meshes()\n",

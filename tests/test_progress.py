@@ -5,6 +5,8 @@ new attempt's line shows no loss of the attempt before."""
 from __future__ import annotations
 
 import io
+import threading
+from collections.abc import Iterator, Mapping
 from dataclasses import replace
 
 import pytest
@@ -34,6 +36,42 @@ def test_a_collective_ranks_loss_is_shown_beside_its_own_step():
     assert rank0.progress.step == 3
     with pytest.raises(TypeError, match="stpe"):  # a name the record lacks is refused, not stored
         rank0.report(stpe=4)
+
+
+class HeldFigures(Mapping):
+    """Figures whose reading holds the report that merges them until `go` is set: a thread switch at the worst
+    moment, made to happen."""
+
+    def __init__(self, figures: dict[str, float]):
+        self.figures, self.reading, self.go = figures, threading.Event(), threading.Event()
+
+    def __getitem__(self, key: str) -> float:
+        return self.figures[key]
+
+    def __len__(self) -> int:
+        return len(self.figures)
+
+    def __iter__(self) -> Iterator[str]:
+        self.reading.set()
+        assert self.go.wait(timeout=10)
+        return iter(self.figures)
+
+
+@pytest.mark.timeout(30)
+def test_reports_from_two_threads_lose_neither():
+    """A background checkpoint's line said while the step's figures are being merged: both are kept."""
+    channel, held = Channel(), HeldFigures({"loss": 2.5})
+    step = threading.Thread(target=channel.report, kwargs={"metrics": held, "logged": 7})
+    step.start()
+    assert held.reading.wait(timeout=10)
+    saver = threading.Thread(target=channel.report, kwargs={"said": ("step 6 not committed",), "metrics": {"a": 1}})
+    saver.start()
+    saver.join(timeout=0.5)  # done at once without a lock; waiting on the step's report with one
+    held.go.set()
+    step.join(timeout=10)
+    saver.join(timeout=10)
+    assert channel.progress.said == ("step 6 not committed",)
+    assert channel.progress.metrics == {"loss": 2.5, "a": 1} and channel.progress.logged == 7
 
 
 def test_a_new_attempt_shows_no_loss_of_the_one_before():
