@@ -19,8 +19,7 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from cluster import alive  # jobs/cluster.py, beside this job
-
+from distrain.commands.cluster import alive  # `distrain cluster` (jobs/cluster.py)
 from distrain.testing.seaweed import BUCKET, VARIABLES, Seaweed
 
 PREFIX = "distrain-s3-"  # the data folder's name: a store this job started

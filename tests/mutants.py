@@ -467,6 +467,41 @@ MUTANTS = (
         "return grad, torch.full_like(loss, -AuxLoss.scale)",
         ("tests/test_moe_balance.py::test_balancing_lowers_the_load_imbalance",),
     ),
+    Mutant(
+        "config-dir-not-checked",
+        "distrain/driver/cli.py",
+        "if not Path(given).is_dir():",
+        "if False:",
+        ("tests/test_package.py::test_a_users_preset_comes_from_config_dir",),
+    ),
+    Mutant(
+        "config-dir-not-searched",
+        "distrain/driver/cli.py",
+        "return CONF_DIR, Path(given).resolve()",
+        "return (CONF_DIR,)",
+        ("tests/test_package.py::test_a_users_preset_comes_from_config_dir",),
+    ),
+    Mutant(
+        "wheelhouse-without-a-checkout",
+        "distrain/commands/wheelhouse.py",
+        'if not (ROOT / "pyproject.toml").is_file():',
+        "if False:",
+        ("tests/test_wheelhouse.py::test_an_installed_distrain_sends_you_to_a_checkout",),
+    ),
+    Mutant(
+        "presets-left-out-of-the-wheel",
+        "pyproject.toml",
+        'distrain = ["conf/*.yaml", "conf/*/*.yaml"]',
+        "distrain = []",
+        ("tests/test_package.py::test_the_wheel_installs_and_composes_outside_the_checkout",),
+    ),
+    Mutant(
+        "summary-without-the-version",
+        "distrain/storage/tracking.py",
+        '{**summary, "distrain_version": __version__}',
+        "summary",
+        ("tests/test_package.py::test_ray_job_submit_installs_the_wheel_and_trains",),
+    ),
 )
 
 

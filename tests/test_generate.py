@@ -4,6 +4,7 @@ input gets one line and exit status 2. jobs/export.py and jobs/generate.py past 
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -22,11 +23,10 @@ from distrain.storage import checkpoint
 from distrain.storage.fsutil import write_json
 
 transformers = pytest.importorskip("transformers")
-sys.path.insert(0, str(REPO / "jobs"))
-import export as export_job  # noqa: E402
-import generate as generate_job  # noqa: E402
-from export import export  # noqa: E402
-from generate import sample  # noqa: E402
+from distrain.commands import export as export_job  # noqa: E402
+from distrain.commands import generate as generate_job  # noqa: E402
+from distrain.commands.export import export  # noqa: E402
+from distrain.commands.generate import sample  # noqa: E402
 
 PROMPT = "def "
 
@@ -210,3 +210,19 @@ def test_generate_falls_back_and_both_refuse_in_one_line_when_none_verifies(run,
         assert refused.value.code == 2 and len(err.splitlines()) == 1 and "verifies" in err, err
     assert sorted((p.relative_to(root), p.stat().st_size) for p in root.rglob("*")) == before
     assert not (tmp_path / "hf").exists()
+
+
+def test_generate_refuses_bad_arguments_in_one_line(run):
+    """A negative setting, a device that is none, an empty prompt (after loading: the tokenizer decides), and cuda
+    where no GPU is visible: each a one-line ConfigError."""
+    from distrain.config import ConfigError
+
+    args = {"run.name": "gen", "run.storage": run.run.storage, "prompt": "x", "max_new_tokens": 1}
+    args |= {"temperature": 0.0, "top_k": 0, "seed": 0, "step": None, "device": "cpu"}
+    cases = [({"temperature": -1.0}, "must be ≥ 0"), ({"device": "tpu"}, "device='tpu': choose auto, cpu or cuda")]
+    cases += [({"prompt": ""}, "prompt= is empty")]
+    if not torch.cuda.is_available():
+        cases += [({"device": "cuda"}, "device=cuda: no GPU is visible here")]
+    for change, says in cases:
+        with pytest.raises(ConfigError, match=re.escape(says)):
+            generate_job.generate(args | change)

@@ -146,8 +146,7 @@ STRATEGIES = {"tp": ["strategy=tp"], "zero3": ["strategy=zero3"], "ps": ["strate
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_trained_run_exports_to_transformers(family: str, strategy: str, ray_cluster, tmp_path: Path):
-    sys.path.insert(0, str(REPO / "jobs"))
-    from export import export
+    from distrain.commands.export import export
 
     cfg = make_config(
         tmp_path, f"run.name={family}-{strategy}", "cluster.num_workers=2", "trainer.max_steps=3",
@@ -175,9 +174,8 @@ def test_trained_run_exports_to_transformers(family: str, strategy: str, ray_clu
 def test_an_expert_parallel_run_exports_to_mixtral_and_decodes_as_transformers_does(ray_cluster, tmp_path: Path):
     """Trained with its 4 experts split over 2 ranks; transformers' Mixtral gives the same logits, and its greedy
     continuation is jobs/generate.py's."""
-    sys.path.insert(0, str(REPO / "jobs"))
-    from export import export
-    from generate import generate
+    from distrain.commands.export import export
+    from distrain.commands.generate import generate
 
     cfg = make_config(
         tmp_path, "run.name=mixtral", "model=moe_nano", "model.moe.num_experts=4", "model.moe.expert_dim=48",
@@ -236,12 +234,10 @@ def test_resume_loads_the_checkpoint_not_the_imported_weights(ray_cluster, tmp_p
 def test_bpe_run_exports_its_tokenizer(ray_cluster, tmp_path: Path):
     """A run on BPE shards: the exported tokenizer encodes as the run's, ids above 255 and the
     end-of-text token included, and the model's vocabulary is the run's."""
+    from distrain.commands.export import export
     from distrain.data.corpus import stdlib_files
     from distrain.data.prepare import prepare
     from distrain.driver.cli import compose
-
-    sys.path.insert(0, str(REPO / "jobs"))
-    from export import export
 
     corpus = tmp_path / "corpus"
     corpus.mkdir()

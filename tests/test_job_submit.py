@@ -19,8 +19,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO, TINY, bash, documented
 
-sys.path.insert(0, str(REPO / "jobs"))
-from cluster import processes  # noqa: E402  (jobs/cluster.py)
+from distrain.commands.cluster import processes  # noqa: E402  (jobs/cluster.py)
 
 RAY = str(Path(sys.executable).parent / "ray")
 RAY_DEFAULT_PORTS = (6379, 8265, 52365)  # GCS, dashboard, dashboard agent: held by "another cluster" here

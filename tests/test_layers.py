@@ -158,9 +158,11 @@ def test_the_checker_sees_imports_through_other_modules(tmp_path: Path):
 
 @pytest.mark.timeout(60)
 def test_the_driver_imports_no_torch():
-    """The driver validates, plans and supervises without torch (a worker loads it, not the driver)."""
+    """The driver validates, plans and supervises without torch (a worker loads it, not the driver); the `distrain`
+    command and its train, cluster and plot subcommands start without it too."""
     code = (
         "import sys, distrain.driver.cli, distrain.driver.launch, distrain.driver.plan, distrain.driver.validation\n"
+        "import distrain.commands, distrain.commands.train, distrain.commands.cluster, distrain.commands.plot\n"
         "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50, cwd=REPO)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 import threading
 import uuid
 import zlib
@@ -18,6 +17,9 @@ from pathlib import Path
 import pytest
 from conftest import REPO, free_port, logged, make_config
 
+from distrain.commands.export import export, export_to  # noqa: E402
+from distrain.commands.export import main as export_job  # noqa: E402
+from distrain.commands.prepare_data import main as prepare_data  # noqa: E402
 from distrain.config import ConfigError, StorageConfig
 from distrain.data.corpus import stdlib_files
 from distrain.data.remote import fetch
@@ -25,11 +27,6 @@ from distrain.data.shards import read_index
 from distrain.driver.launch import train
 from distrain.storage.objectstore import Store
 from distrain.storage.publish import staged
-
-sys.path.append(str(REPO / "jobs"))
-from export import export, export_to  # noqa: E402
-from export import main as export_job  # noqa: E402
-from prepare_data import main as prepare_data  # noqa: E402
 
 STEPS = 4
 

@@ -6,7 +6,6 @@ after, a fresh machine's mirror filled from it, and the credentials written nowh
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import logging
 import os
@@ -95,9 +94,8 @@ def test_a_stores_client_says_nothing_of_the_credentials(s3, caplog):
 
 def test_a_sweep_on_a_url_is_refused_in_one_line():
     """Hydra would make the sweep's directory, ${run.storage}/sweeps/…, as a local folder named 's3:'."""
-    spec = importlib.util.spec_from_file_location("train_job", REPO / "jobs" / "train.py")
-    job = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(job)
+    from distrain.commands import train as job
+
     with pytest.raises(job.BadInput, match=r"^run.storage='s3://runs/x': a sweep \(-m\) keeps its record in a dir"):
         job.check_sweep_storage(["optim.lr=1e-3,2e-3", "run.storage=s3://runs/x"])
 

@@ -13,13 +13,11 @@ from pathlib import Path
 import pytest
 from conftest import REPO, free_port, make_config
 
+from distrain.commands import plot  # noqa: E402  (jobs/plot.py, distrain plot)
 from distrain.config import ConfigError, to_plain
 from distrain.driver.validation import validate
 from distrain.storage.objectstore import Store
 from distrain.storage.tracking import METRICS_FILE, SUMMARY_FILE, Tracker, read_metrics
-
-sys.path.append(str(REPO / "jobs"))
-import plot  # noqa: E402  (jobs/plot.py)
 
 
 def lines_of(fig) -> dict[str, tuple[list, list]]:  # noqa: ANN001

@@ -17,13 +17,11 @@ from conftest import REPO, TINY, in_background, make_config, when
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
+from distrain.commands import train as entrypoint  # noqa: E402  (jobs/train.py, distrain train)
 from distrain.config import ConfigError
 from distrain.driver.cli import CONF_DIR, BadInput, check_overrides, register
 from distrain.driver.sweep import PointComposer, objective
 from distrain.driver.validation import validate
-
-sys.path.insert(0, str(REPO / "jobs"))
-import train as entrypoint  # noqa: E402  (jobs/train.py)
 
 
 @pytest.mark.parametrize(
@@ -100,7 +98,7 @@ def test_an_unknown_objective_is_refused(tmp_path: Path):
 
 @pytest.fixture
 def fresh_entrypoint(monkeypatch):
-    """jobs/train.py's per-process state, new for each in-process call."""
+    """distrain train's per-process state, new for each in-process call."""
     monkeypatch.setattr(entrypoint, "SWEEP", {"keys": set(), "points": [], "dir": None, "planned": []})
     monkeypatch.setattr(entrypoint, "CURRENT", {})
     monkeypatch.setattr(sys, "argv", sys.argv[:1])

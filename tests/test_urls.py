@@ -24,11 +24,8 @@ FIX = "is not a well-formed URL: write s3://runs/team (scheme://bucket/prefix), 
 
 
 def job(name: str):
-    """jobs/<name>.py as a module, its `main` to call in this process."""
-    spec = importlib.util.spec_from_file_location(f"{name}_job", REPO / "jobs" / f"{name}.py")
-    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # its dataclasses look it up there
-    spec.loader.exec_module(module)
-    return module
+    """The job `name` (distrain/commands/<name>.py, which jobs/<name>.py calls), its `main` to call in this process."""
+    return importlib.import_module(f"distrain.commands.{name}")
 
 
 @pytest.mark.parametrize(

@@ -25,9 +25,7 @@ from packaging.utils import canonicalize_name
 from distrain.testing import processes
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.append(str(REPO / "jobs"))
-
-import wheelhouse  # noqa: E402  (jobs/wheelhouse.py)
+from distrain.commands import wheelhouse  # noqa: E402  (jobs/wheelhouse.py)
 
 
 def test_platform_tags() -> None:
@@ -58,6 +56,18 @@ def test_bad_input_is_one_line(args: list[str], said: str, capsys: pytest.Captur
     assert wheelhouse.main(args) == 2
     err = capsys.readouterr().err
     assert said in err and err.count("\n") == 1, err
+
+
+def test_an_installed_distrain_sends_you_to_a_checkout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """distrain's own wheel is built from a checkout: an installed one (no pyproject.toml above its package, as in
+    site-packages) says so in one line before anything is built."""
+    monkeypatch.setattr(wheelhouse, "ROOT", tmp_path)
+    assert wheelhouse.main(["--out", str(tmp_path / "wheels")]) == 2
+    err = capsys.readouterr().err
+    assert "distrain's own wheel is built from a checkout" in err and err.count("\n") == 1, err
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_needed_follows_target_markers_and_leaves_torch_out() -> None:

@@ -1,8 +1,9 @@
 """Hydra's side of the command line: the schema's registration, the one `compose`, and the checks and
-rewrites `jobs/train.py` applies to its arguments before Hydra parses them.
+rewrites `distrain train` (jobs/train.py) applies to its arguments before Hydra parses them.
 
 `compose(overrides)` is the one way to build a config outside the entrypoint: tests and benchmarks
-get exactly the config `jobs/train.py` would train.
+get exactly the config `distrain train` would train. The presets are package data (CONF_DIR); a user's own
+are found in a directory given with Hydra's `--config-dir` (`config_dirs`), searched after the shipped ones.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from omegaconf import OmegaConf
 
 from distrain.config import TrainConfig
 
-CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"  # the presets, package data (the checkout's conf/ links here)
 SCHEMA = "train_schema"  # the name conf/train.yaml's defaults list gives TrainConfig
 # Command-line name → the field it sets.
 ALIASES = {"checkpoint.async": "checkpoint.async_save", "cluster.policy._target_": "cluster.policy"}
@@ -31,23 +32,53 @@ def register() -> None:
     ConfigStore.instance().store(name=SCHEMA, node=TrainConfig)
 
 
-def compose(overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
-    """The config `python jobs/train.py *overrides` trains, as a TrainConfig."""
+def compose(overrides: list[str] | tuple[str, ...] = (), config_dir: str | Path | None = None) -> TrainConfig:
+    """The config `distrain train [--config-dir config_dir] *overrides` trains, as a TrainConfig."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
     register()
+    dirs = config_dirs(["--config-dir", str(config_dir)]) if config_dir else (CONF_DIR,)
     overrides = spell_out(overrides)
-    check_overrides(overrides)
+    check_overrides(overrides, dirs)
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-        return OmegaConf.to_object(hydra_compose("train", overrides=overrides))
+        return OmegaConf.to_object(hydra_compose("train", overrides=[*overrides, *searchpath(dirs)]))
+
+
+def config_dirs(argv: list[str]) -> tuple[Path, ...]:
+    """Where the presets are, in Hydra's order: the shipped ones, then the user's `--config-dir` (Hydra searches
+    it after them, so a user's preset has a name of its own). A directory that is not there: one line."""
+    from hydra._internal.utils import get_args_parser
+
+    given = get_args_parser().parse_known_args(argv)[0].config_dir
+    if given is None:
+        return (CONF_DIR,)
+    if not Path(given).is_dir():
+        raise BadInput(f"--config-dir {given}: no such directory (it holds your presets, e.g. {given}/model/mine.yaml)")
+    return CONF_DIR, Path(given).resolve()
+
+
+def searchpath(dirs: tuple[Path, ...]) -> list[str]:
+    """The override that has Hydra's compose API search `dirs` beyond CONF_DIR, as `--config-dir` has hydra.main."""
+    extra = [f"'file://{d}'" for d in dirs if d != CONF_DIR]
+    return [f"hydra.searchpath=[{','.join(extra)}]"] if extra else []
+
+
+def is_group(key: str, dirs: tuple[Path, ...] = (CONF_DIR,)) -> bool:
+    """`key` names a config group (model, strategy, …) in one of the preset directories."""
+    return any((d / key).is_dir() for d in dirs)
+
+
+def options(group: str, dirs: tuple[Path, ...] = (CONF_DIR,)) -> list[str]:
+    """The presets of `group` in every preset directory, sorted."""
+    return sorted({p.stem for d in dirs for p in (d / group).glob("*.yaml")})
 
 
 class BadInput(ValueError):
     """An override naming a config-group option or key that does not exist, or a value of the wrong type."""
 
 
-def check_overrides(overrides: list[str] | tuple[str, ...], conf_dir: Path = CONF_DIR) -> None:
+def check_overrides(overrides: list[str] | tuple[str, ...], dirs: tuple[Path, ...] = (CONF_DIR,)) -> None:
     """Every override in one line each before Hydra reads them: a group option that exists, a key the
     schema has (with or without `+`; below a free-form dict such as cluster.env_vars, any key), and a
     value (each of a sweep's) of the key's type. Hydra would add an unknown `+key` silently and answer a
@@ -69,9 +100,9 @@ def check_overrides(overrides: list[str] | tuple[str, ...], conf_dir: Path = CON
         key = override.key_or_group
         if re.split(r"[./]", key)[0] == "hydra" or override.is_delete():
             continue  # Hydra's own settings: check_hydra_keys
-        values = sweep_values(override, conf_dir) if override.is_sweep_override() else [override.value()]
-        if (conf_dir / key).is_dir():
-            check_group_choice(key, values, override.input_line, conf_dir)
+        values = sweep_values(override, dirs) if override.is_sweep_override() else [override.value()]
+        if is_group(key, dirs):
+            check_group_choice(key, values, override.input_line, dirs)
             continue
         kind = field_type(key)
         if kind is None:
@@ -141,7 +172,7 @@ def check_hydra_keys(parsed: list) -> None:
                     raise BadInput(f"unknown key {override.key_or_group}; {hint}")
 
 
-def sweep_values(override: typing.Any, conf_dir: Path = CONF_DIR) -> list:
+def sweep_values(override: typing.Any, dirs: tuple[Path, ...] = (CONF_DIR,)) -> list:
     """What of a sweep can be checked before it runs: each value of a choice or a range, the options of
     its group a glob matches, an interval's bounds (a sampler such as Optuna's picks values between them)."""
     from hydra.core.override_parser.types import Glob, IntervalSweep
@@ -152,13 +183,12 @@ def sweep_values(override: typing.Any, conf_dir: Path = CONF_DIR) -> list:
             raise BadInput(f"{line}: an interval's start must be below its end")
         return [value.start, value.end]
     if isinstance(value, Glob):
-        group = conf_dir / override.key_or_group
-        if not group.is_dir():
+        if not is_group(override.key_or_group, dirs):
             raise BadInput(f"{line}: glob() sweeps the options of a config group, and {override.key_or_group} is none")
-        options = sorted(p.stem for p in group.glob("*.yaml"))
-        if not value.filter(options):
-            raise BadInput(f"{line} matches none of {override.key_or_group}'s options: {', '.join(options)}")
-        return value.filter(options)
+        known = options(override.key_or_group, dirs)
+        if not value.filter(known):
+            raise BadInput(f"{line} matches none of {override.key_or_group}'s options: {', '.join(known)}")
+        return value.filter(known)
     return list(override.sweep_iterator())
 
 
@@ -195,9 +225,8 @@ def unknown_key(key: str) -> str:
         key, keys, n=1, cutoff=0.6
     )
     meant = closest(key, keys) or next(iter(elsewhere), None)
-    return f"unknown key {key}; " + (
-        f"did you mean {meant}?" if meant else "`jobs/train.py --cfg job` prints every key"
-    )
+    hint = f"did you mean {meant}?" if meant else "`distrain train --cfg job` prints every key"
+    return f"unknown key {key}; {hint}"
 
 
 def closest(key: str, keys: list[str]) -> str | None:
@@ -215,16 +244,15 @@ def type_name(kind: typing.Any) -> str:
     return getattr(kind, "__name__", None) or str(kind).replace("typing.", "")
 
 
-def check_group_choice(group: str, choices: list, line: str, conf_dir: Path = CONF_DIR) -> None:
+def check_group_choice(group: str, choices: list, line: str, dirs: tuple[Path, ...] = (CONF_DIR,)) -> None:
     """`model=nope` in one line, before Hydra prints its page-long error."""
     for choice in choices:
-        if not (conf_dir / group / f"{choice}.yaml").exists():
-            known = sorted(p.stem for p in (conf_dir / group).glob("*.yaml"))
-            raise BadInput(f"unknown {group} {choice!r} ({line}); choose one of: {', '.join(known)}")
+        if not any((d / group / f"{choice}.yaml").exists() for d in dirs):
+            raise BadInput(f"unknown {group} {choice!r} ({line}); choose one of: {', '.join(options(group, dirs))}")
 
 
 def overrides_of(argv: list[str]) -> list[str]:
-    """The overrides among `jobs/train.py`'s arguments, without Hydra's flags (`--cfg job`, `-m`, ...)."""
+    """The overrides among `distrain train`'s arguments, without Hydra's flags (`--cfg job`, `-m`, ...)."""
     from hydra._internal.utils import get_args_parser
 
     return get_args_parser().parse_known_args(argv)[0].overrides
@@ -235,15 +263,17 @@ def check_flags(argv: list[str]) -> None:
     meant, instead of Hydra's usage page."""
     from hydra._internal.utils import get_args_parser
 
+    from distrain.commands import how
+
     unknown = [a for a in get_args_parser().parse_known_args(argv)[1] if a.startswith("-")]
     if not unknown:
         return
     arg = unknown[0]
     key, eq, value = arg.lstrip("-").partition("=")
-    if field_type(key) is not None or (CONF_DIR / key).is_dir():
+    if field_type(key) is not None or is_group(key):
         meant = f"{key}={value}" if eq else f"{key}=…"
         raise BadInput(f"{arg}: overrides take no dashes; write {meant}")
-    raise BadInput(f"{arg} is not an option: `jobs/train.py --help` lists the commands, and overrides are key=value")
+    raise BadInput(f"{arg} is not an option: `{how('train')} --help` lists the commands, and overrides are key=value")
 
 
 def plan_overrides(args: list[str]) -> list[str]:

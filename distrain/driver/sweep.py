@@ -84,11 +84,12 @@ def point_name(base: str, values: list[str], swept: set[str]) -> str:
     return "-".join([base, *(v.replace("=", "_").replace("/", "_") for v in values)])
 
 
-def check_points(overrides: list[str], swept: set[str]) -> list[str] | None:
+def check_points(overrides: list[str], swept: set[str], dirs: tuple[Path, ...] = ()) -> list[str] | None:
     """Validate every point of a sweep Hydra's basic sweeper runs, as `main` will train it (its run.name
     included), before any trains: BadInput naming the first point that cannot run and why. Returns the
     points checked, in the order they run (each as its swept values, `a=1 b=2`); None for a sweeper that
-    samples (hydra/sweeper=optuna), whose points are not known up front and are each checked as it comes."""
+    samples (hydra/sweeper=optuna), whose points are not known up front and are each checked as it comes.
+    `dirs`: the preset directories (cli.config_dirs; default the shipped ones)."""
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.errors import HydraException
     from omegaconf import OmegaConf
@@ -102,7 +103,7 @@ def check_points(overrides: list[str], swept: set[str]) -> list[str] | None:
         return None
     own = [o for o in overrides if not re.match(r"\+*hydra[./]", o)]  # Hydra's settings: its, not the config's
     checked = []
-    with PointComposer() as composer:
+    with PointComposer(dirs) as composer:
         try:
             (points,) = BasicSweeper.split_arguments(composer.parser.parse_overrides(own), None)
         except HydraException as e:  # interval(): only a sampler draws from it
@@ -125,20 +126,27 @@ def check_points(overrides: list[str], swept: set[str]) -> list[str] | None:
 class PointComposer:
     """Hydra's compose of `train` for many points, fast: the defaults list (the slow part, ~0.1 s) is
     composed once per distinct set of config-group choices, and the values are applied to a copy as
-    Hydra's own loader applies them (`_apply_overrides_to_config`), giving the config `compose` gives."""
+    Hydra's own loader applies them (`_apply_overrides_to_config`), giving the config `compose` gives.
+    `dirs`: the preset directories (cli.config_dirs), the shipped ones by default."""
+
+    def __init__(self, dirs: tuple[Path, ...] = ()) -> None:
+        from distrain.driver.cli import CONF_DIR
+
+        self.dirs = dirs or (CONF_DIR,)
 
     def __enter__(self) -> PointComposer:
         from hydra import initialize_config_dir
         from hydra.core.global_hydra import GlobalHydra
         from hydra.core.override_parser.overrides_parser import OverridesParser
 
-        from distrain.driver.cli import CONF_DIR, register
+        from distrain.driver.cli import CONF_DIR, register, searchpath
 
         register()
         self.context = initialize_config_dir(str(CONF_DIR), version_base="1.3")
         self.context.__enter__()
         self.parser = OverridesParser.create(config_loader=GlobalHydra.instance().config_loader())  # for glob()
         self.groups: dict[tuple[str, ...], typing.Any] = {}
+        self.searchpath = searchpath(self.dirs)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -149,13 +157,13 @@ class PointComposer:
         from hydra import compose
         from hydra._internal.config_loader_impl import ConfigLoaderImpl
 
-        from distrain.driver.cli import CONF_DIR
+        from distrain.driver.cli import is_group
 
         choices, values = [], []
         for o in self.parser.parse_overrides(overrides):
-            is_group = o.package is not None or (CONF_DIR / o.key_or_group).is_dir()
-            (choices if is_group else values).append(o)
-        key = tuple(o.input_line for o in choices)
+            group = o.package is not None or is_group(o.key_or_group, self.dirs)
+            (choices if group else values).append(o)
+        key = (*(o.input_line for o in choices), *self.searchpath)
         if key not in self.groups:
             self.groups[key] = compose("train", overrides=list(key))
         cfg = copy.deepcopy(self.groups[key])

@@ -31,7 +31,6 @@ from distrain.ps.job import ServerJob, WorkerJob
 from distrain.ps.metrics import StepLog
 from distrain.ps.server_group import ServerGroup
 from distrain.storage import checkpoint
-from distrain.storage.fsutil import write_json
 from distrain.storage.record_sync import record_sync
 from distrain.storage.tracking import TRACKER_FILES, Tracker, run_results
 from distrain.strategy.layout import Layout
@@ -215,8 +214,7 @@ class ParameterServerEngine:
             "wandb_run_id": self.tracker.wandb_run_id if self.tracker else self.wandb_run_id,
             "ps": {"applied": applied, "records": self.log.unwritten(step, applied)},
         }
-        write_json(staging / checkpoint.META_FILE, meta)
-        size = (staging / checkpoint.META_FILE).stat().st_size
+        size = checkpoint.write_meta(staging, meta)
         staging.rename(checkpoint.prepare(self.root, step))
         self.staged = None
         checkpoint.commit(

@@ -206,6 +206,15 @@ def prune(root: str | Path, keep: int, committed: int | None = None) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
+def write_meta(path: str | Path, meta: dict) -> int:
+    """A checkpoint's meta.json, with the distrain version that wrote it (what a later release reading it may need
+    to know); its size in bytes."""
+    from distrain import __version__
+
+    write_json(Path(path) / META_FILE, {**meta, "distrain_version": __version__})
+    return (Path(path) / META_FILE).stat().st_size
+
+
 def read_meta(path: str | Path) -> dict:
     """The run's metadata of a checkpoint (step, world size, data position, config, W&B id)."""
     return json.loads((Path(path) / META_FILE).read_text())

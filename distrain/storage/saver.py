@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from distrain.storage import checkpoint, integrity
-from distrain.storage.fsutil import atomic_write, write_json
+from distrain.storage.fsutil import atomic_write
 from distrain.storage.safeload import refuse_unplain
 
 
@@ -72,7 +72,7 @@ class Saver:
         torch.save(rank_state, buf)
         atomic_write(path / checkpoint.rank_file(rank), buf.getvalue())
         if rank == 0:
-            write_json(path / checkpoint.META_FILE, meta)
+            checkpoint.write_meta(path, meta)
         if not self.background:
             dcp.save(state, checkpoint_id=str(path), process_group=self.group)
             self._commit(path, step, None, start)

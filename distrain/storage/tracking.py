@@ -185,7 +185,10 @@ def run_results(
 
 
 def write_summary(run_dir: str, summary: dict) -> None:
-    write_json(Path(run_dir) / SUMMARY_FILE, summary)
+    """summary.json, with the distrain version that trained the run (an installed command and a checkout can differ)."""
+    from distrain import __version__
+
+    write_json(Path(run_dir) / SUMMARY_FILE, {**summary, "distrain_version": __version__})
 
 
 def read_metrics(run_dir: str) -> list[dict]:
