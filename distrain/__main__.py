@@ -2,4 +2,5 @@
 
 from distrain.commands import script
 
-script()
+if __name__ == "__main__":  # not when a walk over the package imports every module
+    script()

@@ -496,6 +496,13 @@ MUTANTS = (
         ("tests/test_package.py::test_the_wheel_installs_and_composes_outside_the_checkout",),
     ),
     Mutant(
+        "checkpoint-without-the-version",
+        "distrain/storage/checkpoint.py",
+        '{**meta, "distrain_version": __version__}',
+        "meta",
+        ("tests/test_package.py::test_ray_job_submit_installs_the_wheel_and_trains",),
+    ),
+    Mutant(
         "summary-without-the-version",
         "distrain/storage/tracking.py",
         '{**summary, "distrain_version": __version__}',

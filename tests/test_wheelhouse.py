@@ -167,8 +167,9 @@ def test_offline_install(tmp_path: Path) -> None:
         site.mkdir()
         link_torch(site)
         (next(venv.glob("lib/python3.*/site-packages")) / "node_torch.pth").write_text(f"{site}\n")
-        # no pip configuration, and the folder as the only find-links: pip may look nowhere else
-        offline = {"PIP_CONFIG_FILE": os.devnull, "PIP_FIND_LINKS": str(out)}
+        # no pip configuration, and the folder as the only find-links: pip may look nowhere else; no PYTHONPATH (a
+        # checkout's distrain.egg-info there is taken for distrain installed, and pip installs nothing)
+        offline = {"PIP_CONFIG_FILE": os.devnull, "PIP_FIND_LINKS": str(out), "PYTHONPATH": ""}
         done = processes.run_command([str(python), *shlex.split(line)[1:]], tmp_path / "install.log", 240, offline)
         assert done.rc == 0, done.tail()
 
