@@ -467,6 +467,34 @@ MUTANTS = (
         "return grad, torch.full_like(loss, -AuxLoss.scale)",
         ("tests/test_moe_balance.py::test_balancing_lowers_the_load_imbalance",),
     ),
+    Mutant(
+        "moe-tp-router-split-like-a-dense-mlp",
+        "distrain/model/moe.py",
+        '        f"{name}.router": Replicated(),',
+        '        f"{name}.router": ColwiseParallel(),',
+        ("tests/test_moe.py::test_moe_trains_as_one_process[aux-tp2]",),
+    ),
+    Mutant(
+        "moe-tp-output-summed-over-tp",
+        "distrain/model/moe.py",
+        "            output_layouts=(Replicate(),),",
+        '            output_layouts=(__import__("torch.distributed.tensor").distributed.tensor.Partial(),),',
+        ("tests/test_moe.py::test_moe_trains_as_one_process[aux-tp2]",),
+    ),
+    Mutant(
+        "tpep-experts-replicated-by-fsdp2",
+        "distrain/parallel/data_parallel.py",
+        "    return apply_replicate(model, mesh, on.bf16, set(own))",
+        "    return apply_replicate(model, mesh, on.bf16)",
+        ("tests/test_moe.py::test_moe_trains_as_one_process[bias-tpep2]",),
+    ),
+    Mutant(
+        "moe-tp-shared-width-unchecked",
+        "distrain/strategy/tensor_parallel.py",
+        "    if m.moe.num_experts and m.moe.shared_experts:",
+        "    if False:",
+        ("tests/test_moe.py::test_a_moe_setting_that_cannot_work_is_refused_in_one_line",),
+    ),
 )
 
 

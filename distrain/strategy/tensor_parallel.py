@@ -77,6 +77,8 @@ def validate(cfg: TrainConfig) -> None:
         return
     sizes = {"n_heads": m.n_heads, "n_kv_heads": m.n_kv_heads or m.n_heads, "ffn_dim": m.ffn_dim}
     sizes["vocab_size"] = m.vocab_size
+    if m.moe.num_experts and m.moe.shared_experts:  # split as a dense MLP; the routed experts stay whole
+        sizes["moe.shared_experts × expert_dim"] = m.moe.shared_experts * (m.moe.expert_dim or m.ffn_dim)
     for key, v in sizes.items():
         require(v % s.tp == 0, f"strategy.tp={s.tp} does not divide model.{key}={v}; choose a tp that divides it")
     require(
