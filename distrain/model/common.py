@@ -155,7 +155,9 @@ def megatron_plan(
     and embedding are both split over the vocabulary (Shard(0)). The head's logits stay sharded over
     the vocabulary when `loss_parallel`. `attention_args`: arguments the attention takes after x
     (llama's rotary tables); `feed_forward`: each block's feed-forward plan (the moe family's experts
-    have their own). Parts a pipeline stage dropped are left out."""
+    have their own). Parts a pipeline stage dropped are left out. Per-head norms of Q and K (model.qk_norm)
+    see the heads of their rank: SequenceParallel over the heads' dim (2 of (b, t, heads, d)) keeps their
+    gains whole and sums the gains' gradients over the tensor-parallel ranks, as it does the other norms'."""
     plan: dict[str, ParallelStyle] = {}
     for name in ("tok_embeddings", "pos_embeddings"):
         if getattr(model, name, None) is not None:
@@ -181,5 +183,8 @@ def megatron_plan(
             f"{prefix}.attention.wo": RowwiseParallel(output_layouts=Shard(1)),
             f"{prefix}.ffn_norm": SequenceParallel(),
         }
+        if getattr(block.attention, "q_norm", None) is not None:  # model.qk_norm: gains copied, the heads split
+            per_head = SequenceParallel(sequence_dim=2, use_local_output=True)
+            plan |= {f"{prefix}.attention.q_norm": per_head, f"{prefix}.attention.k_norm": per_head}
         plan |= feed_forward(f"{prefix}.feed_forward", block.feed_forward)
     return plan

@@ -106,7 +106,7 @@ def _validate_grid(cfg: TrainConfig) -> None:
     )
     require(s.offload == "none", f"{mode} does not support strategy.offload={s.offload}; set it to none")
     require(not s.compile, f"{mode} does not support strategy.compile=true; set it to false")
-    head_dim, kv = m.dim // m.n_heads, m.n_kv_heads or m.n_heads
+    head_dim, kv = m.head_width(), m.n_kv_heads or m.n_heads
     split = q * q if s.tp_mode == "3d" else q  # 3-D splits a weight's output features over two axes
     features = {"dim": m.dim, "ffn_dim": m.ffn_dim, "vocab_size": m.vocab_size}
     features |= {"n_heads × head_dim": m.n_heads * head_dim, "n_kv_heads × head_dim": kv * head_dim}
