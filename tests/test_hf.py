@@ -21,7 +21,7 @@ from distrain.data.tokenizer import run_tokenizer
 from distrain.driver.launch import train
 from distrain.driver.trained import load_trained
 from distrain.model.contract import fill_parameters
-from distrain.model.hf import hf_weights, resolve_init_from
+from distrain.model.hf import hf_config, hf_weights, resolve_init_from, to_hf
 from distrain.model.registry import build_model
 
 transformers = pytest.importorskip("transformers")
@@ -103,14 +103,24 @@ def test_import_matches_transformers(name: str, files: str, tmp_path: Path):
     with torch.no_grad():
         got, want = model(x), reference(x).logits
     assert (got - want).abs().max() <= TOL
-    if files == "sharded":  # and the greedy continuation of a prompt, token for token
-        sys.path.insert(0, str(REPO / "jobs"))
-        from generate import sample
+    if files != "sharded":
+        return
+    from safetensors.torch import save_file
 
-        reference.generation_config.eos_token_id = None
-        prompt = x[:1, :4]
-        theirs = reference.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0)[0].tolist()
-        assert sample(model, prompt[0].tolist(), 12, cfg.trainer.seq_len) == theirs
+    sys.path.insert(0, str(REPO / "jobs"))
+    from generate import sample
+
+    reference.generation_config.eos_token_id = None  # the greedy continuation of a prompt, token for token
+    prompt = x[:1, :4]
+    theirs = reference.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0)[0].tolist()
+    assert sample(model, prompt[0].tolist(), 12, cfg.trainer.seq_len) == theirs
+    # Back out as jobs/export.py writes it (hf_config, to_hf): transformers reads the model it was given.
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps(hf_config(cfg.model, cfg.trainer.seq_len)))
+    save_file(to_hf(model.state_dict(), cfg.model), str(out / "model.safetensors"), metadata={"format": "pt"})
+    with torch.no_grad():
+        assert (transformers.AutoModelForCausalLM.from_pretrained(out).eval()(x).logits - want).abs().max() <= TOL
 
 
 def hf_dir(tmp_path: Path, config: dict | str) -> Path:
@@ -320,7 +330,6 @@ def test_a_model_transformers_cannot_hold_is_refused_by_name():
     Mixtral's cannot compute, a shared expert Qwen3-MoE lacks, per-head norms in a GPT-2, and a model of the user's
     own, which has no Hugging Face class at all."""
     from distrain.config import ModelConfig, MoEConfig
-    from distrain.model.hf import hf_config
 
     shape = dict(dim=64, n_layers=1, n_heads=4, ffn_dim=128, vocab_size=256, n_positions=64)
     gqa = ModelConfig(_target_="distrain.model.gpt2.GPT2", name="g", n_kv_heads=2, **shape)
