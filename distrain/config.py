@@ -67,6 +67,8 @@ class ModelConfig:
     n_heads: int = MISSING
     ffn_dim: int = MISSING
     n_kv_heads: int | None = None  # None: as many as n_heads (no grouped-query attention)
+    head_dim: int | None = None  # each attention head's width; None: dim / n_heads (Qwen3 sets its own)
+    qk_norm: bool = False  # each head's Q and K RMS-normed over head_dim before the rotation (Qwen3)
     vocab_size: int = 256  # byte-level tokens
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
@@ -76,6 +78,10 @@ class ModelConfig:
     # A Hugging Face model directory (config.json + safetensors): the model's shape and first weights come from it.
     init_from: str | None = None
     moe: MoEConfig = field(default_factory=MoEConfig)  # the moe family's experts (model=moe_nano)
+
+    def head_width(self) -> int:
+        """Each attention head's width: model.head_dim, else dim / n_heads."""
+        return self.dim // self.n_heads if self.head_dim is None else self.head_dim
 
 
 @dataclass

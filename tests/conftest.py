@@ -3,6 +3,7 @@ composed as `jobs/train.py` composes them."""
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import random
@@ -163,29 +164,70 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_xdist_make_scheduler(config, log):  # noqa: ANN001, ANN201
-    """`make test` runs the suite in two streams (pytest-xdist, `-n 2`): every module that uses the session's Ray
+    """`make test` runs the suite in two streams (pytest-xdist, `-n 2`): every test that uses the session's Ray
     cluster in one, in file order (so one module's warm workers serve the next, and one cluster serves them all),
-    and each other module, whole (its fixtures set up once), beside it. Alone, the cluster's stream keeps 2 cores
-    about two-thirds busy; the rest (parsing, planning, the journeys run as subprocesses) fills the other third."""
+    and each module's other tests, together (their fixtures set up once), beside it. Alone, the cluster's stream
+    keeps 2 cores about two-thirds busy; the rest (parsing, planning, the journeys run as subprocesses) fills the
+    other third."""
     from xdist.scheduler import LoadScopeScheduling
 
-    on_cluster = _modules_on_the_cluster()
+    on_cluster = _tests_on_the_cluster()
 
     class TwoStreams(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            module = nodeid.split("::", 1)[0]
-            return "the cluster" if module.rsplit("/", 1)[-1] in on_cluster else module
+            path, _, test = nodeid.partition("::")
+            module, name = path.rsplit("/", 1)[-1], re.split(r"[\[:]", test, maxsplit=1)[0]
+            return "the cluster" if name in on_cluster.get(module, ()) else path
 
     return TwoStreams(config, log)
 
 
-def _modules_on_the_cluster() -> set[str]:
-    """The test modules that name the session's cluster or a fixture of this file that takes it (xdist's
-    controller schedules by node ids alone, before any fixture is resolved)."""
+def _tests_on_the_cluster() -> dict[str, set[str]]:
+    """Per test module, the tests (functions, classes) that run in the cluster's stream: those that take the
+    session's cluster or a fixture that takes it (as an argument or by `usefixtures`, theirs or the module's), and
+    any that takes a fixture of its module's own (set up once per module and stream: split over both streams, it
+    would be built twice). Read from the source: xdist's controller schedules by node ids alone, before any fixture
+    is resolved."""
     here = Path(__file__).read_text()
-    names = {"ray_cluster", *re.findall(r"^def (\w+)\([^)]*\bray_cluster\b", here, flags=re.M)}
-    uses = re.compile(rf"\b({'|'.join(names)})\b")
-    return {p.name for p in Path(__file__).parent.glob("test_*.py") if uses.search(p.read_text())}
+    cluster = {"ray_cluster", *re.findall(r"^def (\w+)\([^)]*\bray_cluster\b", here, flags=re.M)}
+    found = {}
+    for path in Path(__file__).parent.glob("test_*.py"):
+        body = ast.parse(path.read_text()).body
+        marks = {c.value for n in body if isinstance(n, ast.Assign) for c in ast.walk(n) if isinstance(c, ast.Constant)}
+        fixtures = {n.name: _takes(n) for n in body if isinstance(n, ast.FunctionDef) and _is_fixture(n)}
+        whole = bool(marks & cluster) or any("autouse=True" in ast.unparse(d) for n in body for d in _decorators(n))
+        tests = {
+            n.name: n
+            for n in body
+            if isinstance(n, ast.FunctionDef | ast.ClassDef) and n.name.startswith(("test", "Test"))
+        }
+        on = {
+            name
+            for name, node in tests.items()
+            if whole or isinstance(node, ast.ClassDef) or _takes(node) & (cluster | set(fixtures))
+        }
+        if (
+            whole
+            or any(takes & cluster for takes in fixtures.values())
+            or any(_takes(n) & cluster for n in tests.values())
+        ):
+            found[path.name] = on
+    return found
+
+
+def _decorators(node: ast.stmt) -> list[ast.expr]:
+    return getattr(node, "decorator_list", [])
+
+
+def _is_fixture(node: ast.FunctionDef) -> bool:
+    return any("fixture" in ast.unparse(d) for d in node.decorator_list)
+
+
+def _takes(node: ast.FunctionDef | ast.ClassDef) -> set[str]:
+    """The fixtures a test or fixture asks for: its arguments and the names its `usefixtures` marks give."""
+    args = {a.arg for a in node.args.args} if isinstance(node, ast.FunctionDef) else set()
+    marked = [d for d in node.decorator_list if "usefixtures" in ast.unparse(d)]
+    return args | {c.value for d in marked for c in ast.walk(d) if isinstance(c, ast.Constant)}
 
 
 @pytest.hookimpl(wrapper=True)

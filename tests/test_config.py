@@ -146,6 +146,15 @@ def test_validate_names_the_key(tmp_path: Path, overrides: list[str], key: str):
 # Each refusal of validation that no other test made fire (tests/checks.txt), with its own words.
 REFUSALS = {
     "head dim odd (rotary)": (["model.dim=30", "model.n_heads=2"], "model.dim / model.n_heads = 15 must be even"),
+    "head_dim odd (rotary)": (["model.head_dim=15"], "model.head_dim=15 must be even and positive (rotary)"),
+    "qk norm in gpt2": (
+        ["model=gpt2_nano", "model.qk_norm=true"],
+        "model.head_dim=None model.qk_norm=True: the family distrain.model.gpt2.GPT2 has neither",
+    ),
+    "qk norm on the grid": (
+        ["model.qk_norm=true", "strategy=tp2d", "cluster.num_workers=4"],
+        "tie_embeddings=False, qk_norm=True) has no plan for it; use strategy.tp_mode=1d",
+    ),
     "kv heads": (["model.n_heads=4", "model.n_kv_heads=3"], "model.n_kv_heads=3 must divide model.n_heads=4"),
     "vocab": (["model.vocab_size=100"], "model.vocab_size=100: byte tokens need at least 256"),
     "positions over tp": (

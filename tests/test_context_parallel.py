@@ -1,8 +1,9 @@
 """Context parallelism (distrain/parallel/context_parallel.py, ring_attention.py): 10 steps of every layout
 below, on 4 gloo ranks in one spawn, give the loss and gradient norm of the same 10 steps in one process to
-1e-4 (Llama with grouped-query attention and GPT-2 with learned positions; ring and all-to-all; alone, beside
-data parallelism (DDP, FSDP2 over dp_shard × cp), tensor and pipeline parallelism). The same spawn counts what
-a rank sends per layer and what it keeps for the backward, against theory and the plan."""
+1e-4 (Llama with grouped-query attention, with Qwen3's attention too, and GPT-2 with learned positions; ring and
+all-to-all; alone, beside data parallelism (DDP, FSDP2 over dp_shard × cp), tensor and pipeline parallelism).
+The same spawn counts what a rank sends per layer and what it keeps for the backward, against theory and the
+plan."""
 
 from __future__ import annotations
 
@@ -16,6 +17,9 @@ WORLD = 4
 STEPS = 10
 TOL = 1e-4
 LLAMA = ("model.n_heads=4", "model.n_kv_heads=2")  # grouped-query: K/V heads travel, each serving two
+# Qwen3's attention: heads 24 wide (not dim / n_heads = 32), each head's Q and K RMS-normed (their gains copied on
+# the tensor-parallel ranks, which hold different heads: the gains' gradients summed over them)
+QWEN3 = (*LLAMA, "model.qk_norm=true", "model.head_dim=24")
 GPT2 = ("model=gpt2_nano", "model.dim=32", "model.n_layers=2", "model.n_heads=4", "model.ffn_dim=64")
 CASES = {
     # id: (model, strategy overrides); every case on 4 ranks
@@ -26,6 +30,7 @@ CASES = {
     "dp2_cp2_alltoall_llama": (LLAMA, ("strategy.cp=2", "strategy.cp_mode=alltoall")),
     "zero3_dp2_cp2_ring_llama": (LLAMA, ("strategy=zero3", "strategy.cp=2")),
     "cp2_tp2_ring_llama": (LLAMA, ("strategy=tp", "strategy.cp=2")),
+    "cp2_tp2_ring_qwen3": (QWEN3, ("strategy=tp", "strategy.cp=2")),
     "cp2_tp2_alltoall_gpt2": (GPT2, ("strategy=tp", "strategy.cp=2", "strategy.cp_mode=alltoall")),
     "cp2_pp2_ring_gpt2": (GPT2, ("strategy=pp", "strategy.cp=2")),
 }

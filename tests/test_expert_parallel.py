@@ -33,7 +33,6 @@ OVERRIDES = (
     [
         (["strategy.ep=0"], "strategy.ep=0: must be at least 1"),
         (["strategy.ep=4"], "gradient group (dp_replicate × dp_shard × cp = 2), which it does not divide"),
-        (["strategy=tp", "cluster.num_workers=4", "strategy.ep=2"], "does not combine with strategy.tp=2"),
         (["strategy=pp", "cluster.num_workers=4", "strategy.ep=2"], "strategy.pp=2 yet"),
         (["model=nano", "strategy.ep=2"], "strategy.ep=2 splits a mixture of experts, but model.moe.num_experts=0"),
         (["model.moe.num_experts=6", "cluster.num_workers=4", "strategy.ep=4"], "does not divide model.moe.num"),
@@ -74,6 +73,23 @@ def test_expert_parallelism_borrows_consecutive_ranks_of_the_gradient_group(tmp_
         (rank_memory(cfg, without, 0, "fp32"), 294_912),
     ):
         assert estimate.params == 4 * (25_248 + experts) and estimate.optimizer == 2 * estimate.params
+
+
+@pytest.mark.timeout(60)
+def test_under_tensor_parallelism_each_tp_index_has_ep_groups_of_its_own(tmp_path):
+    """tp 2 × ep 2 on 4 (dp 2, which ep borrows): ranks 0 and 1 (one tp group) hold the first half of the experts,
+    2 and 3 the second; --plan says the tp ranks route the same tokens; the memory estimate keeps the experts and
+    routers whole over tp (each rank half the experts by ep), the other matrices split by tp."""
+    from distrain.driver.plan import describe, rank_memory
+
+    cfg = make_config(tmp_path, "model=moe_nano", "cluster.num_workers=4", "strategy.tp=2", "strategy.ep=2")
+    layout = validate(cfg)
+    assert [layout.expert_rank(r) for r in range(4)] == [0, 0, 1, 1]
+    assert "the tp=2 ranks of a group route the same tokens" in describe(cfg, layout, None)
+    # of the 25,248 others: 24,576 in matrices (split by tp), the norms' 160, the routers' 2 · 32 · 8 whole
+    assert rank_memory(cfg, layout, 0, "fp32").params == 4 * (24_576 // 2 + 160 + 512 + 294_912 // 2)
+    tp_alone = make_config(tmp_path, "model=moe_nano", "cluster.num_workers=4", "strategy.tp=2")
+    assert rank_memory(tp_alone, validate(tp_alone), 0, "fp32").params == 4 * (24_576 // 2 + 160 + 512 + 294_912)
 
 
 def one_step(rank: int, port: int, plain: dict, layout_dict: dict, out: str) -> None:

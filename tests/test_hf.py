@@ -1,7 +1,7 @@
 """Hugging Face interop checked against `transformers` itself: tiny random models built locally (no
 download), imported into distrain with model.init_from; distrain runs trained under TP and FSDP (a mixture of
-experts under expert parallelism), exported, and loaded by `transformers`. Logits agree to 1e-5 in fp32 on the
-same tokens, both ways, every family."""
+experts under expert parallelism, as Mixtral and as Qwen3-MoE), exported, and loaded by `transformers`. Logits
+agree to 1e-5 in fp32 on the same tokens, both ways, every family; greedy continuations are the same tokens."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from distrain.data.tokenizer import run_tokenizer
 from distrain.driver.launch import train
 from distrain.driver.trained import load_trained
 from distrain.model.contract import fill_parameters
-from distrain.model.hf import hf_weights, resolve_init_from
+from distrain.model.hf import hf_config, hf_weights, resolve_init_from, to_hf
 from distrain.model.registry import build_model
 
 transformers = pytest.importorskip("transformers")
@@ -44,6 +44,18 @@ HF_MODELS = {
         vocab_size=256, hidden_size=64, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, initializer_range=INIT,
     ),
+    # Qwen3: per-head norms of Q and K, heads wider than hidden_size / heads (16, not 8), a tied head
+    "qwen3": lambda: transformers.Qwen3Config(
+        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, initializer_range=INIT, tie_word_embeddings=True,
+    ),
+    # Qwen3-MoE: its own head width, block 0 dense (mlp_only_layers) and its MLP wider than the experts, the
+    # chosen experts' weights not renormalised (norm_topk_prob)
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=24, num_experts=4, num_experts_per_tok=2,
+        norm_topk_prob=False, mlp_only_layers=[0], initializer_range=INIT,
+    ),
     "gpt2": lambda: transformers.GPT2Config(
         vocab_size=256, n_embd=32, n_layer=2, n_head=2, n_positions=64, initializer_range=INIT,
         bos_token_id=None, eos_token_id=None,
@@ -59,6 +71,10 @@ def save_hf_model(name: str, directory: Path, files: str = "sharded") -> transfo
 
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(HF_MODELS[name]()).eval()
+    with torch.no_grad():  # norms' gains drawn too (transformers sets them to 1): a misplaced gain shows
+        for key, p in model.named_parameters():
+            if "norm" in key:
+                p.normal_(1.0, 0.5)
     model.save_pretrained(directory, max_shard_size="40KB" if files == "sharded" else "1GB")
     if files == "bare":
         weights = load_file(directory / "model.safetensors")
@@ -87,6 +103,23 @@ def test_import_matches_transformers(name: str, files: str, tmp_path: Path):
     with torch.no_grad():
         got, want = model(x), reference(x).logits
     assert (got - want).abs().max() <= TOL
+    if files != "sharded":
+        return
+    from safetensors.torch import save_file
+
+    from distrain.commands.generate import sample
+
+    reference.generation_config.eos_token_id = None  # the greedy continuation of a prompt, token for token
+    prompt = x[:1, :4]
+    theirs = reference.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0)[0].tolist()
+    assert sample(model, prompt[0].tolist(), 12, cfg.trainer.seq_len) == theirs
+    # Back out as jobs/export.py writes it (hf_config, to_hf): transformers reads the model it was given.
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps(hf_config(cfg.model, cfg.trainer.seq_len)))
+    save_file(to_hf(model.state_dict(), cfg.model), str(out / "model.safetensors"), metadata={"format": "pt"})
+    with torch.no_grad():
+        assert (transformers.AutoModelForCausalLM.from_pretrained(out).eval()(x).logits - want).abs().max() <= TOL
 
 
 def hf_dir(tmp_path: Path, config: dict | str) -> Path:
@@ -101,6 +134,9 @@ LLAMA = {"architectures": ["LlamaForCausalLM"], "hidden_size": 32, "num_attentio
 LLAMA |= {"num_hidden_layers": 2, "intermediate_size": 64, "vocab_size": 256}
 GPT2 = {"architectures": ["GPT2LMHeadModel"], "n_embd": 32, "n_head": 2, "n_layer": 2, "n_positions": 64}
 GPT2 |= {"vocab_size": 256}
+QWEN3 = {**LLAMA, "architectures": ["Qwen3ForCausalLM"], "head_dim": 8}
+QWEN3_MOE = {**QWEN3, "architectures": ["Qwen3MoeForCausalLM"], "num_hidden_layers": 4, "num_experts": 4}
+QWEN3_MOE |= {"num_experts_per_tok": 2, "moe_intermediate_size": 16, "mlp_only_layers": []}
 
 
 @pytest.mark.parametrize(
@@ -111,7 +147,10 @@ GPT2 |= {"vocab_size": 256}
         ({**LLAMA, "rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0}}, "rope_parameters"),
         ({**LLAMA, "attention_bias": True}, "attention_bias"),
         ({**LLAMA, "mlp_bias": True}, "mlp_bias"),
-        ({**LLAMA, "head_dim": 8}, "head_dim"),
+        ({**QWEN3_MOE, "mlp_only_layers": [1]}, "mlp_only_layers"),  # block 1 dense after block 0's experts
+        ({**QWEN3_MOE, "decoder_sparse_step": 2, "mlp_only_layers": [3]}, "mlp_only_layers"),  # 3 after 1
+        ({**QWEN3, "use_sliding_window": True}, "use_sliding_window"),
+        ({**QWEN3, "layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
         ({**LLAMA, "hidden_act": "gelu"}, "hidden_act"),
         ({**GPT2, "activation_function": "relu"}, "activation_function"),
         ({**GPT2, "scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx"),
@@ -170,27 +209,43 @@ def test_trained_run_exports_to_transformers(family: str, strategy: str, ray_clu
         export(cfg.run_dir, out)
 
 
+# A mixture of experts trained under expert parallelism, and the counterpart it exports to.
+EXPORTED_MOE = {
+    "mixtral": ([], "MixtralForCausalLM"),
+    # Qwen3's attention (per-head norms of Q and K, heads 48 wide where dim / n_heads is 16); of 4 blocks, experts
+    # in block 3 only (every 2nd from block 2: decoder_sparse_step 2, mlp_only_layers [0, 1]), the others an MLP;
+    # the chosen experts' weights not renormalised
+    "qwen3_moe": (
+        ["model.qk_norm=true", "model.head_dim=48", "model.n_layers=4", "model.moe.every=2",
+         "model.moe.first_dense=2", "model.moe.normalize=false"],
+        "Qwen3MoeForCausalLM",
+    ),
+}  # fmt: skip
+
+
 @pytest.mark.timeout(300)
-def test_an_expert_parallel_run_exports_to_mixtral_and_decodes_as_transformers_does(ray_cluster, tmp_path: Path):
-    """Trained with its 4 experts split over 2 ranks; transformers' Mixtral gives the same logits, and its greedy
-    continuation is jobs/generate.py's."""
+@pytest.mark.parametrize("name", EXPORTED_MOE)
+def test_an_expert_parallel_run_exports_and_decodes_as_transformers_does(name: str, ray_cluster, tmp_path: Path):
+    """Trained with its 4 experts split over 2 ranks; transformers' Mixtral (Qwen3-MoE) gives the same logits, and
+    its greedy continuation is jobs/generate.py's."""
     from distrain.commands.export import export
     from distrain.commands.generate import generate
 
+    overrides, architecture = EXPORTED_MOE[name]
     cfg = make_config(
-        tmp_path, "run.name=mixtral", "model=moe_nano", "model.moe.num_experts=4", "model.moe.expert_dim=48",
-        "cluster.num_workers=2", "strategy.ep=2", "trainer.max_steps=12",
+        tmp_path, f"run.name={name}", "model=moe_nano", "model.moe.num_experts=4", "model.moe.expert_dim=48",
+        "cluster.num_workers=2", "strategy.ep=2", "trainer.max_steps=12", *overrides,
     )  # fmt: skip
     assert train(cfg)["status"] == "completed"
     out, _ = export(cfg.run_dir, tmp_path / "export")
-    assert json.loads((out / "config.json").read_text())["architectures"] == ["MixtralForCausalLM"]
+    assert json.loads((out / "config.json").read_text())["architectures"] == [architecture]
     _, ours = load_trained(cfg.run_dir)
     theirs = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     with torch.no_grad():
         assert (
             ours(tokens(seq_len=cfg.trainer.seq_len)) - theirs(tokens(seq_len=cfg.trainer.seq_len)).logits
         ).abs().max() <= TOL
-    args = {"run.storage": cfg.run.storage, "run.name": "mixtral", "prompt": "def ", "temperature": 0.0, "top_k": 0}
+    args = {"run.storage": cfg.run.storage, "run.name": name, "prompt": "def ", "temperature": 0.0, "top_k": 0}
     text = generate(args | {"max_new_tokens": 16, "device": "cpu", "seed": 0, "step": None})
     tokenizer = run_tokenizer(cfg)
     prompt = torch.tensor([tokenizer.encode("def ")])
@@ -267,9 +322,9 @@ def test_bpe_run_exports_its_tokenizer(ray_cluster, tmp_path: Path):
 
 def test_a_model_transformers_cannot_hold_is_refused_by_name():
     """Export refuses before writing: grouped-query attention in a GPT-2 (Hugging Face's has none), a router
-    Mixtral's cannot compute, and a model of the user's own, which has no Hugging Face class at all."""
+    Mixtral's cannot compute, a shared expert Qwen3-MoE lacks, per-head norms in a GPT-2, and a model of the user's
+    own, which has no Hugging Face class at all."""
     from distrain.config import ModelConfig, MoEConfig
-    from distrain.model.hf import hf_config
 
     shape = dict(dim=64, n_layers=1, n_heads=4, ffn_dim=128, vocab_size=256, n_positions=64)
     gqa = ModelConfig(_target_="distrain.model.gpt2.GPT2", name="g", n_kv_heads=2, **shape)
@@ -280,6 +335,15 @@ def test_a_model_transformers_cannot_hold_is_refused_by_name():
     )
     with pytest.raises(ConfigError, match="model.moe.score=sigmoid: Mixtral's router is a softmax"):
         hf_config(sigmoid, 64)
+    shared = ModelConfig(
+        _target_="distrain.model.moe.MoETransformer", name="q", qk_norm=True, moe=MoEConfig(4, shared_experts=1),
+        **shape,
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match="model.moe.shared_experts=1: Qwen3-MoE has no shared expert"):
+        hf_config(shared, 64)
+    qk_norm = ModelConfig(_target_="distrain.model.gpt2.GPT2", name="g", qk_norm=True, **shape)
+    with pytest.raises(ConfigError, match="distrain.model.gpt2.GPT2 has no Hugging Face counterpart with model.qk_n"):
+        hf_config(qk_norm, 64)
     own = ModelConfig(_target_="dropout_model.DropoutLlama", name="d", **shape)
     with pytest.raises(ConfigError, match="model._target_=dropout_model.DropoutLlama has no Hugging Face counterpart"):
         hf_config(own, 64)

@@ -17,6 +17,9 @@ from distrain.model.size import _counted_parts, flops_per_token, num_params, par
 
 # The moe family's experts in every block, a shared one beside them (the other families ignore model.moe).
 EXPERTS = MoEConfig(num_experts=4, top_k=2, expert_dim=24, shared_experts=1)
+# Qwen3's attention where the family has it: heads 24 wide (not dim / n_heads), per-head norms of Q and K.
+HEADS = {"plain": {}, "qwen3": {"head_dim": 24, "qk_norm": True}}
+WITH_HEADS = [(t, h) for t, family in FAMILIES.items() for h in HEADS if h == "plain" or family.head_options]
 
 
 def conf_models() -> list[ModelConfig]:
@@ -33,15 +36,17 @@ def test_num_params_matches_the_built_model(cfg: ModelConfig):
     assert num_params(cfg, 16) == sum(p.numel() for p in model.parameters())
 
 
-@pytest.mark.parametrize("target", FAMILIES)
+@pytest.mark.parametrize(("target", "heads"), WITH_HEADS)
 @pytest.mark.parametrize("tied", [False, True])
-def test_a_family_record_matches_its_built_model(target: str, tied: bool):
+def test_a_family_record_matches_its_built_model(target: str, heads: str, tied: bool):
     """Every registered family's record (families/) says what the built model has: its parameter
     count, its pipeline parts, its tensor-parallel plans; with and without a tied head, with
-    grouped-query attention and a positions' table sized by the run's seq_len."""
+    grouped-query attention, Qwen3's heads where the family has them, and a positions' table sized by the
+    run's seq_len."""
     cfg = ModelConfig(
-        _target_=target, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, tie_embeddings=tied, moe=EXPERTS
-    )
+        _target_=target, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, tie_embeddings=tied, moe=EXPERTS,
+        **HEADS[heads],
+    )  # fmt: skip
     with torch.device("meta"):
         model = build_model(cfg, max_seq_len=16)
     assert num_params(cfg, 16) == sum(p.numel() for p in model.parameters())
@@ -50,12 +55,14 @@ def test_a_family_record_matches_its_built_model(target: str, tied: bool):
     assert has_plan(cfg, 16, "2d") == (model.grid_tp_plan() is not None)
 
 
-@pytest.mark.parametrize("target", FAMILIES)
+@pytest.mark.parametrize(("target", "heads"), WITH_HEADS)
 @pytest.mark.parametrize("kv_heads", [None, 1])
-def test_flops_per_token_matches_counted_flops(target: str, kv_heads: int | None):
+def test_flops_per_token_matches_counted_flops(target: str, heads: str, kv_heads: int | None):
     """torch's FlopCounterMode counts every matmul of forward + backward; with the math attention
     kernel that includes the attention matmuls over the whole sequence, as PaLM's formula does."""
-    cfg = ModelConfig(_target_=target, dim=64, n_layers=3, n_heads=4, n_kv_heads=kv_heads, ffn_dim=96, moe=EXPERTS)
+    cfg = ModelConfig(
+        _target_=target, dim=64, n_layers=3, n_heads=4, n_kv_heads=kv_heads, ffn_dim=96, moe=EXPERTS, **HEADS[heads]
+    )
     seq_len, batch = 32, 2
     model = build_model(cfg, seq_len)
     tokens = torch.randint(0, 256, (batch, seq_len))

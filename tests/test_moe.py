@@ -1,11 +1,11 @@
 """The moe family (distrain/model/moe.py): its layer against a token-by-token reference that shares none of its
 dispatch, its capacity, its balancing (the auxiliary loss's gradient and the loss-free bias), its size record,
-and its training under data parallelism, HSDP (ZeRO-3 on a 2-D mesh), a pipeline, context parallelism and expert
-parallelism (alone, with DDP and activation checkpointing, with HSDP, with cp) exactly as one process trains it, and
-checkpoints resumed across ep sizes (ep 2 → none, ep 4 → ep 2, none → ep 2). Tolerances, absolute and relative:
-1e-5 for the layer against the reference (fp32, sums in another order) and where only the data or the experts are
-split; 1e-4 under a pipeline and context parallelism. Expert parallelism's layout and bytes:
-tests/test_expert_parallel.py."""
+and its training under data parallelism, HSDP (ZeRO-3 on a 2-D mesh), a pipeline, context parallelism, 1-D tensor
+parallelism and expert parallelism (alone, with DDP and activation checkpointing, with HSDP, with cp, with tp)
+exactly as one process trains it, and checkpoints resumed across ep sizes (ep 2 → none, ep 4 → ep 2, none → ep 2).
+Tolerances, absolute and relative: 1e-5 for the layer against the reference (fp32, sums in another order) and where
+only the data or the experts are split; 1e-4 under a pipeline, context and tensor parallelism. Expert parallelism's
+layout and bytes: tests/test_expert_parallel.py."""
 
 from __future__ import annotations
 
@@ -158,11 +158,16 @@ def test_the_family_record_counts_every_expert_and_flops_the_active_ones():
         ("model.moe.shared_experts=-1", "model.moe.first_dense and shared_experts must be ≥ 0"),
         ("model.moe.capacity_factor=-1", "capacity_factor must be ≥ 0"),
         ("model.moe.first_dense=4", "model.moe: no block of 2 has experts (first_dense=4, every=1)"),
+        # tensor parallelism splits the shared experts as a dense MLP (the routed ones stay whole)
+        (
+            "strategy=tp model.moe.shared_experts=1 model.moe.expert_dim=25",
+            "strategy.tp=2 does not divide model.moe.shared_experts × expert_dim=25",
+        ),
     ],
 )
 def test_a_moe_setting_that_cannot_work_is_refused_in_one_line(tmp_path, override: str, says: str):
     with pytest.raises(ConfigError) as err:
-        validate(make_config(tmp_path, "model=moe_nano", override))
+        validate(make_config(tmp_path, "model=moe_nano", *override.split()))
     assert says in str(err.value) and "\n" not in str(err.value), str(err.value)
 
 
@@ -201,6 +206,10 @@ LAYOUTS = {
     "dp2ep2": (4, ["strategy.ep=2", "strategy.activation_checkpoint=true"], 1e-5),
     # HSDP: the rest sharded over dp_shard 2 by FSDP2, whose ranks ep borrows; the experts split by ep alone
     "hsdpep2": (4, ["strategy=zero3", "strategy.dp_replicate=2", "strategy.dp_shard=2", "strategy.ep=2"], 1e-5),
+    # 1-D TP with sequence parallelism: both ranks route the same (gathered) tokens through whole experts
+    "tp2": (2, ["strategy.tp=2"], 1e-4),
+    # tp 2 × dp 2, ep 2 borrowing dp: each tp index its own ep group; the shared expert split over tp
+    "tpep2": (4, ["strategy.tp=2", "strategy.ep=2"], 1e-4),
 }
 CASES = [
     ("aux", "ddp"),
@@ -208,9 +217,11 @@ CASES = [
     ("bias", "hsdp"),
     ("aux", "pp"),
     ("aux", "cp"),
+    ("aux", "tp2"),
     ("aux", "ep4"),
     ("bias", "dp2ep2"),
     ("aux", "hsdpep2"),
+    ("bias", "tpep2"),
 ]
 
 

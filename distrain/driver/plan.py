@@ -98,13 +98,18 @@ def rank_memory(cfg: TrainConfig, layout: Layout, pp_rank: int, precision: str, 
     """Per-rank memory for the ranks at `pp_rank` (the other coordinates hold equal shares). With
     P the rank's parameters and N = dp_shard × cp: ZeRO-0 keeps P params, P grads, K·P optimizer state;
     ZeRO-1 shards the optimizer state (K·P/N); ZeRO-2 the gradients too (P/N); ZeRO-3 the parameters
-    too (P/N). Offload keeps the ZeRO-3 numbers in CPU memory. Expert parallelism's experts are 1/ep on each
+    too (P/N). Offload keeps the ZeRO-3 numbers in CPU memory. 1-D tensor parallelism leaves the routers and
+    the routed experts whole (distrain/model/moe.py, moe_tp_plan). Expert parallelism's experts are 1/ep on each
     rank, outside ZeRO's sharding (it needs pp = 1: the rank holds every block)."""
     s = cfg.strategy
     stages, n_stages = layout.stages(pp_rank), layout.num_stages
     p = sum(stage_params(cfg, i, n_stages, layout) for i in stages)
-    experts = expert_params(cfg) if layout.settings.get("ep", 1) > 1 else 0
-    p, mine = p - experts, experts // layout.settings.get("ep", 1)
+    blocks = [b for i in stages for b in stage_layers(cfg.model.n_layers, n_stages)[i]]
+    whole = expert_params(cfg, blocks, routers=True)  # stage_params split them as it splits every matrix
+    p += whole - whole // math.prod(par.weight_split(layout)[0] for par in PARALLELISMS)
+    ep = layout.settings.get("ep", 1)
+    experts = expert_params(cfg, blocks) if ep > 1 else 0
+    p, mine = p - experts, experts // ep
 
     def shard(n: int, level: int) -> int:  # over dp_shard (× cp, folded in) from ZeRO `level` up (rounded up: padding)
         return -(-n // (layout.dp_shard * layout.cp)) if s.zero >= level else n

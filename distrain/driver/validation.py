@@ -76,11 +76,18 @@ def _validate_model(cfg: TrainConfig) -> None:
     m, t = cfg.model, cfg.trainer
     check_model(m, t.seq_len)
     family = shipped(m._target_)
-    require(m.dim % m.n_heads == 0, f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}")
-    if family is not None and family.rotary:
+    if family is not None and not family.head_options:
         require(
-            (m.dim // m.n_heads) % 2 == 0, f"model.dim / model.n_heads = {m.dim // m.n_heads} must be even (rotary)"
+            m.head_dim is None and not m.qk_norm,
+            f"model.head_dim={m.head_dim} model.qk_norm={m.qk_norm}: the family {m._target_} has neither a head "
+            f"width of its own nor per-head norms of Q and K; set model.head_dim=null model.qk_norm=false",
         )
+    if m.head_dim is None:
+        require(m.dim % m.n_heads == 0, f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}")
+    if family is not None and family.rotary:
+        width = m.head_width()
+        said = f"model.head_dim={width}" if m.head_dim is not None else f"model.dim / model.n_heads = {width}"
+        require(width > 0 and width % 2 == 0, f"{said} must be even and positive (rotary)")
     if family is not None and family.check is not None:
         family.check(m)
     kv = m.n_kv_heads or m.n_heads
@@ -96,7 +103,7 @@ def _validate_model(cfg: TrainConfig) -> None:
         require(
             has_plan(m, t.seq_len, s.tp_mode),
             f"strategy.tp={s.tp} strategy.tp_mode={s.tp_mode}: model {m.name} ({m._target_}, tie_embeddings="
-            f"{m.tie_embeddings}) has no plan for it; "
+            f"{m.tie_embeddings}, qk_norm={m.qk_norm}) has no plan for it; "
             + ("use strategy.tp_mode=1d" if s.tp_mode != "1d" else "use a strategy without tensor parallelism"),
         )
     if s.cp > 1:

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -109,7 +111,41 @@ class FamilyModel(nn.Module):
         return self.family.flops_per_token(self.cfg, seq_len)
 
 
-def megatron_plan(model: nn.Module, loss_parallel: bool, attention_args: int) -> dict[str, ParallelStyle]:
+# A block's feed-forward plan: (its name, the module) → the styles of it and its parts.
+FeedForwardPlan = Callable[[str, nn.Module], dict[str, ParallelStyle]]
+
+
+def mlp_plan(name: str, mlp: nn.Module) -> dict[str, ParallelStyle]:
+    """A dense MLP's: its input gathered from the sequence-sharded stream, `w2` split by input row and
+    reduce-scattered back into it, every other projection (w1, w3) split by output column."""
+    plan: dict[str, ParallelStyle] = {
+        name: PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    }
+    for w, _ in mlp.named_children():
+        plan[f"{name}.{w}"] = RowwiseParallel(output_layouts=Shard(1)) if w == "w2" else ColwiseParallel()
+    return plan
+
+
+class Replicated(ParallelStyle):
+    """A module's parameters whole on every tensor-parallel rank, as DTensors `Replicate()` (torchtitan's
+    NoParallel): its ranks compute the same values, so each one's gradient is the whole one, and a model's
+    parameters stay DTensors on one mesh, as the gradient norm and the optimizer's kernels need. The module's
+    inputs and outputs are left alone: its forward takes the parameters' local tensors (moe.local)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, device_mesh, partition_fn=_replicate)
+
+
+def _replicate(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+    """Each parameter of `module` (not its children's) a Replicate DTensor of its own value: no communication."""
+    for key, p in list(module.named_parameters(recurse=False)):
+        whole = DTensor.from_local(p, mesh, [Replicate()], run_check=False)
+        module.register_parameter(key, nn.Parameter(whole, requires_grad=p.requires_grad))
+
+
+def megatron_plan(
+    model: nn.Module, loss_parallel: bool, attention_args: int, feed_forward: FeedForwardPlan = mlp_plan
+) -> dict[str, ParallelStyle]:
     """Megatron-style tensor parallelism with sequence parallelism, for `parallelize_module`.
 
     Q/K/V and the MLP's input projections split by output column, `wo` and `w2` by input row, so
@@ -118,7 +154,10 @@ def megatron_plan(model: nn.Module, loss_parallel: bool, attention_args: int) ->
     positions) split over their rows and reduce-scatter into the sequence-sharded stream; a tied head
     and embedding are both split over the vocabulary (Shard(0)). The head's logits stay sharded over
     the vocabulary when `loss_parallel`. `attention_args`: arguments the attention takes after x
-    (llama's rotary tables). Parts a pipeline stage dropped are left out."""
+    (llama's rotary tables); `feed_forward`: each block's feed-forward plan (the moe family's experts
+    have their own). Parts a pipeline stage dropped are left out. Per-head norms of Q and K (model.qk_norm)
+    see the heads of their rank: SequenceParallel over the heads' dim (2 of (b, t, heads, d)) keeps their
+    gains whole and sums the gains' gradients over the tensor-parallel ranks, as it does the other norms'."""
     plan: dict[str, ParallelStyle] = {}
     for name in ("tok_embeddings", "pos_embeddings"):
         if getattr(model, name, None) is not None:
@@ -143,12 +182,9 @@ def megatron_plan(model: nn.Module, loss_parallel: bool, attention_args: int) ->
             f"{prefix}.attention.wv": ColwiseParallel(),
             f"{prefix}.attention.wo": RowwiseParallel(output_layouts=Shard(1)),
             f"{prefix}.ffn_norm": SequenceParallel(),
-            f"{prefix}.feed_forward": PrepareModuleInput(
-                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
-            ),
         }
-        for w, _ in block.feed_forward.named_children():
-            plan[f"{prefix}.feed_forward.{w}"] = (
-                RowwiseParallel(output_layouts=Shard(1)) if w == "w2" else ColwiseParallel()
-            )
+        if getattr(block.attention, "q_norm", None) is not None:  # model.qk_norm: gains copied, the heads split
+            per_head = SequenceParallel(sequence_dim=2, use_local_output=True)
+            plan |= {f"{prefix}.attention.q_norm": per_head, f"{prefix}.attention.k_norm": per_head}
+        plan |= feed_forward(f"{prefix}.feed_forward", block.feed_forward)
     return plan

@@ -7,8 +7,8 @@ A family's table of `Rule`s says where each distrain parameter lives in the HF f
 directions: `hf_weights` reads one tensor at a time (safetensors' `safe_open`, sharded files included)
 for `contract.fill_parameters`, so every layout loads only what it keeps; `to_hf` turns a whole state
 dict into HF's. A rule also says how a layout differs beyond names: stored transposed (GPT-2's Conv1D),
-fused along rows (GPT-2's Q, K, V), rows permuted per head (Llama's rotary halves), one expert's slice of
-distrain's stacked experts (Mixtral's tensor per expert).
+fused along rows (GPT-2's Q, K, V), rows permuted per head (Llama's rotary halves; Qwen3's per-head gains
+within the head), one expert's slice of distrain's stacked experts (Mixtral's and Qwen3-MoE's tensor per expert).
 
 The driver imports this module (`resolve_init_from`): torch is imported only where tensors are read.
 """
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     import torch
 
 # Each HF architecture distrain reads: (the family's model._target_, its mapping).
-ARCHITECTURES = {f.hf.architecture: (f.target, f.hf) for f in FAMILIES.values() if f.hf is not None}
+ARCHITECTURES = {m.architecture: (f.target, m) for f in FAMILIES.values() for m in f.hf}
 INDEX_FILE, WEIGHTS_FILE = "model.safetensors.index.json", "model.safetensors"
 
 
@@ -78,17 +78,21 @@ def resolve_init_from(cfg: TrainConfig, say: Callable[[str], None] = print) -> T
     if not (Path(directory) / INDEX_FILE).is_file() and not (Path(directory) / WEIGHTS_FILE).is_file():
         _refuse(directory, f"neither {WEIGHTS_FILE} nor {INDEX_FILE}", "save the model with safetensors")
     keys = ("_target_", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "tie_embeddings")
+    keys += tuple(k for k in ("head_dim", "qk_norm") if getattr(model, k))  # Qwen3's, where set
     settings = " ".join(f"model.{k}={getattr(model, k)}" for k in keys)
     say(f"distrain: model.init_from={directory}: {settings} (from its config.json; its weights load once laid out)")
     return dataclasses.replace(cfg, model=model)
 
 
 def _mapping(cfg: ModelConfig) -> HFMapping:
+    """The family's counterpart for cfg: the one whose attention norms Q and K per head as model.qk_norm says."""
     family = shipped(cfg._target_)
-    if family is None or family.hf is None:
-        names = " and ".join(target for target, _ in ARCHITECTURES.values())
-        raise ConfigError(f"model._target_={cfg._target_} has no Hugging Face counterpart: only {names}")
-    return family.hf
+    fits = [m for m in (family.hf if family is not None else ()) if m.qk_norm == cfg.qk_norm]
+    if not fits:
+        names = " and ".join(dict.fromkeys(target for target, _ in ARCHITECTURES.values()))
+        with_it = f" with model.qk_norm={cfg.qk_norm}" if family is not None else ""
+        raise ConfigError(f"model._target_={cfg._target_} has no Hugging Face counterpart{with_it}: only {names}")
+    return fits[0]
 
 
 def _rope_rows(t: torch.Tensor, heads: int, to_hf: bool) -> torch.Tensor:

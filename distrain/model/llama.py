@@ -45,15 +45,20 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
+    """Grouped-query attention of `head_dim`-wide heads (model.head_dim, else dim / n_heads); with model.qk_norm
+    each head's Q and K are RMS-normed over its width before the rotation (Qwen3's `q_norm`, `k_norm`)."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_heads = cfg.n_heads
         self.n_kv_heads = cfg.n_kv_heads or cfg.n_heads
-        self.head_dim = cfg.dim // cfg.n_heads
+        self.head_dim = cfg.head_width()
         self.wq = nn.Linear(cfg.dim, self.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(self.n_heads * self.head_dim, cfg.dim, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.core = CausalAttention()
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -62,6 +67,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(b, t, -1, self.head_dim)
         k = self.wk(x).view(b, t, -1, self.head_dim)
         v = self.wv(x).view(b, t, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         q, k, v = (y.transpose(1, 2) for y in (q, k, v))
         out = self.core(q, k, v)
@@ -108,7 +115,7 @@ class Transformer(FamilyModel):
         self.layers = nn.ModuleDict({str(i): Block(cfg, self.feed_forward(i)) for i in range(cfg.n_layers)})
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        cos, sin = rotary_tables(cfg.dim // cfg.n_heads, max_seq_len, cfg.rope_theta)
+        cos, sin = rotary_tables(cfg.head_width(), max_seq_len, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.ready()
@@ -121,7 +128,7 @@ class Transformer(FamilyModel):
     def init_weights(self) -> None:
         """The parameters' initial values, and the rotary tables again: after `to_empty` they hold garbage."""
         super().init_weights()
-        cos, sin = rotary_tables(self.cfg.dim // self.cfg.n_heads, self.max_seq_len, self.cfg.rope_theta)
+        cos, sin = rotary_tables(self.cfg.head_width(), self.max_seq_len, self.cfg.rope_theta)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
 
@@ -145,8 +152,9 @@ class Transformer(FamilyModel):
         "in" projections read the residual stream, "out" projections write to it; the grid decides how
         each is split. Attention's heads follow Q, K and V's output features, so each rank keeps whole
         heads. Parts a pipeline stage dropped are left out. None with a tied head (the grid splits the
-        embedding and the head differently)."""
-        if self.tied_parameters:
+        embedding and the head differently) or with model.qk_norm (no role sums the per-head gains' gradients
+        over the ranks holding the other heads and rows)."""
+        if self.tied_parameters or self.cfg.qk_norm:
             return None
         plan = {"tok_embeddings": "embedding"} if self.tok_embeddings is not None else {}
         if self.output is not None:

@@ -5,7 +5,9 @@ The layer runs in three plain steps: route (scores, the top-k choice, the weight
 copies sorted by expert, so every expert's tokens are contiguous), and the experts' matmuls over their
 contiguous rows (one per expert, or one grouped matmul where torch has it on the device). Expert
 parallelism (distrain/parallel/expert_parallel.py) changes only where the sorted rows meet their experts
-(`MoE.exchange`): it sends them to their experts' ranks and back.
+(`MoE.exchange`): it sends them to their experts' ranks and back. Tensor parallelism (`moe_tp_plan`) gives every
+rank of a tensor-parallel group the same tokens: the router and the experts whole on each, the shared experts split
+as a dense MLP.
 
 Load balancing is one of: the Switch/Mixtral auxiliary loss, whose gradient joins the backward pass at the
 layer's output (`AuxLoss`) so that every pipeline stage trains its own routers without the loss crossing
@@ -24,8 +26,16 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInputOutput,
+    RowwiseParallel,
+)
 
 from distrain.config import ModelConfig, MoEConfig
+from distrain.model.common import Replicated, megatron_plan, mlp_plan
 from distrain.model.families.moe import FAMILY
 from distrain.model.llama import FeedForward, Transformer
 
@@ -70,6 +80,12 @@ def route(logits: torch.Tensor, m: MoEConfig, bias: torch.Tensor | None) -> tupl
     return scores, chosen, weights
 
 
+def local(w: torch.Tensor) -> torch.Tensor:
+    """A parameter's local tensor: a DTensor's (expert parallelism's share of the experts, tensor parallelism's
+    whole copy), which the routing's sorts and counts can use; a plain tensor as it is."""
+    return w.to_local() if hasattr(w, "to_local") else w
+
+
 class Experts(nn.Module):
     """`num` SwiGLU experts as three stacked weights, (num, hidden, dim) for w1 and w3 and (num, dim, hidden)
     for w2: expert e's are nn.Linear weights as a dense MLP holds them (Hugging Face's per-expert tensors)."""
@@ -82,8 +98,8 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x: the tokens sorted by expert, `counts[e]` rows for this module's expert e in turn."""
-        # a DTensor's local experts (expert parallelism), in the compute dtype (FSDP2 leaves them out of its cast)
-        w1, w2, w3 = ((w.to_local() if hasattr(w, "to_local") else w).to(x.dtype) for w in (self.w1, self.w2, self.w3))
+        # the local experts, in the compute dtype (FSDP2 leaves expert parallelism's out of its cast)
+        w1, w2, w3 = (local(w).to(x.dtype) for w in (self.w1, self.w2, self.w3))
         if grouped_mm_usable(x):
             offsets = counts.cumsum(0).to(torch.int32)
             h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offsets))
@@ -137,7 +153,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape, m = x.shape, self.m
         x = x.reshape(-1, shape[-1])
-        logits = self.router(x)
+        logits = F.linear(x, local(self.router.weight))
         scores, chosen, weights = route(logits, m, self.expert_bias if m.balance == "bias" else None)
         counts = torch.bincount(chosen.flatten(), minlength=m.num_experts)
         keep, taken = self.within_capacity(counts)
@@ -214,9 +230,10 @@ class MoETransformer(Transformer):
     def feed_forward(self, block: int) -> nn.Module:
         return MoE(self.cfg) if self.cfg.moe.is_sparse(block) else super().feed_forward(block)
 
-    def tp_plan(self, loss_parallel: bool) -> None:
-        """None: no tensor-parallel plan for the experts yet (the driver refuses strategy.tp > 1)."""
-        return None
+    def tp_plan(self, loss_parallel: bool) -> dict[str, ParallelStyle]:
+        """Llama's Megatron plan with sequence parallelism (common.megatron_plan), the blocks with experts laid out
+        by `moe_tp_plan`."""
+        return megatron_plan(self, loss_parallel, attention_args=2, feed_forward=feed_forward_plan)
 
     def grid_tp_plan(self) -> None:
         return None
@@ -226,6 +243,36 @@ class MoETransformer(Transformer):
         """The parameters' initial values, the rotary tables, and every router's bias and figures zeroed."""
         super().init_weights()
         reset_routers(self)
+
+
+def feed_forward_plan(name: str, module: nn.Module) -> dict[str, ParallelStyle]:
+    """A block's feed-forward: its experts' plan, or a dense MLP's."""
+    return moe_tp_plan(name, module) if isinstance(module, MoE) else mlp_plan(name, module)
+
+
+def moe_tp_plan(name: str, layer: MoE) -> dict[str, ParallelStyle]:
+    """1-D tensor parallelism of the MoE layer `name` in a sequence-parallel stream. Its input is gathered whole
+    (every rank of the tensor-parallel group routes the same tokens), the router and the routed experts are whole
+    on each rank (Replicated: each computes them, tp times the expert FLOPs, and each one's gradient and token counts
+    are the whole group's, so nothing is summed over tp), the shared experts split as a dense MLP (w1 and w3 by
+    column, w2 by row, all-reduced), and the output, the same on every rank, is cut back to this rank's share of
+    the sequence (no communication). Expert parallelism then splits the experts as without tensor parallelism,
+    each tensor-parallel rank exchanging with the ranks of its own tp index."""
+    plan: dict[str, ParallelStyle] = {
+        name: PrepareModuleInputOutput(
+            input_layouts=(Shard(1),),
+            desired_input_layouts=(Replicate(),),
+            use_local_input=True,
+            output_layouts=(Replicate(),),
+            desired_output_layouts=(Shard(1),),
+        ),
+        f"{name}.router": Replicated(),
+        f"{name}.experts": Replicated(),
+    }
+    if layer.shared is not None:
+        plan |= {f"{name}.shared.{w}": ColwiseParallel() for w in ("w1", "w3")}
+        plan[f"{name}.shared.w2"] = RowwiseParallel()
+    return plan
 
 
 @torch.no_grad()

@@ -49,7 +49,7 @@ def has_plan(cfg: ModelConfig, max_seq_len: int, mode: str) -> bool:
     `grid_tp_plan` (2d, 2.5d, 3d) not None."""
     family = shipped(cfg._target_)
     if family is not None:
-        return family.tp if mode == "1d" else family.grid_tp and not cfg.tie_embeddings
+        return family.tp if mode == "1d" else family.grid_tp and not (cfg.tie_embeddings or cfg.qk_norm)
     model = meta_model(cfg, max_seq_len)
     return (model.tp_plan(True) if mode == "1d" else model.grid_tp_plan()) is not None
 

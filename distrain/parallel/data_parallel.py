@@ -51,7 +51,7 @@ def parallelize(model: nn.Module, on: PassContext) -> nn.Module:
         return model
     if on.layout.tp == 1 and on.layout.pp == 1:
         return apply_ddp(model, mesh, c.bucket_cap_mb, ignored)
-    return apply_replicate(model, mesh, on.bf16)
+    return apply_replicate(model, mesh, on.bf16, set(own))
 
 
 def materialize(model: nn.Module, device: torch.device, offload: bool = False) -> None:
@@ -86,8 +86,12 @@ def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, bucket_cap_mb: float, ignor
     )
 
 
-def apply_replicate(model: nn.Module, dp_mesh: DeviceMesh, bf16: bool) -> nn.Module:
-    replicate(model, mesh=dp_mesh, mp_policy=mixed_precision(bf16))
+def apply_replicate(
+    model: nn.Module, dp_mesh: DeviceMesh, bf16: bool, ignored: set[nn.Parameter] | None = None
+) -> nn.Module:
+    """FSDP2's `replicate` over the gradient mesh, but for the `ignored` parameters (expert parallelism's experts
+    beside tensor parallelism: their gradients are summed apart)."""
+    replicate(model, mesh=dp_mesh, mp_policy=mixed_precision(bf16), ignored_params=ignored or None)
     return model
 
 

@@ -16,20 +16,21 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from distrain.model.moe import Experts, moe_layers
+from distrain.model.moe import Experts, local, moe_layers
 from distrain.parallel.passes import PassContext
 
 
 def parallelize(model: nn.Module, on: PassContext) -> nn.Module:
     """Each MoE layer's experts split over the `ep` ranks, its rows exchanged with them (`exchange`); the expert
-    gradients' sum left in `on.experts` for the step to run after its backward."""
+    gradients' sum left in `on.experts` for the step to run after its backward. Under tensor parallelism the experts
+    arrive whole on each rank (Replicate over tp): each tp index splits its copy over its own ep group."""
     mesh = on.mesh.experts
     if mesh is None:
         return model
     layers = moe_layers(model)
     for layer in layers:
         for name, p in list(layer.experts.named_parameters(recurse=False)):
-            piece = distribute_tensor(p.detach(), mesh["ep"], [Shard(0)], src_data_rank=None)
+            piece = distribute_tensor(local(p.detach()), mesh["ep"], [Shard(0)], src_data_rank=None)
             layer.experts.register_parameter(name, nn.Parameter(piece, requires_grad=p.requires_grad))
         layer.exchange = functools.partial(exchange, layer.experts, mesh.get_group("ep"), mesh["ep"].size())
     on.experts = ExpertGradients([layer.experts for layer in layers], mesh, on.layout.gradient_width)

@@ -120,7 +120,7 @@ def plan_lines(cfg: TrainConfig, layout: Layout) -> list[str]:
         tokens,
         m.n_heads // tp,
         (m.n_kv_heads or m.n_heads) // tp,
-        m.dim // m.n_heads,
+        m.head_width(),
         element,
     )
     lines.append(f"  each rank sends {sent / 2**20:.2f} MiB per layer and micro-batch (forward and backward)")

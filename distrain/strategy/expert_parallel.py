@@ -7,10 +7,13 @@ the group), as torchtitan's dp2ep borrows dp_shard × cp, and adds no dim to the
 weights it splits: attention and the dense weights stay replicated (or sharded) over the whole gradient group,
 whose ranks keep their different tokens, so the batch, the world size and every other parallelism's sizes stay
 as they were and no rank idles beside the experts. A rank's expert gradients are summed over the ranks holding
-the same experts (`ep_rest`) and scaled as the rest of the gradient is, by the whole group."""
+the same experts (`ep_rest`) and scaled as the rest of the gradient is, by the whole group. Under 1-D tensor
+parallelism every rank of a tensor-parallel group routes the same tokens (distrain/model/moe.py, moe_tp_plan):
+each tp index has ep groups of its own, which exchange the same rows, and the experts are not split over tp."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from distrain.config import TrainConfig
@@ -36,9 +39,9 @@ def check(cfg: TrainConfig, layout: Layout) -> None:
         f"divide; choose an ep that divides {width}",
     )
     require(
-        layout.tp == 1 and layout.pp == 1,
-        f"{ep} does not combine with strategy.tp={layout.tp} or strategy.pp={layout.pp} yet (the experts have no "
-        f"tensor-parallel plan; a stage's all-to-alls are not scheduled); use data and context parallelism with it",
+        layout.pp == 1,
+        f"{ep} does not combine with strategy.pp={layout.pp} yet (a stage's all-to-alls are not scheduled); "
+        f"use data, context and tensor parallelism with it",
     )
 
 
@@ -63,10 +66,12 @@ def validate(cfg: TrainConfig) -> None:
         require(ok, f"{ep} does not combine with {setting} ({why}); leave it out, or set strategy.ep=1")
 
 
-def expert_params(cfg: TrainConfig) -> int:
-    """The experts' parameters of the whole model (every routed expert of every block with experts)."""
+def expert_params(cfg: TrainConfig, blocks: Iterable[int] | None = None, routers: bool = False) -> int:
+    """The experts' parameters of `blocks` (the whole model's by default): every routed expert of each block with
+    experts, and with `routers` its router (what 1-D tensor parallelism leaves whole)."""
     m, c = cfg.model.moe, cfg.model
-    return sum(3 * c.dim * (m.expert_dim or c.ffn_dim) * m.num_experts for b in range(c.n_layers) if m.is_sparse(b))
+    each = 3 * c.dim * (m.expert_dim or c.ffn_dim) * m.num_experts + (c.dim * m.num_experts if routers else 0)
+    return sum(each for b in (range(c.n_layers) if blocks is None else blocks) if m.is_sparse(b))
 
 
 def alltoall_bytes(cfg: TrainConfig, layout: Layout) -> float:
@@ -87,14 +92,20 @@ def plan_lines(cfg: TrainConfig, layout: Layout) -> list[str]:
     family = shipped(cfg.model._target_)
     rest = family.matmul_weights(cfg.model) + family.other_params(cfg.model) - experts if family else None
     held = f"{m.num_experts // layout.ep} of {m.num_experts} experts a layer"
-    return [
+    lines = [
         f"expert parallel: ep={layout.ep} consecutive ranks of each gradient group of {layout.gradient_width} "
         f"split the experts, {held}",
         f"  each rank: expert parameters {experts // layout.ep:,} of {experts:,}"
-        + (f"; the other {rest:,} as data parallelism holds them" if rest is not None else ""),
+        + (f"; the other {rest:,} as the other parallelisms hold them" if rest is not None else ""),
         f"  each rank sends {alltoall_bytes(cfg, layout) / 2**20:.2f} MiB per step in the all-to-alls "
         f"(forward and backward)",
     ]
+    if layout.tp > 1:
+        lines.append(
+            f"  tensor parallel: the tp={layout.tp} ranks of a group route the same tokens, each tp index with ep "
+            f"groups of its own; the experts are not split over tp (each rank computes its share whole)"
+        )
+    return lines
 
 
 EXPERT_PARALLEL = Parallelism(

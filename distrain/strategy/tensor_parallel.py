@@ -77,6 +77,8 @@ def validate(cfg: TrainConfig) -> None:
         return
     sizes = {"n_heads": m.n_heads, "n_kv_heads": m.n_kv_heads or m.n_heads, "ffn_dim": m.ffn_dim}
     sizes["vocab_size"] = m.vocab_size
+    if m.moe.num_experts and m.moe.shared_experts:  # split as a dense MLP; the routed experts stay whole
+        sizes["moe.shared_experts × expert_dim"] = m.moe.shared_experts * (m.moe.expert_dim or m.ffn_dim)
     for key, v in sizes.items():
         require(v % s.tp == 0, f"strategy.tp={s.tp} does not divide model.{key}={v}; choose a tp that divides it")
     require(
@@ -104,7 +106,7 @@ def _validate_grid(cfg: TrainConfig) -> None:
     )
     require(s.offload == "none", f"{mode} does not support strategy.offload={s.offload}; set it to none")
     require(not s.compile, f"{mode} does not support strategy.compile=true; set it to false")
-    head_dim, kv = m.dim // m.n_heads, m.n_kv_heads or m.n_heads
+    head_dim, kv = m.head_width(), m.n_kv_heads or m.n_heads
     split = q * q if s.tp_mode == "3d" else q  # 3-D splits a weight's output features over two axes
     features = {"dim": m.dim, "ffn_dim": m.ffn_dim, "vocab_size": m.vocab_size}
     features |= {"n_heads × head_dim": m.n_heads * head_dim, "n_kv_heads × head_dim": kv * head_dim}

@@ -231,6 +231,10 @@ def body(args, rows: list[dict], share: tuple[list[str], dict], data: dict, plot
             f"passes through as many weights in both: {flops[0]:.3f} against {flops[1]:.3f} MFLOPs per token (the "
             "router's the difference). fp32, AdamW, DDP, gloo on 127.0.0.1, every worker one thread.",
             "",
+            "Not measured here: 1-D tensor parallelism, under which every rank of a tensor-parallel group routes the "
+            "same tokens through whole experts (tp× the routed experts' FLOPs; "
+            "[parallelism.md](parallelism.md#the-strategies)).",
+            "",
             "## 1. Step time beside the dense model",
             "",
             f"Each configuration through `distrain.driver.launch.train` on one Ray cluster ({args.workers} workers, "

@@ -4,8 +4,9 @@ Torch-free: the driver plans and validates without importing torch.
 
 FLOPs are counted as PaLM does (Chowdhery et al. 2022, appendix B): 6·N + 12·L·H·Q·T, N the weights
 that multiply the token (every matrix but the embedding lookups; the head counts even when tied), L
-layers, H heads of Q dimensions, T the sequence length. The attention term counts the scores and their
-weighted sum over the whole sequence, as PaLM and Megatron do, so MFU compares with theirs.
+layers, H heads of Q dimensions (model.head_dim, else dim / H), T the sequence length. The attention term
+counts the scores and their weighted sum over the whole sequence, as PaLM and Megatron do, so MFU compares
+with theirs.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from distrain.config import ModelConfig
 class Rule:
     """HF tensor `hf` holds distrain's `names`, concatenated along rows (GPT-2's fused Q, K, V);
     `conv1d`: stored transposed (in, out); `heads`: rows permuted per head (Llama's Q and K); `expert`: it is
-    one expert's slice of distrain's stacked experts (`names[0][expert]`: Mixtral's tensor per expert)."""
+    one expert's slice of distrain's stacked experts (`names[0][expert]`: Mixtral's tensor per expert). `heads=1`
+    permutes a per-head gain (Qwen3's q_norm, k_norm) as Q's rows are permuted within each head."""
 
     hf: str
     names: tuple[str, ...]
@@ -38,7 +40,8 @@ class HFMapping:
     fields it describes (a KeyError for a key it lacks); `config(cfg, max_seq_len)`: the config.json
     of cfg's counterpart, less what every family shares (a ConfigError where HF has no such model);
     `rules(cfg)`: where each distrain parameter lives in the HF files; `bare_prefix`: a prefix the
-    files of the bare base model (no head) leave out of every name."""
+    files of the bare base model (no head) leave out of every name; `qk_norm`: the counterpart norms each
+    head's Q and K (Qwen3), and export takes the family's mapping whose `qk_norm` is model.qk_norm."""
 
     architecture: str
     unsupported: Callable[[dict], dict[str, tuple[bool, str]]]
@@ -46,6 +49,7 @@ class HFMapping:
     config: Callable[[ModelConfig, int], dict]
     rules: Callable[[ModelConfig], list[Rule]]
     bare_prefix: str = ""
+    qk_norm: bool = False
 
 
 @dataclass(frozen=True)
@@ -55,7 +59,9 @@ class Family:
     plus `other_params` (embeddings not counted there, norms, biases) plus, with `learned_positions`,
     a positions' table of model.n_positions (else the run's seq_len) rows. `rotary`: the head
     dimension must be even. `tp` / `grid_tp`: the model has a plan for 1-D / for 2-D, 2.5-D and 3-D
-    tensor parallelism (the latter not with a tied head). `hf`: its Hugging Face counterpart, if any."""
+    tensor parallelism (the latter neither with a tied head nor with model.qk_norm). `hf`: its Hugging Face
+    counterparts, none or several (told apart by `HFMapping.qk_norm`). `head_options`: the model honours
+    model.head_dim and model.qk_norm (else the driver refuses them)."""
 
     target: str
     matmul_weights: Callable[[ModelConfig], int]
@@ -64,7 +70,8 @@ class Family:
     rotary: bool
     tp: bool
     grid_tp: bool
-    hf: HFMapping | None = None
+    hf: tuple[HFMapping, ...] = ()
+    head_options: bool = False
     # A sparse model's matmul weights one token passes through (its FLOPs count these); None: all of them.
     active_weights: Callable[[ModelConfig], int] | None = None
     # Rules on the family's own settings (model.moe), one-line ConfigErrors; None: it has none.
@@ -77,16 +84,21 @@ class Family:
 
 def decoder_flops(matmul_weights: int, cfg: ModelConfig, seq_len: int) -> float:
     """6·N + 12·L·H·Q·T: a model of the usual decoder shape may compute its own with this."""
-    return 6 * matmul_weights + 12 * cfg.n_layers * cfg.n_heads * (cfg.dim // cfg.n_heads) * seq_len
+    return 6 * matmul_weights + 12 * cfg.n_layers * cfg.n_heads * cfg.head_width() * seq_len
 
 
 def attention_weights(cfg: ModelConfig) -> int:
-    """wq, wo (dim × dim) and wk, wv (dim × the key/value heads' width) of one block."""
-    return cfg.dim * cfg.dim * 2 + cfg.dim * kv_width(cfg) * 2
+    """wq, wo (dim × the heads' width) and wk, wv (dim × the key/value heads' width) of one block."""
+    return cfg.dim * cfg.n_heads * cfg.head_width() * 2 + cfg.dim * kv_width(cfg) * 2
 
 
 def kv_width(cfg: ModelConfig) -> int:
-    return (cfg.n_kv_heads or cfg.n_heads) * (cfg.dim // cfg.n_heads)
+    return (cfg.n_kv_heads or cfg.n_heads) * cfg.head_width()
+
+
+def qk_norm_gains(cfg: ModelConfig) -> int:
+    """One block's per-head gains of Q and K (model.qk_norm), one head wide each."""
+    return 2 * cfg.head_width() if cfg.qk_norm else 0
 
 
 def untied_embedding(cfg: ModelConfig) -> int:

@@ -37,6 +37,8 @@ def shape(hf: dict) -> dict:
         "n_layers": hf["n_layer"],
         "n_heads": hf["n_head"],
         "n_kv_heads": None,
+        "head_dim": None,
+        "qk_norm": False,
         "ffn_dim": hf.get("n_inner") or 4 * dim,
         "vocab_size": hf["vocab_size"],
         "norm_eps": hf.get("layer_norm_epsilon", 1e-5),
@@ -91,5 +93,5 @@ FAMILY = Family(
     rotary=False,
     tp=True,
     grid_tp=False,
-    hf=HFMapping("GPT2LMHeadModel", unsupported, shape, config, rules, bare_prefix="transformer."),
+    hf=(HFMapping("GPT2LMHeadModel", unsupported, shape, config, rules, bare_prefix="transformer."),),
 )
