@@ -510,6 +510,13 @@ MUTANTS = (
         ("tests/test_package.py::test_a_users_preset_comes_from_config_dir",),
     ),
     Mutant(
+        "sweep-glob-misses-user-presets",
+        "distrain/driver/sweep.py",
+        "loader = SearchingLoader(GlobalHydra.instance().config_loader(), self.searchpath)",
+        "loader = GlobalHydra.instance().config_loader()",
+        ("tests/test_package.py::test_a_users_preset_comes_from_config_dir",),
+    ),
+    Mutant(
         "wheelhouse-without-a-checkout",
         "distrain/commands/wheelhouse.py",
         'if not (ROOT / "pyproject.toml").is_file():',

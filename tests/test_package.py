@@ -28,7 +28,8 @@ from conftest import REPO, TINY
 from distrain import __version__, commands
 from distrain.commands import cluster, main
 from distrain.commands.wheelhouse import own_wheel
-from distrain.driver.cli import BadInput, compose
+from distrain.driver.cli import BadInput, compose, config_dirs
+from distrain.driver.sweep import check_points
 from distrain.storage import checkpoint
 
 VERSION = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
@@ -105,6 +106,11 @@ def test_a_users_preset_comes_from_config_dir(built):
     not there refused in one line."""
     cfg = compose([*TINY, "model=mine"], built["presets"])
     assert (cfg.model.name, cfg.model.dim, cfg.model.n_layers) == ("mine", 32, 2)
+    dirs = config_dirs(["--config-dir", str(built["presets"])])
+    assert check_points([*TINY, "model=glob(mi*)", "optim.lr=1e-3,2e-3"], {"model", "optim.lr"}, dirs) == [
+        "model=mine optim.lr=0.001",
+        "model=mine optim.lr=0.002",
+    ]  # a sweep's glob() sees the user's presets, as hydra.main's sweep does
     with pytest.raises(BadInput, match=r"unknown model 'mine' \(model=mine\); choose one of: .*nano"):
         compose(["model=mine"])  # without the folder
     with pytest.raises(BadInput, match=r"^--config-dir /nonexistent: no such directory"):

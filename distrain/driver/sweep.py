@@ -123,6 +123,17 @@ def check_points(overrides: list[str], swept: set[str], dirs: tuple[Path, ...] =
     return checked
 
 
+class SearchingLoader:
+    """Hydra's config loader as glob() asks it for a group's options: searching the user's preset folders
+    (`searchpath`, from --config-dir) too, as hydra.main's own loader does when the sweep runs."""
+
+    def __init__(self, loader: typing.Any, searchpath: list[str]) -> None:
+        self.loader, self.searchpath = loader, searchpath
+
+    def get_group_options(self, group_name: str, results_filter: typing.Any = None, **_: typing.Any) -> list[str]:
+        return self.loader.get_group_options(group_name, results_filter, "train", self.searchpath)
+
+
 class PointComposer:
     """Hydra's compose of `train` for many points, fast: the defaults list (the slow part, ~0.1 s) is
     composed once per distinct set of config-group choices, and the values are applied to a copy as
@@ -144,9 +155,10 @@ class PointComposer:
         register()
         self.context = initialize_config_dir(str(CONF_DIR), version_base="1.3")
         self.context.__enter__()
-        self.parser = OverridesParser.create(config_loader=GlobalHydra.instance().config_loader())  # for glob()
-        self.groups: dict[tuple[str, ...], typing.Any] = {}
         self.searchpath = searchpath(self.dirs)
+        loader = SearchingLoader(GlobalHydra.instance().config_loader(), self.searchpath)
+        self.parser = OverridesParser.create(config_loader=loader)  # for glob()
+        self.groups: dict[tuple[str, ...], typing.Any] = {}
         return self
 
     def __exit__(self, *exc: object) -> None:
