@@ -434,7 +434,7 @@ MUTANTS = (
         "distrain/parallel/parallelize.py",
         "            with loss_context(self.vocab_sharded_loss):\n                self.pipeline.step(x, y)",
         "            with loss_context(self.vocab_sharded_loss):\n                pass",
-        ("tests/test_moe.py::test_moe_trains_as_one_process[aux-pp]",),
+        ("tests/test_moe.py::test_moe_trains_as_one_process[deep-ppep2]",),
     ),
     Mutant(
         "ep-tokens-to-wrong-rank",
@@ -449,6 +449,27 @@ MUTANTS = (
         "            dist.all_reduce(flat, group=self.group)",
         "            pass",
         ("tests/test_moe.py::test_moe_trains_as_one_process[bias-dp2ep2]",),
+    ),
+    Mutant(
+        "ep-zero1-experts-not-stepped",
+        "distrain/train/optim.py",
+        "return Optimizers(zero, cls(apart, **options)) if apart else zero",
+        "return zero",
+        ("tests/test_moe.py::test_moe_trains_as_one_process[bias-zero1ep2]",),
+    ),
+    Mutant(
+        "ep-experts-of-one-stage-summed",
+        "distrain/parallel/expert_parallel.py",
+        "earlier = on.experts.modules if on.experts is not None else []",
+        "earlier = []",
+        ("tests/test_moe.py::test_moe_trains_as_one_process[deep-ppep2]",),
+    ),
+    Mutant(
+        "ep-pipeline-replicates-the-experts",
+        "distrain/parallel/data_parallel.py",
+        "replicate(model, mesh=dp_mesh, mp_policy=mixed_precision(bf16), ignored_params=ignored or None)",
+        "replicate(model, mesh=dp_mesh, mp_policy=mixed_precision(bf16))",
+        ("tests/test_moe.py::test_moe_trains_as_one_process[deep-ppep2]",),
     ),
     Mutant(
         "ep-replicas-of-other-experts",
