@@ -2,7 +2,7 @@
 
 zero 0: DDP (or, when the model already holds DTensors from TP or is a pipeline stage,
         FSDP2-based `replicate`, which composes with them)
-zero 1: DDP; the optimizer shards its state (ZeroRedundancyOptimizer, train/optim.py)
+zero 1: DDP; the optimizer shards its state (ZeroRedundancyOptimizer, train/optim.py; the experts' kept apart)
 zero 2: FSDP2 `fully_shard`, parameters kept gathered from forward to backward
 zero 3: FSDP2 `fully_shard`, parameters resharded after each block's forward
 HSDP is zero 2/3 on a 2-D (dp_replicate, dp_shard) mesh; offload adds FSDP2's CPUOffloadPolicy.
