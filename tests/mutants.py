@@ -346,6 +346,13 @@ MUTANTS = (
         ("tests/test_progress.py::test_reports_from_two_threads_lose_neither",),
     ),
     Mutant(
+        "moe-recompute-counts-figures-again",
+        "distrain/model/moe.py",
+        "        if MoE.recomputing:\n",
+        "        if False:\n",
+        ("tests/test_moe_layer.py::test_a_recomputed_block_counts_its_figures_once",),
+    ),
+    Mutant(
         "meshes-kept-across-groups",
         "distrain/parallel/process_group.py",
         "        forget_meshes()\n",
@@ -399,21 +406,21 @@ MUTANTS = (
         "distrain/model/moe.py",
         "counts = torch.bincount(chosen.flatten(), minlength=m.num_experts)",
         "counts = torch.bincount(chosen.flatten(), minlength=m.num_experts).flip(0)",
-        ("tests/test_moe.py::test_the_layer_is_each_token_through_its_chosen_experts",),
+        ("tests/test_moe_layer.py::test_the_layer_is_each_token_through_its_chosen_experts",),
     ),
     Mutant(
         "moe-capacity-one-over",
         "distrain/model/moe.py",
         "starts.repeat_interleave(counts) < capacity",
         "starts.repeat_interleave(counts) <= capacity",
-        ("tests/test_moe.py::test_an_expert_over_capacity_drops_its_last_tokens_and_counts_them",),
+        ("tests/test_moe_layer.py::test_an_expert_over_capacity_drops_its_last_tokens_and_counts_them",),
     ),
     Mutant(
         "moe-aux-loss-unscaled",
         "distrain/model/moe.py",
         "return grad, torch.full_like(loss, AuxLoss.scale)",
         "return grad, torch.ones_like(loss)",
-        ("tests/test_moe.py::test_the_auxiliary_losses_gradient_is_that_of_adding_them_to_the_loss",),
+        ("tests/test_moe_layer.py::test_the_auxiliary_losses_gradient_is_that_of_adding_them_to_the_loss",),
     ),
     Mutant(
         "moe-load-not-summed-over-ranks",
@@ -434,7 +441,7 @@ MUTANTS = (
         "distrain/parallel/parallelize.py",
         "            with loss_context(self.vocab_sharded_loss):\n                self.pipeline.step(x, y)",
         "            with loss_context(self.vocab_sharded_loss):\n                pass",
-        ("tests/test_moe.py::test_moe_trains_as_one_process[aux-pp]",),
+        ("tests/test_moe.py::test_moe_trains_as_one_process[deep-ppep2]",),
     ),
     Mutant(
         "ep-tokens-to-wrong-rank",
@@ -449,6 +456,27 @@ MUTANTS = (
         "            dist.all_reduce(flat, group=self.group)",
         "            pass",
         ("tests/test_moe.py::test_moe_trains_as_one_process[bias-dp2ep2]",),
+    ),
+    Mutant(
+        "ep-zero1-experts-not-stepped",
+        "distrain/train/optim.py",
+        "return Optimizers(zero, cls(apart, **options)) if apart else zero",
+        "return zero",
+        ("tests/test_moe.py::test_moe_trains_as_one_process[bias-zero1ep2]",),
+    ),
+    Mutant(
+        "ep-experts-of-one-stage-summed",
+        "distrain/parallel/expert_parallel.py",
+        "earlier = on.experts.modules if on.experts is not None else []",
+        "earlier = []",
+        ("tests/test_moe.py::test_moe_trains_as_one_process[deep-ppep2]",),
+    ),
+    Mutant(
+        "ep-pipeline-replicates-the-experts",
+        "distrain/parallel/data_parallel.py",
+        "replicate(model, mesh=dp_mesh, mp_policy=mixed_precision(bf16), ignored_params=ignored or None)",
+        "replicate(model, mesh=dp_mesh, mp_policy=mixed_precision(bf16))",
+        ("tests/test_moe.py::test_moe_trains_as_one_process[deep-ppep2]",),
     ),
     Mutant(
         "ep-replicas-of-other-experts",
@@ -570,7 +598,7 @@ MUTANTS = (
         "distrain/strategy/tensor_parallel.py",
         "    if m.moe.num_experts and m.moe.shared_experts:",
         "    if False:",
-        ("tests/test_moe.py::test_a_moe_setting_that_cannot_work_is_refused_in_one_line",),
+        ("tests/test_moe_layer.py::test_a_moe_setting_that_cannot_work_is_refused_in_one_line",),
     ),
 )
 

@@ -33,11 +33,9 @@ OVERRIDES = (
     [
         (["strategy.ep=0"], "strategy.ep=0: must be at least 1"),
         (["strategy.ep=4"], "gradient group (dp_replicate × dp_shard × cp = 2), which it does not divide"),
-        (["strategy=pp", "cluster.num_workers=4", "strategy.ep=2"], "strategy.pp=2 yet"),
         (["model=nano", "strategy.ep=2"], "strategy.ep=2 splits a mixture of experts, but model.moe.num_experts=0"),
         (["model.moe.num_experts=6", "cluster.num_workers=4", "strategy.ep=4"], "does not divide model.moe.num"),
         (["strategy=ps", "strategy.ep=2"], "does not combine with ps.mode=sync"),
-        (["strategy=zero1", "strategy.ep=2"], "does not combine with strategy.zero=1"),
         (["strategy=offload", "strategy.ep=2"], "does not combine with strategy.offload=cpu"),
         (["strategy.compile=true", "strategy.ep=2"], "does not combine with strategy.compile=true"),
     ],
@@ -73,6 +71,33 @@ def test_expert_parallelism_borrows_consecutive_ranks_of_the_gradient_group(tmp_
         (rank_memory(cfg, without, 0, "fp32"), 294_912),
     ):
         assert estimate.params == 4 * (25_248 + experts) and estimate.optimizer == 2 * estimate.params
+    # under ZeRO-1 the other weights' moments are sharded over the 4 ranks, the experts' kept whole on each
+    zero1 = make_config(tmp_path, "model=moe_nano", "cluster.num_workers=4", "strategy=zero1", "strategy.ep=2")
+    assert rank_memory(zero1, validate(zero1), 0, "fp32").optimizer == 4 * 2 * (25_248 // 4 + 294_912 // 2)
+
+
+@pytest.mark.timeout(60)
+def test_under_a_pipeline_each_stage_splits_its_own_blocks_experts(tmp_path):
+    """pp 2 × dp 2 with ep 2 on 4: each stage's two dp ranks split the experts of its one block (of two), so --plan,
+    the memory estimate and the all-to-all bytes count a stage's block alone."""
+    from distrain.driver.plan import describe, rank_memory
+    from distrain.strategy.expert_parallel import alltoall_bytes
+
+    pp = ("model=moe_nano", "cluster.num_workers=4", "strategy=pp")
+    cfg, without = make_config(tmp_path, *pp, "strategy.ep=2"), make_config(tmp_path, *pp)
+    layout = validate(cfg)
+    assert layout.sizes() == validate(without).sizes() == {"pp": 2, "dp_replicate": 2, "dp_shard": 1, "cp": 1, "tp": 1}
+    assert [layout.expert_rank(r) for r in range(4)] == [0, 1, 0, 1]  # ranks 0-1 stage 0, 2-3 stage 1
+    plan = describe(cfg, layout, None)
+    assert "4 of 8 experts a layer" in plan and "expert parameters 73,728 of 294,912" in plan, plan
+    # 1 layer with experts on a rank; 8 sequences of 32 tokens over 2 ranks, as above otherwise
+    assert alltoall_bytes(cfg, layout) == 1 * 128 * 2 * 32 * 4 * 2 * 2 / 2 and "sends 0.06 MiB per step" in plan
+    for stage in (0, 1):  # ep 2 halves the 147,456 expert weights of the stage's block, and nothing else
+        saved = (
+            rank_memory(without, validate(without), stage, "fp32").params
+            - rank_memory(cfg, layout, stage, "fp32").params
+        )
+        assert saved == 4 * 147_456 // 2
 
 
 @pytest.mark.timeout(60)

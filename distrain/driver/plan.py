@@ -15,7 +15,7 @@ from distrain.driver.survival import survivable
 from distrain.model.size import num_params, parts
 from distrain.strategy import MESH_DIMS, PARALLELISMS
 from distrain.strategy.context_parallel import ring_scores
-from distrain.strategy.expert_parallel import expert_params
+from distrain.strategy.expert_parallel import expert_params, rank_blocks
 from distrain.strategy.layout import Layout
 from distrain.strategy.pipeline import in_flight, stage_layers
 
@@ -100,11 +100,11 @@ def rank_memory(cfg: TrainConfig, layout: Layout, pp_rank: int, precision: str, 
     ZeRO-1 shards the optimizer state (K·P/N); ZeRO-2 the gradients too (P/N); ZeRO-3 the parameters
     too (P/N). Offload keeps the ZeRO-3 numbers in CPU memory. 1-D tensor parallelism leaves the routers and
     the routed experts whole (distrain/model/moe.py, moe_tp_plan). Expert parallelism's experts are 1/ep on each
-    rank, outside ZeRO's sharding (it needs pp = 1: the rank holds every block)."""
+    rank, outside ZeRO's sharding (those of its stages' blocks)."""
     s = cfg.strategy
     stages, n_stages = layout.stages(pp_rank), layout.num_stages
     p = sum(stage_params(cfg, i, n_stages, layout) for i in stages)
-    blocks = [b for i in stages for b in stage_layers(cfg.model.n_layers, n_stages)[i]]
+    blocks = rank_blocks(cfg, layout, pp_rank)
     whole = expert_params(cfg, blocks, routers=True)  # stage_params split them as it splits every matrix
     p += whole - whole // math.prod(par.weight_split(layout)[0] for par in PARALLELISMS)
     ep = layout.settings.get("ep", 1)

@@ -68,6 +68,17 @@ def aux_loss_scale(scale: float) -> Iterator[None]:
         AuxLoss.scale = before
 
 
+@contextlib.contextmanager
+def recomputing() -> Iterator[None]:
+    """Activation checkpointing's second forward of a block, in the backward pass (parallelize.py): the same routing
+    again, which the step's figures must not count twice (dropped copies, forwards; the loads)."""
+    before, MoE.recomputing = MoE.recomputing, True
+    try:
+        yield
+    finally:
+        MoE.recomputing = before
+
+
 def route(logits: torch.Tensor, m: MoEConfig, bias: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
     """(scores (tokens, experts), the chosen experts (tokens, top_k), their weights (tokens, top_k)), in fp32.
     The bias moves the choice only: the weights are the chosen experts' unbiased scores."""
@@ -133,6 +144,8 @@ class MoE(nn.Module):
     copies dropped over an expert's capacity, and the forwards; a plain tensor, not a buffer, so that DDP does
     not overwrite one rank's with another's."""
 
+    recomputing = False  # a block's forward again in the backward pass (`recomputing`): its figures are counted
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         m = cfg.moe
@@ -163,6 +176,8 @@ class MoE(nn.Module):
         balance, z = self.router_losses(logits, scores, counts)
         if self.training and (m.aux_loss_weight > 0 and m.balance == "aux_loss" or m.z_loss_weight > 0):
             out = AuxLoss.apply(out, m.aux_loss_weight * balance * (m.balance == "aux_loss") + m.z_loss_weight * z)
+        if MoE.recomputing:
+            return out.reshape(shape)
         with torch.no_grad():
             dropped = counts.sum() - taken.sum()
             figures = torch.cat([counts.float(), torch.stack([balance, z, dropped.float(), torch.ones_like(z)])])

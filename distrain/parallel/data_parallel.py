@@ -2,7 +2,7 @@
 
 zero 0: DDP (or, when the model already holds DTensors from TP or is a pipeline stage,
         FSDP2-based `replicate`, which composes with them)
-zero 1: DDP; the optimizer shards its state (ZeroRedundancyOptimizer, train/optim.py)
+zero 1: DDP; the optimizer shards its state (ZeroRedundancyOptimizer, train/optim.py; the experts' kept apart)
 zero 2: FSDP2 `fully_shard`, parameters kept gathered from forward to backward
 zero 3: FSDP2 `fully_shard`, parameters resharded after each block's forward
 HSDP is zero 2/3 on a 2-D (dp_replicate, dp_shard) mesh; offload adds FSDP2's CPUOffloadPolicy.
@@ -36,7 +36,8 @@ def parallelize(model: nn.Module, on: PassContext) -> nn.Module:
     allocates and initialises only its shards, and before replicating, as DDP and `replicate` need
     real parameters when they wrap a model."""
     c, mesh = on.cfg, on.mesh.gradient
-    own = on.experts.params() if on.experts is not None else []  # expert parallelism sums their gradients
+    experts = {id(p) for p in on.experts.params()} if on.experts is not None else set()
+    own = [p for p in model.parameters() if id(p) in experts]  # this part's: expert parallelism sums their gradients
     if on.grid is not None:  # gradients summed over the grid by GradSync (ParallelModel)
         materialize(model, on.device)
         return model
@@ -45,7 +46,7 @@ def parallelize(model: nn.Module, on: PassContext) -> nn.Module:
         apply_fsdp(model, mesh, reshard_after_forward=c.zero == 3, bf16=on.bf16, offload=offload, ignored=set(own))
         materialize(model, on.device, offload=offload)
         return model
-    ignored = [name for name, p in model.named_parameters() if any(p is q for q in own)]
+    ignored = [name for name, p in model.named_parameters() if id(p) in experts]
     materialize(model, on.device)
     if mesh is None:  # every worker is taken by tensor or pipeline parallelism
         return model
@@ -90,7 +91,7 @@ def apply_replicate(
     model: nn.Module, dp_mesh: DeviceMesh, bf16: bool, ignored: set[nn.Parameter] | None = None
 ) -> nn.Module:
     """FSDP2's `replicate` over the gradient mesh, but for the `ignored` parameters (expert parallelism's experts
-    beside tensor parallelism: their gradients are summed apart)."""
+    beside tensor or pipeline parallelism: their gradients are summed apart)."""
     replicate(model, mesh=dp_mesh, mp_policy=mixed_precision(bf16), ignored_params=ignored or None)
     return model
 

@@ -22,8 +22,9 @@ from distrain.parallel.passes import PassContext
 
 def parallelize(model: nn.Module, on: PassContext) -> nn.Module:
     """Each MoE layer's experts split over the `ep` ranks, its rows exchanged with them (`exchange`); the expert
-    gradients' sum left in `on.experts` for the step to run after its backward. Under tensor parallelism the experts
-    arrive whole on each rank (Replicate over tp): each tp index splits its copy over its own ep group."""
+    gradients' sum left in `on.experts` for the step to run after its backward, over the experts of every part
+    this pass is given (a rank's pipeline stages: several under the looped schedules). Under tensor parallelism the
+    experts arrive whole on each rank (Replicate over tp): each tp index splits its copy over its own ep group."""
     mesh = on.mesh.experts
     if mesh is None:
         return model
@@ -33,7 +34,8 @@ def parallelize(model: nn.Module, on: PassContext) -> nn.Module:
             piece = distribute_tensor(local(p.detach()), mesh["ep"], [Shard(0)], src_data_rank=None)
             layer.experts.register_parameter(name, nn.Parameter(piece, requires_grad=p.requires_grad))
         layer.exchange = functools.partial(exchange, layer.experts, mesh.get_group("ep"), mesh["ep"].size())
-    on.experts = ExpertGradients([layer.experts for layer in layers], mesh, on.layout.gradient_width)
+    earlier = on.experts.modules if on.experts is not None else []
+    on.experts = ExpertGradients([*earlier, *(layer.experts for layer in layers)], mesh, on.layout.gradient_width)
     return model
 
 

@@ -27,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from distrain.compat import settle_gradients
 from distrain.config import StrategyConfig
-from distrain.model.moe import aux_loss_scale
+from distrain.model.moe import aux_loss_scale, recomputing
 from distrain.parallel import context_parallel, data_parallel, expert_parallel, tensor_parallel
 from distrain.parallel.data_parallel import no_gradient_sync
 from distrain.parallel.mesh import ParallelMesh
@@ -42,10 +42,11 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def apply_activation_checkpointing(model: nn.Module, on: PassContext) -> nn.Module:
-    """Keep only each block's input; recompute the rest during the backward pass."""
+    """Keep only each block's input; recompute the rest during the backward pass, where a MoE layer knows it is
+    (`recomputing`: it counts its figures once)."""
     if on.cfg.activation_checkpoint:
         for block in model.layers.values():
-            checkpoint(block)
+            checkpoint(block, context_fn=lambda: (contextlib.nullcontext(), recomputing()))
     return model
 
 

@@ -9,7 +9,14 @@ whose ranks keep their different tokens, so the batch, the world size and every 
 as they were and no rank idles beside the experts. A rank's expert gradients are summed over the ranks holding
 the same experts (`ep_rest`) and scaled as the rest of the gradient is, by the whole group. Under 1-D tensor
 parallelism every rank of a tensor-parallel group routes the same tokens (distrain/model/moe.py, moe_tp_plan):
-each tp index has ep groups of its own, which exchange the same rows, and the experts are not split over tp."""
+each tp index has ep groups of its own, which exchange the same rows, and the experts are not split over tp.
+
+Under a pipeline the world is pp × the gradient group, so the ranks an ep group borrows hold one stage: each
+stage's experts are split over its own ranks, and every rank of an ep group runs the same schedule, so their
+all-to-alls come in the same order (forward, backward, a recomputed forward alike). Under ZeRO-1 the experts
+get an optimizer of their own beside ZeroRedundancyOptimizer, which steps each weight on one rank of the group
+and sends it to the others (it would overwrite every ep rank's experts with one rank's): their state is whole
+on each rank holding them, already 1/ep of the experts', and not sharded further over `ep_rest`."""
 
 from __future__ import annotations
 
@@ -20,6 +27,7 @@ from distrain.config import TrainConfig
 from distrain.model.families import shipped
 from distrain.strategy.layout import Layout
 from distrain.strategy.parallelism import Parallelism, require
+from distrain.strategy.pipeline import stage_layers
 
 
 def fields(cfg: TrainConfig, sizes: dict[str, int]) -> dict[str, Any]:
@@ -38,11 +46,6 @@ def check(cfg: TrainConfig, layout: Layout) -> None:
         f"{ep} borrows ranks of the gradient group (dp_replicate × dp_shard × cp = {width}), which it does not "
         f"divide; choose an ep that divides {width}",
     )
-    require(
-        layout.pp == 1,
-        f"{ep} does not combine with strategy.pp={layout.pp} yet (a stage's all-to-alls are not scheduled); "
-        f"use data, context and tensor parallelism with it",
-    )
 
 
 def validate(cfg: TrainConfig) -> None:
@@ -58,7 +61,6 @@ def validate(cfg: TrainConfig) -> None:
     )
     refused = (
         (cfg.ps.mode is None, f"ps.mode={cfg.ps.mode}", "a parameter-server worker holds every expert"),
-        (s.zero != 1, "strategy.zero=1", "ZeroRedundancyOptimizer sends each weight from one rank"),
         (s.offload == "none", f"strategy.offload={s.offload}", "the experts stay outside FSDP2, which offloads"),
         (not s.compile, "strategy.compile=true", "the all-to-all's split sizes are read on the host"),
     )
@@ -74,14 +76,20 @@ def expert_params(cfg: TrainConfig, blocks: Iterable[int] | None = None, routers
     return sum(each for b in (range(c.n_layers) if blocks is None else blocks) if m.is_sparse(b))
 
 
+def rank_blocks(cfg: TrainConfig, layout: Layout, pp_rank: int) -> list[int]:
+    """The blocks the ranks at `pp_rank` hold: those of its pipeline stages (all of them without a pipeline)."""
+    per_stage = stage_layers(cfg.model.n_layers, layout.num_stages)
+    return [b for stage in layout.stages(pp_rank) for b in per_stage[stage]]
+
+
 def alltoall_bytes(cfg: TrainConfig, layout: Layout) -> float:
     """Bytes one rank sends per step in the all-to-alls: each layer with experts sends its tokens' top_k copies
     (dim values each) out and back in the forward, and their gradients in the backward, of which the (ep − 1)/ep
-    bound for other ranks leave it."""
+    bound for other ranks leave it. Under a pipeline, a rank of the stages with the most such layers."""
     c, t = cfg.model, cfg.trainer
     tokens = t.global_batch_size * t.seq_len // layout.gradient_width
     element = 2 if t.precision == "bf16" else 4  # auto: as on a CPU (fp32) unless told
-    layers = sum(c.moe.is_sparse(b) for b in range(c.n_layers))
+    layers = max(sum(map(c.moe.is_sparse, rank_blocks(cfg, layout, r))) for r in range(layout.pp))
     return layers * tokens * c.moe.top_k * c.dim * element * 2 * 2 * (layout.ep - 1) / layout.ep
 
 
@@ -92,10 +100,12 @@ def plan_lines(cfg: TrainConfig, layout: Layout) -> list[str]:
     family = shipped(cfg.model._target_)
     rest = family.matmul_weights(cfg.model) + family.other_params(cfg.model) - experts if family else None
     held = f"{m.num_experts // layout.ep} of {m.num_experts} experts a layer"
+    # under a pipeline, a rank of the stages with the most of them
+    mine = max(expert_params(cfg, rank_blocks(cfg, layout, r)) for r in range(layout.pp)) // layout.ep
     lines = [
         f"expert parallel: ep={layout.ep} consecutive ranks of each gradient group of {layout.gradient_width} "
         f"split the experts, {held}",
-        f"  each rank: expert parameters {experts // layout.ep:,} of {experts:,}"
+        f"  each rank: expert parameters {mine:,} of {experts:,}"
         + (f"; the other {rest:,} as the other parallelisms hold them" if rest is not None else ""),
         f"  each rank sends {alltoall_bytes(cfg, layout) / 2**20:.2f} MiB per step in the all-to-alls "
         f"(forward and backward)",

@@ -16,10 +16,11 @@ from distrain.train.nvme import NVMeAdamW, Scratch
 
 def build_optimizer(
     model: nn.Module, cfg: OptimConfig, zero_group: dist.ProcessGroup | None = None, scratch: Scratch | None = None
-) -> torch.optim.Optimizer:
+) -> torch.optim.Optimizer | Optimizers:
     """Weight decay on matrices only: norms' gains are not decayed (as in GPT-2 and Llama).
-    With `zero_group` (ZeRO-1), each rank of the group holds the state of its share of the parameters;
-    with `scratch` (NVMe offload), AdamW's moments live in files there."""
+    With `zero_group` (ZeRO-1), each rank of the group holds the state of its share of the parameters (the
+    experts' under expert parallelism whole: `Optimizers`); with `scratch` (NVMe offload), AdamW's moments live
+    in files there."""
     params = [p for p in model.parameters() if p.requires_grad]
     decayed, undecayed = [p for p in params if p.ndim >= 2], [p for p in params if p.ndim < 2]
     return make_optimizer(decayed, undecayed, cfg, zero_group, scratch)
@@ -31,7 +32,7 @@ def make_optimizer(
     cfg: OptimConfig,
     zero_group: dist.ProcessGroup | None = None,
     scratch: Scratch | None = None,
-) -> torch.optim.Optimizer:
+) -> torch.optim.Optimizer | Optimizers:
     """The configured optimizer over two groups, weight decay on the first only (a parameter
     server's shard passes its pieces of matrices and of gains apart), each split by device mesh."""
     groups = [
@@ -48,9 +49,38 @@ def make_optimizer(
     if scratch is not None:
         assert cls is torch.optim.AdamW, "NVMe offload streams AdamW's moments (validation says so)"
         return NVMeAdamW(groups, scratch, **options)
-    if zero_group is not None:
-        return ZeroRedundancyOptimizer(groups, optimizer_class=cls, process_group=zero_group, **options)
-    return cls(groups, **options)
+    if zero_group is None:
+        return cls(groups, **options)
+    # ZeroRedundancyOptimizer steps each weight on one rank of the group and sends it to the others: a DTensor's
+    # local shards (expert parallelism's experts; ZeRO-1 takes no other parallelism that makes DTensors) differ
+    # between them, so theirs is an optimizer of its own, its state whole on each rank holding them
+    split: dict[bool, list[dict]] = {True: [], False: []}
+    for g in groups:
+        split[isinstance(next(iter(g["params"]), None), DTensor)].append(g)
+    shared, apart = split[False], split[True]
+    zero = ZeroRedundancyOptimizer(shared, optimizer_class=cls, process_group=zero_group, **options)
+    return Optimizers(zero, cls(apart, **options)) if apart else zero
+
+
+class Optimizers:
+    """Optimizers over disjoint parameters, stepped as one (ZeRO-1's and the experts', above): what the step loop
+    calls of an optimizer (step, zero_grad, param_groups for the learning rate); `local_optimizers` gives the
+    ones whose state a checkpoint holds."""
+
+    def __init__(self, *parts: torch.optim.Optimizer):
+        self.parts = parts
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [g for part in self.parts for g in part.param_groups]
+
+    def step(self) -> None:
+        for part in self.parts:
+            part.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for part in self.parts:
+            part.zero_grad(set_to_none=set_to_none)
 
 
 def by_mesh(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
@@ -76,6 +106,11 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """The optimizer that holds this rank's state: under ZeRO-1, the inner one over its own shard."""
     return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+
+
+def local_optimizers(optimizer: torch.optim.Optimizer | Optimizers) -> list[torch.optim.Optimizer]:
+    """Those that hold this rank's state (`local_optimizer`'s of each part): what a checkpoint saves and loads."""
+    return [local_optimizer(part) for part in (optimizer.parts if isinstance(optimizer, Optimizers) else [optimizer])]
 
 
 def lr_at(step: int, cfg: OptimConfig, max_steps: int) -> float:

@@ -24,7 +24,7 @@ from distrain.train import replicas
 from distrain.train.job import FromCheckpoint, FromReplicas, Start
 from distrain.train.learner import Learner
 from distrain.train.nvme import NVMeAdamW
-from distrain.train.optim import local_optimizer
+from distrain.train.optim import Optimizers, local_optimizers
 
 STATE_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
@@ -51,21 +51,26 @@ def set_rng_states(states: dict, device: torch.device) -> None:
         torch.cuda.set_rng_state(states["cuda_rng"], device)
 
 
-def checkpoint_state(learner: Learner, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+def checkpoint_state(learner: Learner, optimizer: torch.optim.Optimizer | Optimizers) -> tuple[dict, dict]:
     """What a checkpoint holds, and the hyperparameters it leaves out. Keyed by full-model parameter
     name, whatever the layout: a checkpoint resumes on any. Optimizer state is flattened to one
     entry per parameter so that ranks holding different parameters (pipeline stages, ZeRO-1
     shards) contribute disjoint keys. Its `param_groups.*` entries (lr, betas, eps, weight decay:
     one small item per parameter and key, most of what a load reads) are not saved: the config
     says them, and the schedule sets lr every step."""
-    model_sd, optim_sd = get_state_dict(learner.module, local_optimizer(optimizer), options=STATE_OPTIONS)
+    model_sd, optim_sd = get_state_dict(learner.module, local_optimizers(optimizer), options=STATE_OPTIONS)
     groups = {k: optim_sd.pop(k) for k in [k for k in optim_sd if k.startswith("param_groups.")]}
     return {"model": model_sd, "optim": learner.parallel.checkpoint_names(optim_sd, saving=True)}, groups
 
 
 class RankState:
     def __init__(
-        self, learner: Learner, optimizer: torch.optim.Optimizer, device: torch.device, layout: Layout, rank: int
+        self,
+        learner: Learner,
+        optimizer: torch.optim.Optimizer | Optimizers,
+        device: torch.device,
+        layout: Layout,
+        rank: int,
     ):
         self.learner, self.optimizer, self.device, self.layout, self.rank = learner, optimizer, device, layout, rank
         self.step, self.loss = 0, math.nan
@@ -80,7 +85,7 @@ class RankState:
         """Set the model and optimizer from `state` (as `capture` made it, then filled) and the hyperparameters."""
         set_state_dict(
             self.learner.module,
-            local_optimizer(self.optimizer),
+            local_optimizers(self.optimizer),
             model_state_dict=state["model"],
             optim_state_dict={**self.learner.parallel.checkpoint_names(state["optim"], saving=False), **groups},
             options=STATE_OPTIONS,
@@ -117,7 +122,7 @@ class RankState:
         """Whether a replica could start from this state if the attempt failed now: whole (the failure came between
         optimizer updates), asked for, with a replica to share it, trained (a fresh start loses no step), and in
         memory (NVMe offload's is in scratch files this process no longer owns once it fails)."""
-        trained = bool(local_optimizer(self.optimizer).state)
+        trained = any(o.state for o in local_optimizers(self.optimizer))
         if not (self.whole and c.peer_recovery and self.layout.dp_replicate >= 2 and trained):
             return False
         return not isinstance(self.optimizer, NVMeAdamW)
