@@ -458,6 +458,34 @@ MUTANTS = (
         ("tests/test_moe.py::test_moe_trains_as_one_process[bias-dp2ep2]",),
     ),
     Mutant(
+        "ep-zero3-expert-grads-divided-by-ep-rest",
+        "distrain/parallel/data_parallel.py",
+        "experts.set_gradient_divide_factor(float(on.layout.gradient_width))",
+        "experts.set_gradient_divide_factor(float(shards.size()))",
+        ("tests/test_moe.py::test_moe_trains_as_one_process[bias-zero3ep2]",),
+    ),
+    Mutant(
+        "ep-zero3-expert-grads-reduced-twice",
+        "distrain/parallel/expert_parallel.py",
+        "        if self.by_fsdp:\n",
+        "        if False:\n",
+        ("tests/test_moe.py::test_moe_trains_as_one_process[bias-zero3ep2]",),
+    ),
+    Mutant(
+        "ep-zero3-experts-left-whole",
+        "distrain/parallel/mesh.py",
+        'if not self.sharded or mesh is None or mesh["ep_shard"].size() == 1:',
+        "if True:",
+        ("tests/test_expert_parallel.py::test_under_zero3_the_experts_are_sharded_over_the_ranks_holding_them",),
+    ),
+    Mutant(
+        "ep-hsdp-experts-sharded-across-replicas",
+        "distrain/strategy/expert_parallel.py",
+        "    within = layout.gradient_width // layout.dp_replicate\n",
+        "    within = layout.gradient_width\n",
+        ("tests/test_expert_parallel.py::test_expert_parallelism_borrows_consecutive_ranks_of_the_gradient_group",),
+    ),
+    Mutant(
         "ep-zero1-experts-not-stepped",
         "distrain/train/optim.py",
         "return Optimizers(zero, cls(apart, **options)) if apart else zero",
@@ -491,8 +519,8 @@ MUTANTS = (
     Mutant(
         "ep-resume-wrong-expert-slice",
         "distrain/parallel/mesh.py",
-        "grid = ranks.reshape(-1, layout.gradient_width // layout.ep, layout.ep)",
-        "grid = ranks.reshape(-1, layout.gradient_width // layout.ep, layout.ep).flip(-1)",
+        "grid = ranks.reshape(-1, *split, layout.ep)",
+        "grid = ranks.reshape(-1, *split, layout.ep).flip(-1)",
         ("tests/test_moe.py::test_a_checkpoint_resumes_under_another_ep[ep4-to-ep2]",),
     ),
     Mutant(

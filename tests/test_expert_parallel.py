@@ -74,6 +74,29 @@ def test_expert_parallelism_borrows_consecutive_ranks_of_the_gradient_group(tmp_
     # under ZeRO-1 the other weights' moments are sharded over the 4 ranks, the experts' kept whole on each
     zero1 = make_config(tmp_path, "model=moe_nano", "cluster.num_workers=4", "strategy=zero1", "strategy.ep=2")
     assert rank_memory(zero1, validate(zero1), 0, "fp32").optimizer == 4 * 2 * (25_248 // 4 + 294_912 // 2)
+    # under ZeRO-3 FSDP2 shards the rest over 4 and each rank's half of the experts over the 2 ranks holding it
+    zero3 = make_config(tmp_path, "model=moe_nano", "cluster.num_workers=4", "strategy=zero3", "strategy.ep=2")
+    estimate = rank_memory(zero3, validate(zero3), 0, "fp32")
+    assert estimate.params == estimate.grads == 4 * (25_248 // 4 + 294_912 // 4), estimate
+    assert "FSDP2 shards them over the 2 ranks holding the same experts (ep_rest): 73,728 each" in describe(
+        zero3, validate(zero3), None
+    )
+    # HSDP shards them within a replica, so that a replica holds a rank's state: 2 × 4 with ep 2, over 2 ranks;
+    # 2 × 2 with ep 2 leaves none (the experts whole, as under DDP)
+    hsdp = (
+        "model=moe_nano",
+        "strategy=zero3",
+        "strategy.dp_replicate=2",
+        "strategy.ep=2",
+        "trainer.micro_batch_size=1",
+    )
+    wide, narrow = (
+        make_config(tmp_path, *hsdp, f"cluster.num_workers={2 * n}", f"strategy.dp_shard={n}") for n in (4, 2)
+    )
+    within = "2 ranks holding the same experts (ep_rest within a replica): 73,728 each"
+    assert within in describe(wide, validate(wide), None)
+    assert "the experts stay whole on their ranks" in describe(narrow, validate(narrow), None)
+    assert rank_memory(narrow, validate(narrow), 0, "fp32").params == 4 * (25_248 // 2 + 294_912 // 2)
 
 
 @pytest.mark.timeout(60)
@@ -184,3 +207,49 @@ def test_each_rank_sends_what_its_routing_says(tmp_path: Path):
         }, f"rank {r}"
     ratio = sum(rows) / WORLD / alltoall_bytes(cfg, layout)
     assert 0.9 < ratio < 1.1, ratio
+
+
+def expert_storage(rank: int, port: int, plain: dict, layout_dict: dict, out: str) -> None:
+    """One rank of a ZeRO-3 run: each expert weight's local and full sizes and its placements, after one step's
+    forward and backward (its gradient's local size too)."""
+    rank_env(rank, WORLD, port, CUDA_VISIBLE_DEVICES="")
+    import torch
+
+    from distrain.config import from_plain
+    from distrain.model.moe import moe_layers
+    from distrain.model.registry import build_model
+    from distrain.parallel import process_group
+    from distrain.parallel.parallelize import ParallelModel
+    from distrain.strategy.layout import Layout
+    from distrain.train.learner import cross_entropy
+
+    device = process_group.init_from_env()
+    cfg, layout = from_plain(plain), Layout.from_dict(layout_dict)
+    t = cfg.trainer
+    with torch.device("meta"):
+        model = build_model(cfg.model, t.seq_len, seed=t.seed)
+    parallel = ParallelModel(model, cfg.strategy, layout, device, False, cross_entropy)
+    tokens = torch.randint(0, cfg.model.vocab_size, (2, t.seq_len + 1), generator=torch.Generator().manual_seed(rank))
+    parallel.forward_backward(tokens[:, :-1], tokens[:, 1:])
+    weights = [p for layer in moe_layers(parallel.module) for p in layer.experts.parameters()]
+    held = [[p.to_local().numel(), p.numel(), p.grad.to_local().numel(), str(p.placements)] for p in weights]
+    Path(out, f"rank{rank}.json").write_text(json.dumps(held))
+    process_group.destroy()
+
+
+@pytest.mark.timeout(120)
+def test_under_zero3_the_experts_are_sharded_over_the_ranks_holding_them(tmp_path: Path):
+    """ZeRO-3 over 4 with ep 2: ep splits the experts in two and FSDP2 shards each half over ep_rest, the 2 ranks
+    holding it, so a rank keeps a quarter of every expert weight and of its gradient (each expert's rows halved,
+    its Shard(0) over ep kept whole)."""
+    from distrain.config import to_plain
+
+    cfg = make_config(tmp_path, *OVERRIDES[:-1], "strategy=zero3", "strategy.ep=2")
+    layout = validate(cfg)
+    spawn_ranks(expert_storage, (free_port(), to_plain(cfg), layout.as_dict(), str(tmp_path)), WORLD)
+    for r in range(WORLD):
+        held = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert len(held) == 2 * 3, held  # two layers with experts, three weights each
+        for local, full, grad, placements in held:
+            assert local * 4 == full and grad == local, (r, local, full, grad)
+            assert placements == "(Shard(dim=1), Shard(dim=0))", placements

@@ -1,10 +1,11 @@
 """The moe family's training (distrain/model/moe.py; the layer alone: tests/test_moe_layer.py) under data
 parallelism, HSDP (ZeRO-3 on a 2-D mesh), context parallelism, 1-D tensor parallelism and expert parallelism (alone,
-with DDP and activation checkpointing, with HSDP, with cp, with tp, with a looped pipeline and recomputation, with
-ZeRO-1) exactly as one process trains it, and checkpoints resumed across ep sizes and layouts (ep 2 → none, ep 4 →
-ep 2, none → ep 2, pp × ep 2 → ep 2). Tolerances, absolute and relative: 1e-5 where only the data or the experts
-are split (fp32, sums in another order); 1e-4 under a pipeline, context and tensor parallelism. Expert
-parallelism's layout and bytes: tests/test_expert_parallel.py."""
+with DDP and activation checkpointing, with HSDP, with ZeRO-3 sharding the experts too, with cp, with tp, with a
+looped pipeline and recomputation, with ZeRO-1) exactly as one process trains it, and checkpoints resumed across ep
+sizes and layouts (ep 2 → none, ep 4 → ep 2, none → ep 2, pp × ep 2 → ep 2, ZeRO-3 × ep 2 → DDP × ep 2).
+Tolerances, absolute and relative: 1e-5 where only the data or the experts are split (fp32, sums in another
+order); 1e-4 under a pipeline, context and tensor parallelism. Expert parallelism's layout and bytes:
+tests/test_expert_parallel.py."""
 
 from __future__ import annotations
 
@@ -53,8 +54,12 @@ LAYOUTS = {
     "ep4": (4, ["strategy.ep=4"], 1e-5),  # all four ranks split the experts (2 each)
     # DDP over 4, each expert on 2 ranks (their gradients summed over 2), the exchanges rerun by the recomputation
     "dp2ep2": (4, ["strategy.ep=2", "strategy.activation_checkpoint=true"], 1e-5),
-    # HSDP: the rest sharded over dp_shard 2 by FSDP2, whose ranks ep borrows; the experts split by ep alone
+    # HSDP: the rest sharded over dp_shard 2 by FSDP2, whose ranks ep borrows; the experts split by ep alone (no
+    # rank of a replica left to shard them over: they stay out of FSDP2)
     "hsdpep2": (4, ["strategy=zero3", "strategy.dp_replicate=2", "strategy.dp_shard=2", "strategy.ep=2"], 1e-5),
+    # ZeRO-3 over 4, ep 2: FSDP2 shards the rest over 4 and each half of the experts over the 2 ranks holding it
+    # (ep_rest), reduce-scattering their gradients there, divided by 4
+    "zero3ep2": (4, ["strategy=zero3", "strategy.ep=2"], 1e-5),
     # 1-D TP with sequence parallelism: both ranks route the same (gathered) tokens through whole experts
     "tp2": (2, ["strategy.tp=2"], 1e-4),
     # tp 2 × dp 2, ep 2 borrowing dp: each tp index its own ep group; the shared expert split over tp
@@ -79,6 +84,7 @@ CASES = [
     ("aux", "ep4"),
     ("bias", "dp2ep2"),
     ("aux", "hsdpep2"),
+    ("bias", "zero3ep2"),
     ("bias", "tpep2"),
     ("deep", "ppep2"),
     ("bias", "zero1ep2"),
@@ -161,8 +167,8 @@ def test_an_expert_parallel_checkpoint_resumes_without_expert_parallelism(refere
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
     ("model", "source", "workers"),
-    [("aux", "ep4", 4), ("aux", "ddp", 2), ("deep", "ppep2", 4)],
-    ids=["ep4-to-ep2", "ep1-to-ep2", "ppep2-to-ep2"],
+    [("aux", "ep4", 4), ("aux", "ddp", 2), ("deep", "ppep2", 4), ("bias", "zero3ep2", 4)],
+    ids=["ep4-to-ep2", "ep1-to-ep2", "ppep2-to-ep2", "zero3ep2-to-ep2"],
 )
 def test_a_checkpoint_resumes_under_another_ep(
     model: str, source: str, workers: int, references, layout_runs, tmp_path

@@ -15,7 +15,7 @@ from distrain.driver.survival import survivable
 from distrain.model.size import num_params, parts
 from distrain.strategy import MESH_DIMS, PARALLELISMS
 from distrain.strategy.context_parallel import ring_scores
-from distrain.strategy.expert_parallel import expert_params, rank_blocks
+from distrain.strategy.expert_parallel import expert_params, expert_shard_ranks, rank_blocks
 from distrain.strategy.layout import Layout
 from distrain.strategy.pipeline import in_flight, stage_layers
 
@@ -100,7 +100,8 @@ def rank_memory(cfg: TrainConfig, layout: Layout, pp_rank: int, precision: str, 
     ZeRO-1 shards the optimizer state (K·P/N); ZeRO-2 the gradients too (P/N); ZeRO-3 the parameters
     too (P/N). Offload keeps the ZeRO-3 numbers in CPU memory. 1-D tensor parallelism leaves the routers and
     the routed experts whole (distrain/model/moe.py, moe_tp_plan). Expert parallelism's experts are 1/ep on each
-    rank, outside ZeRO's sharding (those of its stages' blocks)."""
+    rank (those of its stages' blocks), sharded by ZeRO-2/3 over ep_rest's ranks within a replica, as
+    parallel/data_parallel.py's shard_experts does; ZeRO-1 leaves them whole."""
     s = cfg.strategy
     stages, n_stages = layout.stages(pp_rank), layout.num_stages
     p = sum(stage_params(cfg, i, n_stages, layout) for i in stages)
@@ -110,17 +111,21 @@ def rank_memory(cfg: TrainConfig, layout: Layout, pp_rank: int, precision: str, 
     ep = layout.settings.get("ep", 1)
     experts = expert_params(cfg, blocks) if ep > 1 else 0
     p, mine = p - experts, experts // ep
+    within = expert_shard_ranks(layout) if ep > 1 else 1  # ZeRO-2/3 shards a rank's experts over ep_rest's
 
     def shard(n: int, level: int) -> int:  # over dp_shard (× cp, folded in) from ZeRO `level` up (rounded up: padding)
         return -(-n // (layout.dp_shard * layout.cp)) if s.zero >= level else n
+
+    def experts_at(level: int) -> int:  # a rank's experts from ZeRO `level` up (2: FSDP2's; ZeRO-1 keeps them whole)
+        return -(-mine // within) if s.zero >= max(level, 2) else mine
 
     layers = sum(len(stage_layers(cfg.model.n_layers, n_stages)[i]) for i in stages)
     kept, full = layer_activations(cfg, layout, precision, scores)
     activations = layers * in_flight(layout, pp_rank) * kept + (full - kept)
     return Memory(
-        params=FP32 * (shard(p, 3) + mine),
-        grads=FP32 * (shard(p, 2) + mine),
-        optimizer=FP32 * (shard(optimizer_states(cfg) * p, 1) + optimizer_states(cfg) * mine),
+        params=FP32 * (shard(p, 3) + experts_at(3)),
+        grads=FP32 * (shard(p, 2) + experts_at(2)),
+        optimizer=FP32 * (shard(optimizer_states(cfg) * p, 1) + optimizer_states(cfg) * experts_at(1)),
         activations=activations,
         offload=s.offload,
     )

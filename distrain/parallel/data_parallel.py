@@ -22,6 +22,7 @@ from torch import nn
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import Shard
 from torch.nn.parallel import DistributedDataParallel
 
 from distrain.compat import ddp_without_buffer_sync
@@ -43,6 +44,10 @@ def parallelize(model: nn.Module, on: PassContext) -> nn.Module:
         return model
     if mesh is not None and c.zero >= 2:
         offload = c.offload != "none"  # nvme too: it moves only the optimizer state on from host memory
+        shards = on.mesh.expert_shards
+        if shards is not None:  # the experts sharded over ep_rest by units of their own, before the blocks'
+            shard_experts(model, on, shards)
+            own = []
         apply_fsdp(model, mesh, reshard_after_forward=c.zero == 3, bf16=on.bf16, offload=offload, ignored=set(own))
         materialize(model, on.device, offload=offload)
         return model
@@ -129,6 +134,25 @@ def apply_fsdp(
     for unit in edge_units(model):
         fully_shard(unit, **options)
     fully_shard(model, **options)
+
+
+def shard_experts(model: nn.Module, on: PassContext, shards: DeviceMesh) -> None:
+    """Each of this part's expert modules an FSDP2 unit over `shards` (ep_rest: ZeRO-2/3 of the experts that expert
+    parallelism leaves whole on a rank), their Shard(0) over `ep` joined to FSDP2's dim as FSDP with TP is. FSDP2
+    shards their dim 1 (the expert's rows), as dim 0 is ep's: no strided sharding, no padding of few experts.
+    It divides their summed gradient by the whole gradient group's width, not ep_rest's: an expert's gradient
+    already sums what every rank of its ep group sent it, so this is the mean the other weights get."""
+    held = {id(m) for m in model.modules()}
+    for experts in (m for m in on.experts.modules if id(m) in held):
+        fully_shard(
+            experts,
+            mesh=shards,
+            reshard_after_forward=on.cfg.zero == 3,
+            mp_policy=mixed_precision(on.bf16),
+            shard_placement_fn=lambda _: Shard(1),
+        )
+        experts.set_gradient_divide_factor(float(on.layout.gradient_width))
+        experts.set_force_sum_reduction_for_comms(True)  # sum, then divide: gloo has no PREMUL_SUM
 
 
 def edge_units(model: nn.Module) -> list[list[nn.Module]]:

@@ -35,7 +35,9 @@ def parallelize(model: nn.Module, on: PassContext) -> nn.Module:
             layer.experts.register_parameter(name, nn.Parameter(piece, requires_grad=p.requires_grad))
         layer.exchange = functools.partial(exchange, layer.experts, mesh.get_group("ep"), mesh["ep"].size())
     earlier = on.experts.modules if on.experts is not None else []
-    on.experts = ExpertGradients([*earlier, *(layer.experts for layer in layers)], mesh, on.layout.gradient_width)
+    modules = [*earlier, *(layer.experts for layer in layers)]
+    rest, by_fsdp = on.mesh.expert_rest, on.mesh.expert_shards is not None
+    on.experts = ExpertGradients(modules, rest, on.layout.gradient_width, by_fsdp)
     return model
 
 
@@ -82,16 +84,19 @@ class ExpertGradients:
     """After a step's backward: each expert gradient (its local experts') summed over `ep_rest`, the ranks holding
     the same experts, and divided by the gradient group's width. An expert's gradient on its rank already sums
     what every rank's tokens sent it, so this is the mean over the whole batch that data parallelism takes of the
-    other weights."""
+    other weights. Under ZeRO-2/3 with ep_rest > 1 (`by_fsdp`) FSDP2 shards the experts over ep_rest and
+    reduce-scatters their gradients, divided by the same width (data_parallel.shard_experts): nothing left here."""
 
-    def __init__(self, modules: list[Experts], mesh: DeviceMesh, width: int):
-        self.modules, self.width = modules, width
-        self.group = mesh.get_group("ep_rest") if mesh["ep_rest"].size() > 1 else None
+    def __init__(self, modules: list[Experts], rest: DeviceMesh, width: int, by_fsdp: bool = False):
+        self.modules, self.width, self.by_fsdp = modules, width, by_fsdp
+        self.group = rest.get_group() if rest.size() > 1 else None
 
     def params(self) -> list[nn.Parameter]:
         return [p for m in self.modules for p in m.parameters()]
 
     def __call__(self) -> None:
+        if self.by_fsdp:
+            return
         grads = [p.grad.to_local() for p in self.params() if p.grad is not None]
         if not grads:
             return

@@ -16,7 +16,13 @@ stage's experts are split over its own ranks, and every rank of an ep group runs
 all-to-alls come in the same order (forward, backward, a recomputed forward alike). Under ZeRO-1 the experts
 get an optimizer of their own beside ZeroRedundancyOptimizer, which steps each weight on one rank of the group
 and sends it to the others (it would overwrite every ep rank's experts with one rank's): their state is whole
-on each rank holding them, already 1/ep of the experts', and not sharded further over `ep_rest`."""
+on each rank holding them, already 1/ep of the experts', and not sharded further over `ep_rest`.
+
+Under ZeRO-2/3 FSDP2 shards each rank's experts over the ranks of `ep_rest` within a replica (all of them without
+HSDP's dp_replicate; `expert_shard_ranks`), as torchtitan's dp_mod_ep does: units of their own, before the blocks',
+whose gradients FSDP2 reduce-scatters there and divides by the whole group's width. HSDP's replicas hold the same
+shards (recovery takes a rank's state from one). Where ep leaves no rank of a replica (ep takes all of dp_shard ×
+cp, or does not divide it) the experts stay whole, outside FSDP2, as under DDP."""
 
 from __future__ import annotations
 
@@ -68,6 +74,14 @@ def validate(cfg: TrainConfig) -> None:
         require(ok, f"{ep} does not combine with {setting} ({why}); leave it out, or set strategy.ep=1")
 
 
+def expert_shard_ranks(layout: Layout) -> int:
+    """Over how many ranks ZeRO-2/3's FSDP2 shards each rank's experts: those of `ep_rest` within one replica of
+    HSDP (dp_shard × cp over ep; all of ep_rest without dp_replicate), whose replicas then hold the same shards as
+    recovery expects; 1 (the experts whole on their ranks) where ep does not divide them."""
+    within = layout.gradient_width // layout.dp_replicate
+    return within // layout.ep if within % layout.ep == 0 else 1
+
+
 def expert_params(cfg: TrainConfig, blocks: Iterable[int] | None = None, routers: bool = False) -> int:
     """The experts' parameters of `blocks` (the whole model's by default): every routed expert of each block with
     experts, and with `routers` its router (what 1-D tensor parallelism leaves whole)."""
@@ -110,6 +124,15 @@ def plan_lines(cfg: TrainConfig, layout: Layout) -> list[str]:
         f"  each rank sends {alltoall_bytes(cfg, layout) / 2**20:.2f} MiB per step in the all-to-alls "
         f"(forward and backward)",
     ]
+    shards, zero = expert_shard_ranks(layout), cfg.strategy.zero
+    if zero >= 2 and shards > 1:
+        lines.append(
+            f"  ZeRO-{zero}: FSDP2 shards them over the {shards} ranks holding the same experts (ep_rest"
+            + (" within a replica" if layout.dp_replicate > 1 else "")
+            + f"): {-(-mine // shards):,} each"
+        )
+    elif zero >= 2:
+        lines.append(f"  ZeRO-{zero}: the experts stay whole on their ranks (no other rank of a replica holds them)")
     if layout.tp > 1:
         lines.append(
             f"  tensor parallel: the tp={layout.tp} ranks of a group route the same tokens, each tp index with ep "
