@@ -140,28 +140,37 @@ def test_under_tensor_parallelism_each_tp_index_has_ep_groups_of_its_own(tmp_pat
     assert rank_memory(tp_alone, validate(tp_alone), 0, "fp32").params == 4 * (24_576 // 2 + 160 + 512 + 294_912)
 
 
-def one_step(rank: int, port: int, plain: dict, layout_dict: dict, out: str) -> None:
-    """One rank: a training step's forward and backward under the counter; its all-to-alls, and each layer's
-    token copies per expert (its own tokens'), to a file."""
+def parallel_rank(rank: int, port: int, plain: dict, layout_dict: dict):  # noqa: ANN201
+    """One spawned rank's config, its model laid out as the run would lay it out, and a draw of its own tokens."""
     rank_env(rank, WORLD, port, CUDA_VISIBLE_DEVICES="")
     import torch
 
     from distrain.config import from_plain
-    from distrain.model.moe import moe_layers
     from distrain.model.registry import build_model
     from distrain.parallel import process_group
     from distrain.parallel.parallelize import ParallelModel
-    from distrain.parallel.traffic import Traffic
     from distrain.strategy.layout import Layout
     from distrain.train.learner import cross_entropy
 
     device = process_group.init_from_env()
     cfg, layout = from_plain(plain), Layout.from_dict(layout_dict)
-    t = cfg.trainer
     with torch.device("meta"):
-        model = build_model(cfg.model, t.seq_len, seed=t.seed)
+        model = build_model(cfg.model, cfg.trainer.seq_len, seed=cfg.trainer.seed)
     parallel = ParallelModel(model, cfg.strategy, layout, device, False, cross_entropy)
-    draw = torch.Generator().manual_seed(rank)  # each rank its own tokens, as its shard of a batch
+    return cfg, parallel, torch.Generator().manual_seed(rank)  # each rank its own tokens, as its shard of a batch
+
+
+def one_step(rank: int, port: int, plain: dict, layout_dict: dict, out: str) -> None:
+    """One rank: a training step's forward and backward under the counter; its all-to-alls, and each layer's
+    token copies per expert (its own tokens'), to a file."""
+    import torch
+
+    from distrain.model.moe import moe_layers
+    from distrain.parallel import process_group
+    from distrain.parallel.traffic import Traffic
+
+    cfg, parallel, draw = parallel_rank(rank, port, plain, layout_dict)
+    t = cfg.trainer
     tokens = torch.randint(0, cfg.model.vocab_size, (t.global_batch_size // WORLD, t.seq_len + 1), generator=draw)
     with Traffic() as traffic:
         parallel.forward_backward(tokens[:, :-1], tokens[:, 1:])
@@ -212,24 +221,13 @@ def test_each_rank_sends_what_its_routing_says(tmp_path: Path):
 def expert_storage(rank: int, port: int, plain: dict, layout_dict: dict, out: str) -> None:
     """One rank of a ZeRO-3 run: each expert weight's local and full sizes and its placements, after one step's
     forward and backward (its gradient's local size too)."""
-    rank_env(rank, WORLD, port, CUDA_VISIBLE_DEVICES="")
     import torch
 
-    from distrain.config import from_plain
     from distrain.model.moe import moe_layers
-    from distrain.model.registry import build_model
     from distrain.parallel import process_group
-    from distrain.parallel.parallelize import ParallelModel
-    from distrain.strategy.layout import Layout
-    from distrain.train.learner import cross_entropy
 
-    device = process_group.init_from_env()
-    cfg, layout = from_plain(plain), Layout.from_dict(layout_dict)
-    t = cfg.trainer
-    with torch.device("meta"):
-        model = build_model(cfg.model, t.seq_len, seed=t.seed)
-    parallel = ParallelModel(model, cfg.strategy, layout, device, False, cross_entropy)
-    tokens = torch.randint(0, cfg.model.vocab_size, (2, t.seq_len + 1), generator=torch.Generator().manual_seed(rank))
+    cfg, parallel, draw = parallel_rank(rank, port, plain, layout_dict)
+    tokens = torch.randint(0, cfg.model.vocab_size, (2, cfg.trainer.seq_len + 1), generator=draw)
     parallel.forward_backward(tokens[:, :-1], tokens[:, 1:])
     weights = [p for layer in moe_layers(parallel.module) for p in layer.experts.parameters()]
     held = [[p.to_local().numel(), p.numel(), p.grad.to_local().numel(), str(p.placements)] for p in weights]
