@@ -244,5 +244,5 @@ def test_a_start_that_timed_out_is_told_what_to_do_on_a_loaded_machine():
     from distrain.cluster.runtime import not_started
 
     slow = not_started("Exception: The current node timed out during startup")
-    assert "on a loaded machine Ray's processes may need longer" in slow and "jobs/cluster.py start" in slow
+    assert "on a loaded machine Ray's processes may need longer" in slow and "distrain cluster start" in slow
     assert "loaded machine" not in not_started("PermissionError: [Errno 1] Operation not permitted")

@@ -264,7 +264,7 @@ def test_bad_shards_are_refused_in_one_line_before_any_worker(tmp_path: Path, bp
             "tokenizer=bpe, this config names tokenizer=bytes",
         ),
         ([f"data.shards={bytes_shards}", "tokenizer=bpe"], "tokenizer=bytes, this config names tokenizer=bpe"),
-        (["tokenizer=bpe", f"model.vocab_size={VOCAB}"], "run jobs/prepare_data.py"),
+        (["tokenizer=bpe", f"model.vocab_size={VOCAB}"], "run distrain prepare-data"),
         ([*good, "trainer.seq_len=100000"], r"no training shard holds more than trainer.seq_len\+1"),
     )
     for overrides, message in cases:

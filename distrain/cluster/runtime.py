@@ -132,7 +132,7 @@ def not_started(why: str) -> str:
     slow = "timed out" in why.lower()
     advice = (
         "on a loaded machine Ray's processes may need longer than its 30 s (try again when it is quieter, or start "
-        "one with `jobs/cluster.py start` and attach with cluster.address); "
+        "one with `distrain cluster start` and attach with cluster.address); "
         if slow
         else ""
     )

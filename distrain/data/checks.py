@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from distrain.config import ConfigError
-from distrain.data.shards import read_index
+from distrain.data.shards import PREPARE, read_index
 from distrain.data.tokenizer import load_tokenizer
 from distrain.storage.objectstore import StorageError
 from distrain.urls import is_url
@@ -17,7 +17,6 @@ from distrain.urls import is_url
 if TYPE_CHECKING:
     from distrain.config import TrainConfig
 
-PREPARE = "jobs/prepare_data.py data.path=... tokenizer=bpe data.shards=DIR"
 TOKENIZER = "tokenizer.json"
 
 

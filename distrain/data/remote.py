@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from distrain.config import ConfigError
-from distrain.data.shards import INDEX, SPLITS, parse_index, shard_sizes
+from distrain.data.shards import INDEX, PREPARE, SPLITS, parse_index, shard_sizes
 from distrain.storage.fsutil import atomic_write
 from distrain.storage.integrity import checksum
 from distrain.storage.objectstore import StorageError, Store, store_for
@@ -41,8 +41,7 @@ def remote_index(url: str, storage: StorageConfig) -> tuple[dict[str, Any], dict
         listing = store.listing()
     except FileNotFoundError:
         raise ConfigError(
-            f"{where} has no {INDEX}: not prepared (or an upload never finished); run jobs/prepare_data.py "
-            f"data.shards={url}"
+            f"{where} has no {INDEX}: not prepared (or an upload never finished); run {PREPARE}"
         ) from None
     except StorageError as e:
         raise ConfigError(f"{where} cannot be read: {e}") from None

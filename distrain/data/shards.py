@@ -22,6 +22,9 @@ import numpy as np
 
 from distrain.config import ConfigError
 
+# How token shards are made, for the messages that find none (the installed command; jobs/prepare_data.py in a clone).
+PREPARE = "distrain prepare-data data.path=... tokenizer=bpe data.shards=DIR"
+
 INDEX = "index.json"
 FORMAT = 1
 SPLITS = ("train", "val")
@@ -72,9 +75,9 @@ def read_index(directory: str | Path) -> dict[str, Any]:
     directory = Path(directory)
     where = f"data.shards={str(directory)!r}"
     if not directory.is_dir():
-        raise ConfigError(f"{where} does not exist; write it with jobs/prepare_data.py data.shards=...")
+        raise ConfigError(f"{where} does not exist; write it with {PREPARE}")
     if not (directory / INDEX).is_file():
-        raise ConfigError(f"{where} has no {INDEX}: not prepared; run jobs/prepare_data.py data.shards=...")
+        raise ConfigError(f"{where} has no {INDEX}: not prepared; run {PREPARE}")
     try:
         text = (directory / INDEX).read_text()
     except OSError as e:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from distrain.config import ConfigError
+from distrain.data.shards import PREPARE
 
 if TYPE_CHECKING:
     from distrain.config import TrainConfig
@@ -219,8 +220,5 @@ def run_tokenizer(cfg: TrainConfig) -> Tokenizer:
         return load_tokenizer(local_shards(cfg, tokenizer_only=True), "data.shards")
     tokenizer = config_tokenizer(cfg)
     if tokenizer is None:
-        raise ConfigError(
-            "tokenizer=bpe trains on token shards: run jobs/prepare_data.py data.path=... tokenizer=bpe "
-            "data.shards=DIR, then train with data.shards=DIR"
-        )
+        raise ConfigError(f"tokenizer=bpe trains on token shards: run {PREPARE}, then train with data.shards=DIR")
     return tokenizer
