@@ -6,6 +6,7 @@ checkpoint, else fresh. The ranks' half of a start: train/state.py."""
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -29,8 +30,9 @@ class AllReduceEngine:
 
     replaces_workers = False
 
-    def __init__(self, job: RankJob, layouts: dict[int, Layout]):
-        self.job, self.layouts, self.run_dir = job, layouts, Path(job.run_dir)
+    def __init__(self, job: RankJob, layouts: dict[int, Layout], say: Callable[[str], None] = print):
+        """`say`: the driver's lines (a restart waiting for the run's object store)."""
+        self.job, self.layouts, self.run_dir, self.say = job, layouts, Path(job.run_dir), say
         self.recoveries = 0  # from replicas, so far
         self.replicas_offered = False  # from_replicas found every shard held: the next `begin` starts from them
 
@@ -66,7 +68,7 @@ class AllReduceEngine:
                 attempt.info.update(resumed_from_step=replicas.step, resumed_from="replicas")
                 return replicas, ""
             note = f"restarting from the last checkpoint after all: {why}"
-        latest, meta = newest_checkpoint(self.job.config, self.run_dir)
+        latest, meta = newest_checkpoint(self.job.config, self.run_dir, self.say)
         attempt.info["resumed_from_step"] = meta.get("step", 0)
         if attempt.number > 1:  # a restart: from where, said (the first attempt's resume is the summary's)
             where = f"the checkpoint of step {meta['step']}" if latest else "step 0 (no checkpoint committed yet)"

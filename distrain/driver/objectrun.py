@@ -5,13 +5,18 @@ any worker starts, the run's lock on the store, and its record synced there whil
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 from distrain.config import ConfigError, TrainConfig
 from distrain.storage.objectstore import StorageError, Store, quick_options, store_for
 from distrain.storage.record_sync import RecordSync, store_lock
 from distrain.storage.tracking import TRACKER_FILES
+
+T = TypeVar("T")
+STORE_POLL_S = 2.0  # while a restart waits for the store: the pause between looks (each with Store's own retries)
 
 
 def check_run_url(cfg: TrainConfig) -> None:
@@ -55,3 +60,25 @@ def on_store(cfg: TrainConfig, run_dir: Path, say: Callable[[str], None]) -> Ite
                 record.sync()
             except StorageError as e:
                 say(f"the run record could not be uploaded at the end, it is complete only in {run_dir}: {e}")
+
+
+def patiently(cfg: TrainConfig, read: Callable[[], T], say: Callable[[str], None]) -> T:
+    """read() (a restart's look at the run's store: its newest checkpoint), asked again while the store fails, for
+    up to cluster.setup_timeout_s: an outage of the store, which cost only checkpoints while the run trained, does
+    not end it at a restart. Said once when the wait begins; after it, StorageError in one line."""
+    limit = cfg.cluster.setup_timeout_s
+    deadline, said = time.monotonic() + limit, False
+    while True:
+        try:
+            return read()
+        except StorageError as e:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise StorageError(
+                    f"{cfg.run_url} did not answer within cluster.setup_timeout_s={limit:g} s of the restart ({e}); "
+                    f"rerun the same command once the store is back: it resumes from the newest checkpoint there"
+                ) from None
+            if not said:
+                say(f"the store does not answer ({e}); the restart waits for it (cluster.setup_timeout_s={limit:g})")
+                said = True
+            time.sleep(min(STORE_POLL_S, left))

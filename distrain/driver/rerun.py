@@ -13,7 +13,7 @@ from pathlib import Path
 
 from distrain.config import ConfigError, TrainConfig, to_plain
 from distrain.data.checks import check_same_shards
-from distrain.driver.objectrun import on_store
+from distrain.driver.objectrun import on_store, patiently
 from distrain.driver.stop import StoppedBeforeStart
 from distrain.storage import checkpoint, remote
 from distrain.storage.fsutil import exclusive_lock, make_writable_dir, remove_empty
@@ -76,12 +76,14 @@ def make_run_dir(cfg: TrainConfig) -> tuple[Path, list[Path]]:
         ) from None
 
 
-def newest_checkpoint(cfg: TrainConfig, run_dir: Path) -> Found:
+def newest_checkpoint(cfg: TrainConfig, run_dir: Path, say: Callable[[str], None] | None = None) -> Found:
     """The checkpoint a (re)start resumes from, and its metadata: the newest that verifies in the run
     directory; with an object store, the newest committed there (its marker and meta.json read from the
-    store, nothing downloaded: each rank fetches it into its node's mirror, where this path names it)."""
+    store, nothing downloaded: each rank fetches it into its node's mirror, where this path names it). With
+    `say` (an attempt's start), a store that does not answer is waited for (objectrun.patiently)."""
     if cfg.run_url:
-        found = remote.latest_meta(store_for(cfg.run_url, cfg.storage))
+        store = store_for(cfg.run_url, cfg.storage)
+        found = patiently(cfg, lambda: remote.latest_meta(store), say) if say else remote.latest_meta(store)
         return (run_dir / remote.PREFIX / found[0], found[1]) if found else (None, {})
     path = checkpoint.latest(run_dir / "checkpoints")
     return path, (checkpoint.read_meta(path) if path else {})
