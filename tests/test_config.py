@@ -103,7 +103,6 @@ from distrain.strategy.resolve import layout_of, smaller
         (["fault.kill_rank=2"], "fault.kill_rank"),
         (["fault.kill_at_step=0"], "fault.kill_at_step"),
         (["strategy=ps", "fault.kill_at_step=1"], "fault.kill_at_step"),
-        (["strategy=ps", "run.storage=s3://runs/x"], "run.storage"),
         (["fault.kill_at_step=1", "fault.kill_mid_upload=true"], "fault.kill_mid_upload"),
         (["fault.fail_in_update=true"], "set fault.kill_at_step too"),
         (["fault.slow_return_s=-1"], "fault.slow_return_s"),

@@ -131,14 +131,14 @@ def test_a_checkpoint_the_store_holds_short_or_lacks_is_not_committed(s3, tmp_pa
     for held, seen in ((b"", "no such object"), (b"rank1", "5 bytes")):
         if held:
             store.write_bytes(f"{prefix}/__1_0.distcp", held)
-        assert committer._commit_on_store(prefix, 3, views, keep=2) is None
+        assert committer.commit_on_store(prefix, 3, views, keep=2) is None
         assert said.pop() == (
             f"checkpoint of step 3 is not committed on {store.url}/{prefix}: rank 1 uploaded __1_0.distcp (8 bytes), "
             f"the store has {seen}; training goes on, the next checkpoint tries again"
         )
         assert COMMIT_MARKER not in remote.on_store(store)["step_00000003"]
     store.write_bytes(f"{prefix}/__1_0.distcp", b"rank1...")
-    assert committer._commit_on_store(prefix, 3, views, keep=2)["crc32"] == {
+    assert committer.commit_on_store(prefix, 3, views, keep=2)["crc32"] == {
         ".metadata": 1,
         "__0_0.distcp": 2,
         "__1_0.distcp": 3,

@@ -33,7 +33,8 @@ from distrain.ps.job import ServerJob, WorkerJob
 from distrain.ps.server import ParameterServer, elastic_exchange, feasible, load_weights
 from distrain.ps.shard import Piece, Slot, as_tensor, split_into_shards
 from distrain.ps.worker import PSWorker
-from distrain.storage import checkpoint, safeload
+from distrain.storage import checkpoint, remote, safeload
+from distrain.storage.objectstore import store_for
 from distrain.storage.tracking import read_metrics
 from distrain.train.optim import lr_at
 
@@ -67,9 +68,13 @@ PER_UPDATE_LR = {"hogwild": ["optim.lr=1.5e-3"]}
 
 
 def ps_weights(cfg: TrainConfig) -> dict:
-    """The whole model's weights from the run's newest committed parameter-server checkpoint."""
+    """The whole model's weights from the run's newest committed parameter-server checkpoint (on an object store,
+    fetched from there into the mirror, as a server restored from it would)."""
     model = Transformer(cfg.model, cfg.trainer.seq_len)
-    load_weights(checkpoint.latest(Path(cfg.run_dir) / "checkpoints"), model)
+    root = Path(cfg.run_dir) / "checkpoints"
+    load_weights(
+        remote.fetch(store_for(cfg.run_url, cfg.storage), root) if cfg.run_url else checkpoint.latest(root), model
+    )
     return model.state_dict()
 
 
@@ -443,9 +448,8 @@ def test_a_restored_server_goes_on_exactly_as_the_saved_one(make_server, tmp_pat
                     assert push(server, worker, step, gradient(server, 10 * worker + step))["applied"]
 
     train_a_little(saved, [1, 2])
-    folder = tmp_path / "saved"
-    folder.mkdir()
-    meta = saved.save(str(folder))
+    meta = saved.save("saved")  # a staging directory of the run's checkpoints
+    folder = Path(saved.cfg.run_dir) / "checkpoints" / "saved"
     assert meta["applied"] == {0: 2, 1: 2}  # the last step of each worker the saved weights hold
     state = torch.load(folder / meta["file"], weights_only=False)  # the test's own file: read whole
     assert safeload.unplain_leaves(state, allowed=[Piece]) == [] and state["optim"]["state"]  # moments and all
@@ -705,31 +709,43 @@ def assert_same_training(cfg: TrainConfig, reference: tuple[dict, dict]) -> None
     assert lines == want_lines  # with the loss and gradient norm the training had, to the last bit
 
 
-def first_four_steps(tmp_path: Path, overrides: tuple[str, ...]) -> None:
+def first_four_steps(storage: Path | str, overrides: tuple[str, ...]) -> None:
     """The run's first part, a run of 4 steps: lines 1..4 and a checkpoint of step 4 (a run of 4
     steps, because where the checkpoint of an unfinished run lands depends on when the driver looks:
-    the servers save what they hold then). Its placement.json is removed: the next run writes its own
-    once its servers are up and restored (kept ones, cluster.reuse_workers, or new)."""
-    cfg = make_config(tmp_path, *overrides, "trainer.max_steps=4")
+    the servers save what they hold then). Its placement.json is removed (on an object store, there too):
+    the next run writes its own once its servers are up and restored (kept ones, cluster.reuse_workers, or new)."""
+    cfg = make_config(storage, *overrides, "trainer.max_steps=4")
     assert train(cfg)["status"] == "completed"
     run_dir = Path(cfg.run_dir)
-    assert committed_step(run_dir) == 4
+    if cfg.run_url:
+        store = store_for(cfg.run_url, cfg.storage)
+        assert remote.latest_meta(store)[1]["step"] == 4
+        store.remove("placement.json")
+    else:
+        assert committed_step(run_dir) == 4
     assert [m["step"] for m in read_metrics(cfg.run_dir)] == [1, 2, 3, 4]
     assert not (run_dir / "attempts" / "002-placement.json").exists()
     (run_dir / "placement.json").unlink()
 
 
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("mode", ["sync", "async"])
-def test_a_dead_server_is_restored_from_the_last_checkpoint(uninterrupted, tmp_path: Path, mode: str):
+@pytest.mark.parametrize("mode, where", [("sync", "folder"), ("async", "folder"), ("sync", "store")])
+def test_a_dead_server_is_restored_from_the_last_checkpoint(
+    uninterrupted, tmp_path: Path, mode: str, where: str, request
+):
     """The run resumes from its checkpoint of step 4, held; server 1 is SIGKILLed; the hold is lifted
     once the next attempt is placed. That attempt restores both servers from the checkpoint again, and
-    the run ends as the uninterrupted one."""
+    the run ends as the uninterrupted one on a local folder. On an object store (run.storage=s3://…), each
+    server uploads its shard and the driver commits the checkpoint there; a restore fetches it from there."""
     hold = tmp_path / "hold"
-    overrides = ("run.name=server", *RESTORED[mode], f"fault.hold_file={hold}")
-    first_four_steps(tmp_path, overrides)
-    cfg = make_config(tmp_path, *overrides, f"trainer.max_steps={RESTORE_STEPS}")
+    overrides = ("run.name=server", *RESTORED[mode], f"fault.hold_file={hold}", f"storage.cache_dir={tmp_path}")
+    storage = request.getfixturevalue("s3").url("ps") if where == "store" else tmp_path
+    first_four_steps(storage, overrides)
+    cfg = make_config(storage, *overrides, f"trainer.max_steps={RESTORE_STEPS}")
     run_dir = Path(cfg.run_dir)
+    if where == "store":  # the driver's mirror holds the commit's record (meta.json, the marker), no server's shard
+        assert_committed_on_the_store(cfg, 4)
+        assert {p.name for p in (run_dir / "checkpoints").rglob("*")} == {"step_00000004", "meta.json", "COMMITTED"}
 
     def kill_server_1() -> None:
         when((run_dir / "placement.json").exists)  # the first attempt's servers are up, restored
@@ -750,7 +766,18 @@ def test_a_dead_server_is_restored_from_the_last_checkpoint(uninterrupted, tmp_p
     if mode == "sync":  # a version per step: the servers did load the checkpoint (redoing from 0 ends the same)
         assert first["info"]["servers_version"] == second["info"]["servers_version"] == 4
     assert not (run_dir / "metrics.superseded.jsonl").exists()  # held: the failed attempt logged nothing
+    if where == "store":
+        assert_committed_on_the_store(cfg, RESTORE_STEPS)
     assert_same_training(cfg, uninterrupted(mode))
+
+
+def assert_committed_on_the_store(cfg: TrainConfig, step: int) -> None:
+    """The newest checkpoint on the store is `step`'s, whole there: each server's shard and meta.json, with the marker
+    that lists them."""
+    store, name = store_for(cfg.run_url, cfg.storage), f"step_{step:08d}"
+    found = remote.on_store(store)
+    assert next(iter(found)) == name and remote.problem_on_store(store, name, found[name]) is None
+    assert sorted(found[name]) == ["COMMITTED", "meta.json", "server_000.pt", "server_001.pt"]
 
 
 @pytest.mark.timeout(420)

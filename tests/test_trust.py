@@ -113,13 +113,13 @@ def test_a_non_tensor_item_holding_a_callable_is_refused_not_run(process_group, 
 def test_a_server_file_holding_a_callable_is_refused_not_run(tmp_path: Path):
     """A parameter server restoring its shard, and load_weights reading a checkpoint's shards, refuse
     a shard file that holds a callable; a genuine one (its pieces are Piece records) still loads."""
-    folder, marker = tmp_path / "ckpt", tmp_path / "ran"
-    folder.mkdir()
+    marker = tmp_path / "ran"
     cfg = make_config(tmp_path, "run.name=trust", "strategy=ps", "ps=async", "cluster.num_workers=1")
     validate(cfg)
     job = ServerJob(cfg)
     saved = ParameterServer(job, 0)
-    saved.save(str(folder))
+    saved.save("ckpt")  # a staging directory of the run's checkpoints
+    folder = Path(cfg.run_dir) / "checkpoints" / "ckpt"
     resumed = ServerJob(cfg, str(folder))
     assert torch.equal(ParameterServer(resumed, 0).flat, saved.flat)
     model = Transformer(cfg.model, cfg.trainer.seq_len)

@@ -160,12 +160,15 @@ def _prepare(
     if cfg.ps.mode is not None:  # a parameter server: workers replaced one by one, no process group
         from distrain.ps.engine import ParameterServerEngine
 
-        engine = ParameterServerEngine(cfg, layout, spec, run_dir, wandb_run_id, started, progress.update)
+        engine = ParameterServerEngine(
+            cfg, layout, spec, run_dir, wandb_run_id, started, progress.update, progress.message
+        )
         on_rank_progress, sizes = lambda p: None, [layout.world_size]
     else:
         layouts = {layout.world_size: layout, **smaller(layout, cfg)}
         job = RankJob(cfg, layout, str(run_dir), started, wandb_run_id, run_id=uuid.uuid4().hex)
-        engine, on_rank_progress, sizes = AllReduceEngine(job, layouts), progress.update, list(layouts)
+        engine = AllReduceEngine(job, layouts, progress.message)
+        on_rank_progress, sizes = progress.update, list(layouts)
     c = cfg.cluster
     supervisor = Supervisor(
         spec,

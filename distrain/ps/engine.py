@@ -27,10 +27,13 @@ from distrain.cluster.placement import GroupSpec
 from distrain.cluster.states import Work
 from distrain.cluster.worker_group import WorkerGroup
 from distrain.config import TrainConfig, recorded, to_plain
+from distrain.driver.rerun import newest_checkpoint
+from distrain.ps import saved
 from distrain.ps.job import ServerJob, WorkerJob
 from distrain.ps.metrics import StepLog
 from distrain.ps.server_group import ServerGroup
-from distrain.storage import checkpoint
+from distrain.storage import checkpoint, remote
+from distrain.storage.objectstore import store_for
 from distrain.storage.record_sync import record_sync
 from distrain.storage.tracking import TRACKER_FILES, Tracker, run_results
 from distrain.strategy.layout import Layout
@@ -50,8 +53,13 @@ class ParameterServerEngine:
         wandb_run_id: str | None,
         started: float,
         on_progress: Callable[[Progress], None] = lambda progress: None,
+        say: Callable[[str], None] = print,
     ):
+        """`say`: the driver's lines (a checkpoint not committed on the store, a restart waiting for it)."""
         self.cfg, self.spec, self.run_dir, self.root = cfg, spec, run_dir, run_dir / "checkpoints"
+        self.say = say
+        # On an object store: the committer of the servers' checkpoints there (this node's mirror holds its record)
+        self.remote = remote.Remote(store_for(cfg.run_url, cfg.storage), say=say) if cfg.run_url else None
         self.layout = layout
         self.recorded = recorded(to_plain(cfg))  # what its checkpoints and W&B record of the config
         self.wandb_run_id, self.started, self.on_progress = wandb_run_id, started, on_progress
@@ -74,8 +82,7 @@ class ParameterServerEngine:
     def begin(self, group: WorkerGroup, attempt: Attempt) -> Work:
         from distrain.ps.worker import run_worker
 
-        latest = checkpoint.latest(self.root)
-        meta = checkpoint.read_meta(latest) if latest else {}
+        latest, meta = newest_checkpoint(self.cfg, self.run_dir, self.say)  # on a store: committed there
         step = meta.get("step", 0)
         saved = meta.get("ps", {"applied": {}, "records": []})
         self.log.restart(step, {int(w): s for w, s in saved["applied"].items()}, saved["records"])
@@ -83,8 +90,9 @@ class ParameterServerEngine:
         self.last_line, self.committed, self.stopping, self.begun_at = (step, {}), step, False, time.time()
         p = self.cfg.ps
         job = ServerJob(self.cfg, str(latest) if latest else None)
+        spec = self.spec
         self.servers = ServerGroup(
-            job, p.num_servers, self.spec.num_workers, self.spec.cpus_per_worker, self.spec.start_timeout_s
+            job, p.num_servers, spec.num_workers, spec.cpus_per_worker, spec.start_timeout_s, dict(spec.env)
         )
         where = self.servers.start()
         # The version the servers hold, as they say it: after a restore, the checkpoint's (a sync step each).
@@ -191,7 +199,7 @@ class ParameterServerEngine:
         staging = self.root / f".saving-{uuid.uuid4().hex[:8]}"
         staging.mkdir(parents=True)
         try:
-            applied, files = self.servers.save(staging)
+            applied, files, sums = self.servers.save(staging.name)
             for _ in range(2):  # the records of every step the saved weights hold were on shard 0: take them
                 self._drain(wait_s=self.spec.start_timeout_s)
         except BaseException:
@@ -201,12 +209,12 @@ class ParameterServerEngine:
         if step <= self.committed:  # nothing new since the last one (the end after a final interval)
             shutil.rmtree(staging, ignore_errors=True)
             return
-        self.staged = (step, staging, applied, files)
+        self.staged = (step, staging, applied, files, sums)
 
     def _commit_if_written(self) -> None:
         if self.staged is None or self.log.written < self.staged[0]:
             return
-        step, staging, applied, files = self.staged
+        step, staging, applied, files, sums = self.staged
         meta = {
             "step": step,
             "world_size": self.cfg.cluster.num_workers,
@@ -214,15 +222,16 @@ class ParameterServerEngine:
             "wandb_run_id": self.tracker.wandb_run_id if self.tracker else self.wandb_run_id,
             "ps": {"applied": applied, "records": self.log.unwritten(step, applied)},
         }
-        size = checkpoint.write_meta(staging, meta)
-        staging.rename(checkpoint.prepare(self.root, step))
+        files = {**files, "the driver": {checkpoint.META_FILE: checkpoint.write_meta(staging, meta)}}
         self.staged = None
-        checkpoint.commit(
-            self.root,
-            step,
-            {**files, "the driver": {checkpoint.META_FILE: size}},
-            self.cfg.checkpoint.keep,
-            "the driver",
-        )
+        if self.remote is not None:
+            if saved.commit_on_store(self.remote, self.servers, staging, step, files, sums, self.cfg.checkpoint.keep):
+                self._committed(step)
+            return
+        staging.rename(checkpoint.prepare(self.root, step))
+        checkpoint.commit(self.root, step, files, self.cfg.checkpoint.keep, "the driver")
+        self._committed(step)
+
+    def _committed(self, step: int) -> None:
         self.committed = step
         self.log.committed(step)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from distrain.config import TrainConfig
 from distrain.strategy.parallelism import require
-from distrain.urls import is_url
 
 PS_MODES = ("sync", "async", "hogwild", "easgd")
 
@@ -20,11 +19,6 @@ def validate(cfg: TrainConfig) -> None:
         p.mode in PS_MODES, f"ps.mode={p.mode!r} is not a parameter-server mode; choose one of {', '.join(PS_MODES)}"
     )
     require(p.num_servers >= 1, f"ps.num_servers={p.num_servers}: need at least 1 parameter server")
-    require(  # its servers write their shards wherever they run: they would never reach the store
-        not is_url(cfg.run.storage),
-        f"run.storage={cfg.run.storage!r}: a parameter-server run (ps.mode={p.mode}) keeps its checkpoints on "
-        f"storage every node shares; give a directory there (object stores serve collective training)",
-    )
     require(
         s.tp == 1 and s.pp == 1 and s.zero == 0 and s.dp_shard == 1,
         f"ps.mode={p.mode} (parameter server) is data-parallel only, but strategy.tp={s.tp}, pp={s.pp}, "

@@ -33,6 +33,7 @@ from torch import nn
 from distrain.model.contract import fill_parameters
 from distrain.model.hf import hf_weights
 from distrain.model.registry import build_model
+from distrain.ps import saved
 from distrain.ps.job import ServerJob
 from distrain.ps.shard import Piece, ShardView, Slot, as_tensor, model_shards
 from distrain.storage.safeload import load_tensors, refuse_unplain
@@ -64,7 +65,9 @@ def load_weights(directory: str | Path, model: nn.Module) -> None:
 
 
 class ParameterServer:
-    def __init__(self, job: ServerJob, index: int):
+    def __init__(self, job: ServerJob, index: int, env: dict[str, str] | None = None):
+        """`env`: what the driver forwards of its environment (the object store's credentials), as to every worker."""
+        os.environ.update(env or {})
         cfg = job.config
         self.cfg, self.index = cfg, index
         p, t = cfg.ps, cfg.trainer
@@ -98,7 +101,7 @@ class ParameterServer:
         self.updating: set[tuple[int, int]] = set()  # Hogwild: (worker, step) of the updates under way
         self._published: tuple[int, ray.ObjectRef] | None = None
         if job.resume_from:
-            self.load(f"{job.resume_from}/{SERVER_FILE.format(index)}")
+            self.load(str(saved.restored(cfg, job.resume_from) / SERVER_FILE.format(index)))
         for slot in self.slots[1:]:
             slot.share_state_of(self.slots[0])
 
@@ -276,9 +279,9 @@ class ParameterServer:
             self.stopped = True
             self.cond.notify_all()
 
-    def save(self, directory: str) -> dict:
-        """Write this shard's state into a checkpoint directory: its file name and size (for the
-        commit), the last step of every worker that the saved weights hold, and the applied map."""
+    def save(self, staging: str) -> dict:
+        """Write this shard's state into the staging directory `staging` of the run's checkpoints (saved.py): its
+        file name, size and checksum (for the commit), and the last step of every worker the saved weights hold."""
         with self.cond:
             state = copy.deepcopy(  # under the lock: weights, moments and version of one moment
                 {
@@ -291,14 +294,19 @@ class ParameterServer:
                 }
             )
         refuse_unplain(state, f"parameter server {self.index}'s state", allowed=[Piece])
-        name = SERVER_FILE.format(self.index)
+        name, directory = SERVER_FILE.format(self.index), saved.staging_dir(self.cfg, staging)
         path = f"{directory}/{name}"
         tmp = f"{path}.tmp"
         torch.save(state, tmp)
         os.replace(tmp, path)
         sync = self.mode == "sync"
         applied = {w: state["version"] if sync else state["applied"].get(w, 0) for w in range(self.workers)}
-        return {"file": name, "size": os.path.getsize(path), "applied": applied}
+        size, crc32 = os.path.getsize(path), saved.checksum(directory, name)
+        return {"file": name, "size": size, "crc32": crc32, "applied": applied}
+
+    def upload(self, staging: str, prefix: str) -> str | None:
+        """On an object store: this shard's saved file to the checkpoint's `prefix` there; why not, or None."""
+        return saved.upload(self.cfg, staging, SERVER_FILE.format(self.index), prefix)
 
     def load(self, path: str) -> None:
         state = load_tensors(path, allowed=[Piece])  # refuses anything but tensors, plain data and Piece
@@ -311,10 +319,10 @@ class ParameterServer:
         self.slots[0].optimizer.load_state_dict(state["optim"])
         self.version, self.applied, self.norm_sq = state["version"], state["applied"], state["norm_sq"]
 
-    def reset(self, job: ServerJob, index: int) -> dict:
+    def reset(self, job: ServerJob, index: int, env: dict[str, str] | None = None) -> dict:
         """Start over as a new server of `job` (a kept server, between runs of one driver: no process
         start); where it runs. Called with no other call under way."""
-        self.__init__(job, index)
+        self.__init__(job, index, env)
         return self.node_info()
 
     def node_info(self) -> dict:

@@ -6,7 +6,6 @@ checkpoint helps then."""
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
@@ -21,9 +20,12 @@ SERVER_CALLS = 4  # a server's threads beyond one per worker: the driver's drain
 
 
 class ServerGroup:
-    def __init__(self, job: ServerJob, num_servers: int, num_workers: int, cpus: float, timeout_s: float):
-        """Servers spread over the nodes; timeout_s bounds their start and how long one may stay silent.
-        The servers an earlier run of this driver kept (cluster.reuse_workers) start over with `job`."""
+    def __init__(
+        self, job: ServerJob, num_servers: int, num_workers: int, cpus: float, timeout_s: float, env: dict[str, str]
+    ):
+        """Servers spread over the nodes; timeout_s bounds their start and how long one may stay silent; `env`: the
+        driver's variables every worker gets (GroupSpec.env). The servers an earlier run of this driver kept
+        (cluster.reuse_workers) start over with `job`."""
         self.timeout_s, self.cpus = timeout_s, cpus
         self.job = ray.get_runtime_context().get_job_id()
         concurrency = num_workers + SERVER_CALLS
@@ -32,7 +34,7 @@ class ServerGroup:
         kept = warm.reuse(self.key)
         if kept is not None:
             self.actors = kept.actors
-            self.starting = [srv.reset.remote(job, k) for k, srv in enumerate(self.actors)]
+            self.starting = [srv.reset.remote(job, k, env) for k, srv in enumerate(self.actors)]
             return
         from distrain.ps.server import ParameterServer  # torch: in the driver only when a parameter server runs
 
@@ -40,7 +42,7 @@ class ServerGroup:
         self.actors = [
             ray.remote(ParameterServer)
             .options(num_cpus=cpus, max_concurrency=concurrency, scheduling_strategy="SPREAD")
-            .remote(job, k)
+            .remote(job, k, env)
             for k in range(num_servers)
         ]
         self.starting = [srv.node_info.remote() for srv in self.actors]
@@ -100,13 +102,14 @@ class ServerGroup:
             first = answer if k == 0 else first
         return first
 
-    def save(self, staging: Path) -> tuple[dict[int, int], dict[str, dict[str, int]]]:
-        """Every shard writes its state into `staging`. Returns, per worker, the last step of it every
-        shard's saved weights hold (async workers are at different steps), and each shard's file with
-        its size, for the commit."""
-        saved = self.call("save", str(staging))
+    def save(self, staging: str) -> tuple[dict[int, int], dict[str, dict[str, int]], dict[str, int]]:
+        """Every shard writes its state into the staging directory `staging` of the run's checkpoints. Returns, per
+        worker, the last step of it every shard's saved weights hold (async workers are at different steps), and
+        for the commit each shard's file with its size, and each file's checksum."""
+        saved = self.call("save", staging)
         applied = {w: min(s["applied"][w] for s in saved) for w in saved[0]["applied"]}
-        return applied, {f"parameter server {k}": {s["file"]: s["size"]} for k, s in enumerate(saved)}
+        files = {f"parameter server {k}": {s["file"]: s["size"]} for k, s in enumerate(saved)}
+        return applied, files, {s["file"]: s["crc32"] for s in saved}
 
     # -- as a warm.Kept group -------------------------------------------------------------------
 

@@ -61,7 +61,7 @@ class Remote:
             error = _attempt(lambda: self._upload(path, sorted(written), prefix, step))
         views: list[Any] = [None] * world
         dist.all_gather_object(views, (written, sums, error, time.perf_counter() - start), group=group)
-        manifest = [self._commit_on_store(prefix, step, [v[:3] for v in views], keep) if rank == 0 else None]
+        manifest = [self.commit_on_store(prefix, step, [v[:3] for v in views], keep) if rank == 0 else None]
         dist.broadcast_object_list(manifest, src=dist.get_global_rank(group, 0) if group else 0, group=group)
         if manifest[0] is not None:
             write_json(path / COMMIT_MARKER, manifest[0])
@@ -77,11 +77,14 @@ class Remote:
             if self.after_upload is not None:
                 self.after_upload(step)
 
-    def _commit_on_store(self, prefix: str, step: int, views: list, keep: int) -> dict | None:
-        """Rank 0: the manifest written on the store once every rank's objects are there at their sizes, or
-        None with one line saying why not."""
+    def commit_on_store(
+        self, prefix: str, step: int, views: list, keep: int, writers: list[str] | None = None
+    ) -> dict | None:
+        """The committer (rank 0, or a parameter-server run's driver): the manifest written on the store once every
+        writer's objects (`views`: per writer, what it wrote with sizes, their checksums, its upload's error or None)
+        are there at their sizes, or None with one line saying why not. `writers`: their names, else rank 0, 1, …"""
         where = f"{self.store.url}/{prefix}"
-        why = self._why_not(prefix, views)
+        why = self._why_not(prefix, views, writers or [f"rank {r}" for r in range(len(views))])
         if isinstance(why, str):
             self.say(
                 f"checkpoint of step {step} is not committed on {where}: {why}; training goes on, the next "
@@ -93,11 +96,11 @@ class Remote:
             self.say(f"pruning {self.store.url}/{PREFIX} failed ({error}); the next commit tries again")
         return why
 
-    def _why_not(self, prefix: str, views: list) -> dict | str:
+    def _why_not(self, prefix: str, views: list, writers: list[str]) -> dict | str:
         """The manifest, written on the store, or why it was not."""
         failed = [(r, e) for r, (_, _, e) in enumerate(views) if e]
         if failed:
-            return f"rank {failed[0][0]}: {failed[0][1]}"
+            return f"{writers[failed[0][0]]}: {failed[0][1]}"
         sums = {name: crc for _, s, _ in views for name, crc in s.items()}
         try:
             found = self.store.listing(prefix)
@@ -107,7 +110,7 @@ class Remote:
             for name, size in written.items():
                 if found.get(name) != size:
                     seen = "no such object" if name not in found else f"{found[name]} bytes"
-                    return f"rank {r} uploaded {name} ({size} bytes), the store has {seen}"
+                    return f"{writers[r]} uploaded {name} ({size} bytes), the store has {seen}"
         if set(found) != set(sums):
             return f"objects no rank wrote: {sorted(set(found) - set(sums))[:3]}"
         step = checkpoint.step_of(checkpoint.name_of(prefix))
