@@ -5,18 +5,22 @@ survives a failure goes on with its run."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import struct
 import subprocess
 import sys
 from collections.abc import Iterator
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 from conftest import REPO, make_config
 
+from distrain.config import recorded
 from distrain.driver.launch import train
-from distrain.storage.tracking import read_metrics
+from distrain.storage.record_sync import record_sync
+from distrain.storage.tracking import TRACKER_FILES, Tracker, read_metrics
 
 BLOCK, HEADER = 32768, 7  # the .wandb file: a LevelDB-style log of protobuf Records in 32 KiB blocks
 FULL, LAST = 1, 4
@@ -133,3 +137,23 @@ def test_a_closed_run_leaves_wandb_nothing_to_do_at_exit(tmp_path: Path):
     worker as the job ends), the hook printed a traceback into the job's log. Closing ends the service."""
     done = subprocess.run([sys.executable, "-c", AT_EXIT, str(tmp_path)], cwd=REPO, capture_output=True, text=True)
     assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+
+
+def test_a_run_on_an_object_store_references_its_checkpoints_there(s3, tmp_path: Path):
+    """logger.wandb.log_checkpoints with run.storage=s3://…: the artifact of a committed checkpoint references its
+    URL on the store, the durable copy, not the node's mirror (file://); recorded without boto3, which wandb's S3
+    handler would import to make a client it never uses for a reference without a checksum (not installed here)."""
+    assert importlib.util.find_spec("boto3") is None
+    cfg = make_config(s3.url("wandb"), "run.name=w", f"storage.cache_dir={tmp_path}", "logger.wandb.mode=offline")
+    cfg.logger.wandb.log_checkpoints = True
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True)
+    tracker = Tracker(str(run_dir), recorded(asdict(cfg)), 0, None, record_sync(cfg, run_dir, TRACKER_FILES))
+    committed = run_dir / "checkpoints" / "step_00000002"
+    committed.mkdir(parents=True)
+    (committed / "COMMITTED").write_text("{}")  # the mirror's marker, written once the store's was
+    tracker.close({})  # logs the checkpoints committed since it looked
+    (folder,) = (run_dir / "wandb").glob("offline-run-*")
+    (artifact,) = of_type(list(wandb_records(next(folder.glob("*.wandb")))), "artifact")
+    entries = [(entry.path, entry.ref) for entry in artifact.manifest.contents]
+    assert entries == [("step_00000002", f"{cfg.run_url}/checkpoints/step_00000002")]

@@ -98,7 +98,8 @@ class Tracker:
 
     def log_checkpoints(self) -> None:
         """With logger.wandb.log_checkpoints, each checkpoint committed since the last look as a W&B artifact:
-        a reference to its directory on the run's storage (no copy, no checksum read of its files)."""
+        a reference to its directory on the run's storage, on an object store its URL there, never a node's mirror
+        (no copy, no checksum read of its files)."""
         if not self.artifacts:
             return
         import wandb
@@ -110,7 +111,10 @@ class Tracker:
             artifact = wandb.Artifact(
                 re.sub(r"[^\w.-]", "_", f"{self.wandb_run.name}-checkpoint"), type="model", metadata={"step": step}
             )
-            artifact.add_reference(path.resolve().as_uri(), name=path.name, checksum=False)
+            if self.record is None:
+                artifact.add_reference(path.resolve().as_uri(), name=path.name, checksum=False)
+            else:
+                refer_to(artifact, f"{self.record.store.url}/{path.parent.name}/{path.name}", path.name)
             self.wandb_run.log_artifact(artifact, aliases=[path.name, "latest"])
             self.checkpoints_logged.add(path.name)
 
@@ -130,6 +134,15 @@ class Tracker:
         if self.record is not None:
             self.record.stop()
             self.record.try_sync(_say)
+
+
+def refer_to(artifact: object, url: str, name: str) -> None:
+    """A reference to `url` in the artifact, as W&B's own handler for its scheme records one without a checksum (the
+    URL, its path and digest): what artifact.add_reference does, without the handler's client library (boto3 for
+    s3://) that only a checksum or a download uses, and without a request to the store."""
+    from wandb.sdk.artifacts.artifact_manifest_entry import ArtifactManifestEntry
+
+    artifact.manifest.add_entry(ArtifactManifestEntry(path=name, ref=url, digest=url))
 
 
 def _say(text: str) -> None:
