@@ -215,7 +215,9 @@ class ClusterConfig:
     max_failures: int = 3  # worker failures (deaths, errors, hangs) survived by restarting; -1: no limit
     min_workers: int | None = None  # the fewest workers a run may shrink to after losing nodes; None: num_workers
     hang_timeout_s: float | None = None  # no step for this long is a hang; None: 10 median steps, at least 60 s
-    setup_timeout_s: float = 600.0  # the same outside steps: start-up, checkpoint load and save, evaluation
+    # The same outside steps: start-up, checkpoint load and save, evaluation; and how long a restart waits for a run's
+    # object store that does not answer.
+    setup_timeout_s: float = 600.0
     # How long a collective of a training step waits for the other ranks before the attempt fails; outside
     # steps (start-up, checkpoints, evaluation) at least setup_timeout_s, which the supervisor allows there:
     # a slow checkpoint write on one rank must not fail the others waiting for it at a barrier.

@@ -10,7 +10,6 @@ storage/remote.py), and a server restored later fetches the checkpoint from the 
 from __future__ import annotations
 
 import shutil
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -76,10 +75,11 @@ def commit_on_store(
     and the marker; the servers' files are on the store), the newest `keep` kept. Whether it committed: a store
     that fails costs this checkpoint, said in one line, not the run."""
     prefix, store = f"{remote.PREFIX}/{checkpoint.step_dir('', step).name}", committer.store
-    errors = [_attempted(lambda: store.remove(prefix))] * len(files)  # the objects of a save of this step that died
-    if errors[0] is None:
+    gone = remote.failure_of(lambda: store.remove(prefix))  # the objects of a save of this step that died
+    errors = [gone] * len(files)
+    if gone is None:
         errors = servers.call("upload", staging.name, prefix)
-        errors.append(_attempted(lambda: store.upload(staging, [checkpoint.META_FILE], prefix)))
+        errors.append(remote.failure_of(lambda: store.upload(staging, [checkpoint.META_FILE], prefix)))
     sums = {**sums, checkpoint.META_FILE: checksum(staging, checkpoint.META_FILE)}
     views = [(wrote, {f: sums[f] for f in wrote}, error) for wrote, error in zip(files.values(), errors, strict=True)]
     manifest = committer.commit_on_store(prefix, step, views, keep, list(files))
@@ -93,11 +93,3 @@ def commit_on_store(
     for old in marked[keep:]:
         shutil.rmtree(old, ignore_errors=True)
     return True
-
-
-def _attempted(fn: Callable[[], object]) -> str | None:
-    try:
-        fn()
-    except StorageError as e:
-        return str(e)
-    return None

@@ -52,13 +52,13 @@ class Remote:
 
         rank, world, prefix = dist.get_rank(group), dist.get_world_size(group), f"{PREFIX}/{path.name}"
         (path / COMMIT_MARKER).unlink(missing_ok=True)  # a node's older save of this step is not this one
-        error = _attempt(lambda: self.store.remove(prefix)) if rank == 0 else None  # a dead save's objects
+        error = failure_of(lambda: self.store.remove(prefix)) if rank == 0 else None  # a dead save's objects
         dist.barrier(group=group)
         written = {n: s for n, s in checkpoint.listing(path).items() if _writer(n) == rank}
         sums = integrity.checksums(path, written)
         start = time.perf_counter()
         if error is None:
-            error = _attempt(lambda: self._upload(path, sorted(written), prefix, step))
+            error = failure_of(lambda: self._upload(path, sorted(written), prefix, step))
         views: list[Any] = [None] * world
         dist.all_gather_object(views, (written, sums, error, time.perf_counter() - start), group=group)
         manifest = [self.commit_on_store(prefix, step, [v[:3] for v in views], keep) if rank == 0 else None]
@@ -91,7 +91,7 @@ class Remote:
                 f"checkpoint tries again"
             )
             return None
-        error = _attempt(lambda: prune(self.store, keep, step))
+        error = failure_of(lambda: prune(self.store, keep, step))
         if error is not None:
             self.say(f"pruning {self.store.url}/{PREFIX} failed ({error}); the next commit tries again")
         return why
@@ -115,7 +115,7 @@ class Remote:
             return f"objects no rank wrote: {sorted(set(found) - set(sums))[:3]}"
         step = checkpoint.step_of(checkpoint.name_of(prefix))
         manifest = {"step": step, "files": found, "crc32": {name: sums[name] for name in found}}
-        error = _attempt(lambda: self.store.write_bytes(f"{prefix}/{COMMIT_MARKER}", _json(manifest)))
+        error = failure_of(lambda: self.store.write_bytes(f"{prefix}/{COMMIT_MARKER}", _json(manifest)))
         return manifest if error is None else error
 
 
@@ -129,7 +129,8 @@ def _writer(name: str) -> int:
     return 0 if writer is None else writer
 
 
-def _attempt(fn: Callable[[], Any]) -> str | None:
+def failure_of(fn: Callable[[], Any]) -> str | None:
+    """fn()'s StorageError as its line, or None: what a writer reports instead of raising."""
     try:
         fn()
     except StorageError as e:

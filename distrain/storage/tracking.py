@@ -7,6 +7,7 @@ import os
 import re
 import time
 from pathlib import Path
+from typing import Any
 
 from distrain.config import TrainConfig
 from distrain.model.size import flops_per_token, num_params
@@ -136,7 +137,7 @@ class Tracker:
             self.record.try_sync(_say)
 
 
-def refer_to(artifact: object, url: str, name: str) -> None:
+def refer_to(artifact: Any, url: str, name: str) -> None:
     """A reference to `url` in the artifact, as W&B's own handler for its scheme records one without a checksum (the
     URL, its path and digest): what artifact.add_reference does, without the handler's client library (boto3 for
     s3://) that only a checksum or a download uses, and without a request to the store."""
