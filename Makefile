@@ -6,10 +6,19 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 TORCH_INDEX ?=
 PIP := $(PY) -m pip install --quiet --disable-pip-version-check
+# Azurite, Azure Blob Storage's emulator the object-storage tests start (distrain/testing/emulators.py), from npm
+# into .npm/; without npm the set-up goes on and those tests fail, saying how to install it.
+AZURITE_VERSION := 3.37.0
+AZURITE := .npm/azurite-$(AZURITE_VERSION)
 
 .PHONY: setup train test coverage bench gpu-check wheelhouse lint clean
 
-setup: $(VENV)/.installed
+setup: $(VENV)/.installed $(AZURITE)
+
+$(AZURITE):
+	@if command -v npm >/dev/null; then \
+		npm install --prefix .npm --no-save --no-audit --no-fund --loglevel=error azurite@$(AZURITE_VERSION) && touch $@; \
+	else echo "npm not found: the Azure object-storage tests will fail (install Node.js 20+ with npm, then make setup)" >&2; fi
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import re
 
-# Option names that may carry a secret (s3fs's key/secret/token, adlfs's account_key, gcsfs's token...).
-_SECRET = re.compile(r"key|secret|token|password|credential|sas", re.IGNORECASE)
+# Option names that may carry a secret (s3fs's key/secret/token, adlfs's account_key and connection_string (it holds
+# the account key), gcsfs's token...).
+_SECRET = re.compile(r"key|secret|token|password|credential|sas|connection", re.IGNORECASE)
 
 
 def redact(options: dict) -> dict:

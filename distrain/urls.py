@@ -12,6 +12,12 @@ import os
 import re
 from pathlib import Path
 
+# The filesystem package of each cloud's schemes, and distrain's extra that installs it.
+EXTRAS = {
+    **dict.fromkeys(("s3", "s3a"), ("s3fs", "s3")),
+    **dict.fromkeys(("gs", "gcs"), ("gcsfs", "gcs")),
+    **dict.fromkeys(("az", "abfs", "abfss"), ("adlfs", "azure")),
+}
 URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$")
 # A scheme and a colon at the start: what a URL begins with. Two letters at least: `C:` is no scheme.
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):")
@@ -54,7 +60,8 @@ def check_location(text: str, key: str) -> None:
     try:
         fsspec.get_filesystem_class(scheme)
     except (ValueError, ImportError) as e:
-        hint = " (pip install s3fs, or the `s3` extra: pip install -e '.[s3]')" if scheme in ("s3", "s3a") else ""
+        package, extra = EXTRAS.get(scheme, (None, None))
+        hint = f" (pip install {package}, or the `{extra}` extra: pip install -e '.[{extra}]')" if package else ""
         raise ValueError(f"{key}={text!r}: no filesystem for {scheme}:// is installed ({e}){hint}") from None
 
 

@@ -283,13 +283,42 @@ def s3(tmp_path_factory):
     workers); ended by its PID, also on failure."""
     from distrain.testing.seaweed import Seaweed
 
-    store = Seaweed(tmp_path_factory.mktemp("seaweed")).start()
-    saved = {k: os.environ.get(k) for k in store.env}
-    os.environ.update(store.env)
+    yield from serving(Seaweed(tmp_path_factory.mktemp("seaweed")))
+
+
+@pytest.fixture(scope="session")
+def gcs(tmp_path_factory):
+    """GCS's stand-in, gcp-storage-emulator, as `s3` is SeaweedFS (distrain/testing/emulators.py)."""
+    from distrain.testing.emulators import GcsEmulator
+
+    yield from serving(GcsEmulator(tmp_path_factory.mktemp("gcs")))
+
+
+@pytest.fixture(scope="session")
+def azure(tmp_path_factory):
+    """Azure Blob Storage's stand-in, Azurite (npm, installed by `make setup`), as `s3` is SeaweedFS."""
+    from distrain.testing.emulators import Azurite
+
+    yield from serving(Azurite(tmp_path_factory.mktemp("azurite")))
+
+
+@pytest.fixture(scope="session", params=["s3", "gcs", "azure"])
+def store_server(request):
+    """Each object store in turn, for the object-storage tests' core (docs/object-storage.md#stores-tested): the
+    session's server of that kind, started by the first test that asks for it."""
+    return request.getfixturevalue(request.param)
+
+
+def serving(server):
+    """`server` started, its client variables in this process's environment (the driver forwards them to the
+    workers) while it serves; ended by its PID, the environment restored, also on failure."""
+    server.start()
+    saved = {k: os.environ.get(k) for k in server.env}
+    os.environ.update(server.env)
     try:
-        yield store
+        yield server
     finally:
-        store.stop()
+        server.stop()
         for k, v in saved.items():
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
 

@@ -1,7 +1,8 @@
 """A run on an object store, the driver's side (issue 33): run.storage=s3://… checked before anything starts
 and never taken for a local path, the run's lock on the store, its record there while it trains and complete
 after, a fresh machine's mirror filled from it, and the credentials written nowhere. A real S3-compatible store
-(the `s3` fixture: SeaweedFS on loopback); one 2-worker run through `jobs/train.py` shared by the tests."""
+(the `s3` fixture: SeaweedFS on loopback); the lock and the run's tests also on GCS's and Azure's emulators
+(`store_server`: each store in turn); one 2-worker run through `jobs/train.py` per store shared by the tests."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from distrain.driver.launch import _previous_summaries, train
 from distrain.driver.objectrun import check_run_url, on_store
 from distrain.driver.workers import worker_env
 from distrain.storage.fsutil import LockedError
-from distrain.storage.objectstore import Store, quick_options
+from distrain.storage.objectstore import Store, delete_command, quick_options
 from distrain.storage.record_sync import LOCK_OBJECT, RecordSync, record_sync, store_lock
 from distrain.storage.tracking import TRACKER_FILES, Tracker
 
@@ -113,14 +114,24 @@ def test_workers_get_the_stores_credentials_from_the_drivers_environment(monkeyp
     assert "AWS_SECRET" not in repr(spec)
 
 
-def test_the_store_lock_refuses_a_second_holder_and_is_released(s3):
-    store = Store(s3.url("lock"))
-    with store_lock(store):
+def option_overrides(options: dict) -> list[str]:
+    return [f"+storage.options.{k}='{v}'" for k, v in options.items()]
+
+
+def test_the_store_lock_refuses_a_second_holder_and_is_released(store_server):
+    """On each store: S3 and Azure refuse a conditional write over the lock; the GCS emulator ignores one (real
+    GCS does not), and there the lock is created by a write read back (Store.create), said in one line."""
+    store, said = Store(store_server.url("lock"), store_server.options), []
+    with store_lock(store, said.append):
+        assert store.conditional_writes() == (store_server.scheme != "gs")
+        assert len([line for line in said if "ignores conditional writes" in line]) == (not store.conditional_writes())
         holder = json.loads(store.read_bytes(LOCK_OBJECT))
         assert holder["pid"] == os.getpid() and holder["host"] == socket.gethostname()
-        with pytest.raises(LockedError, match=rf"in use by pid {os.getpid()} .*aws s3 rm {store.url}/\.lock"):
+        with pytest.raises(LockedError) as refused:
             with store_lock(store):
                 pass
+        assert f"in use by pid {os.getpid()} " in str(refused.value)
+        assert str(refused.value).endswith(delete_command(f"{store.url}/.lock"))
     assert not store.exists(LOCK_OBJECT)
     with pytest.raises(RuntimeError, match="a failure"), store_lock(store):
         raise RuntimeError("a failure")
@@ -190,14 +201,14 @@ def wait_for(what, timeout_s: float, proc: subprocess.Popen):
 
 
 @pytest.fixture(scope="module")
-def run(ray_cluster, s3, tmp_path_factory) -> dict:
+def run(ray_cluster, store_server, tmp_path_factory) -> dict:
     """A 2-worker run of 4 steps on the store through `jobs/train.py`, its credentials in the environment and,
     to check their redaction, in storage.options too; pinned before its first step (fault.hold_file) while the
     store is looked at and a second driver tries the same URL. What was seen, and a copy of every object."""
     cwd, tmp = tmp_path_factory.mktemp("cwd"), tmp_path_factory.mktemp("record")
     hold = tmp / "hold"
     hold.touch()
-    url = s3.url("record")
+    url = store_server.url("record")
     overrides = [
         *TINY,
         f"trainer.max_steps={STEPS}",
@@ -209,22 +220,25 @@ def run(ray_cluster, s3, tmp_path_factory) -> dict:
         f"storage.cache_dir={tmp / 'cache'}",
         "storage.sync_interval_s=0.2",
         f"fault.hold_file={hold}",
-        "+storage.options.key=distrain-test",
-        f"+storage.options.secret={s3.secret}",
+        *option_overrides(store_server.secret_options),
     ]
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")}
     out = open(tmp / "console.txt", "w")  # noqa: SIM115  (closed below)
     proc = subprocess.Popen(
         [sys.executable, str(REPO / "jobs" / "train.py"), *overrides], cwd=cwd, env=env, stdout=out, stderr=out
     )
-    store, seen = Store(f"{url}/r"), {}
+    store, seen = Store(f"{url}/r", store_server.options), {}
     try:
         seen["during"] = wait_for(
             lambda: (names := store.listing()) and "placement.json" in names and names, timeout_s=90, proc=proc
         )
         seen["lock"] = json.loads(store.read_bytes(LOCK_OBJECT))
         with pytest.raises(LockedError) as refused:  # a driver on another machine: a mirror of its own
-            train(make_config(url, "run.name=r", f"storage.cache_dir={tmp / 'other'}"))
+            train(
+                make_config(
+                    url, "run.name=r", f"storage.cache_dir={tmp / 'other'}", *option_overrides(store_server.options)
+                )
+            )
         seen["second_driver"], seen["second_left"] = str(refused.value), (tmp / "other").exists()
         hold.unlink()
         proc.wait(timeout=120)
@@ -266,29 +280,35 @@ def test_the_record_is_on_the_store_while_the_run_trains_and_complete_after(run)
 def test_a_second_driver_is_refused_while_the_run_holds_the_lock(run):
     line = run["second_driver"]
     assert run["lock"]["host"] == socket.gethostname() and str(run["lock"]["pid"]) in line
-    assert line.startswith(f"{run['url']}/r is in use by pid") and "aws s3 rm" in line and "\n" not in line
+    assert line.startswith(f"{run['url']}/r is in use by pid") and "\n" not in line
+    assert line.endswith(delete_command(f"{run['url']}/r/.lock"))
     assert not run["second_left"]  # its mirror, made before the lock was refused, removed again
 
 
 @pytest.mark.timeout(240)
-def test_the_secret_is_in_no_file_the_run_wrote(run, s3):
-    """Given in the environment and storage.options, it reached the workers (rank 0 uploaded metrics.jsonl with
-    it) and is in no file of the mirror, the store, or the console; the Hydra record says it was redacted."""
+def test_the_secret_is_in_no_file_the_run_wrote(run, store_server):
+    """Given in the environment and storage.options (S3's key, Azure's connection string, which holds the account
+    key; the GCS emulator takes none: an option its client ignores), it reached the workers (rank 0 uploaded
+    metrics.jsonl with it) and is in no file of the mirror, the store, or the console; the record says redacted."""
     assert "metrics.jsonl" in run["after"]
     files = [p for root in (run["tmp"], run["cwd"]) for p in root.rglob("*") if p.is_file()]
     assert len([p for p in files if run["store"] in p.parents]) == len(run["after"])
-    assert [str(p) for p in files if s3.secret.encode() in p.read_bytes()] == []
+    assert [str(p) for p in files if store_server.secret.encode() in p.read_bytes()] == []
+    (name,) = [k for k, v in store_server.secret_options.items() if store_server.secret in v]
     (config,) = run["store"].glob("hydra/*/.hydra/config.yaml")
-    assert "secret: <redacted>" in config.read_text()
-    assert "+storage.options.secret=<redacted>" in next(run["store"].glob("hydra/*/.hydra/overrides.yaml")).read_text()
+    assert f"{name}: <redacted>" in config.read_text()
+    overrides = next(run["store"].glob("hydra/*/.hydra/overrides.yaml")).read_text()
+    assert f"+storage.options.{name}=<redacted>" in overrides
     (meta,) = run["mirror"].glob("checkpoints/*/meta.json")
-    assert json.loads(meta.read_text())["config"]["storage"]["options"]["secret"] == "<redacted>"
+    assert json.loads(meta.read_text())["config"]["storage"]["options"][name] == "<redacted>"
 
 
 @pytest.mark.timeout(240)
-def test_a_fresh_mirror_is_filled_from_the_store_before_the_run_is_read(run, tmp_path: Path):
+def test_a_fresh_mirror_is_filled_from_the_store_before_the_run_is_read(run, store_server, tmp_path: Path):
     """A rerun on another machine (an empty cache) sees the earlier invocation: summary.json's history."""
-    cfg = make_config(run["url"], "run.name=r", f"storage.cache_dir={tmp_path}")
+    cfg = make_config(
+        run["url"], "run.name=r", f"storage.cache_dir={tmp_path}", *option_overrides(store_server.options)
+    )
     with on_store(cfg, Path(cfg.run_dir), print):
         history = _previous_summaries(Path(cfg.run_dir))
     assert [h["status"] for h in history] == ["completed"] and history[0]["final_step"] == STEPS

@@ -55,8 +55,11 @@ def group_spec(
 
 
 # W&B's settings and key, the collectives', torch's, and the object stores' (credentials, endpoint: never in the
-# config): passed with each call to the workers, never recorded.
-FORWARDED = ("WANDB_", "NCCL_", "GLOO_", "TORCH_", "CUDA_", "AWS_", "GOOGLE_", "AZURE_")
+# config; gcsfs's settings and an emulator's endpoint): passed with each call to the workers, never recorded.
+FORWARDED = (
+    *("WANDB_", "NCCL_", "GLOO_", "TORCH_", "CUDA_"),
+    *("AWS_", "GOOGLE_", "AZURE_", "GCSFS_", "STORAGE_EMULATOR_HOST"),
+)
 
 
 def worker_env(c: ClusterConfig) -> tuple[tuple[str, str], ...]:

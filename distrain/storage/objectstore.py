@@ -27,6 +27,8 @@ T = TypeVar("T")
 # The clients' lines on every client made ("Found credentials in environment variables.", "Found endpoint for s3
 # via: environment_global."): not the run's.
 QUIET_LOGGERS = ("aiobotocore.credentials", "botocore.credentials", "botocore.configprovider")
+# Where a store ignores conditional writes: how long a created object must stay as written to be held (create()).
+SETTLE_S = 1.0
 
 
 class StorageError(RuntimeError):
@@ -48,6 +50,7 @@ class Store:
         local = {"auto_mkdir": True} if URL.match(self.url)[1] in ("file", "local") else {}
         self.fs, self.root = url_to_fs(self.url, **local, **self.options)
         self.root = self.root.rstrip("/")
+        self._conditional: bool | None = None  # conditional_writes(), once asked
 
     def __reduce__(self):  # what crosses into a Ray actor: the URL and options, never a live client
         return Store, (self.url, self.options, self.retries, self.backoff_s)
@@ -118,22 +121,47 @@ class Store:
         self._retry("writing", lambda: self.fs.pipe_file(self._path(name), data), name)
 
     def create(self, name: str, data: bytes) -> bool:
-        """Write `name` only if no object has that name (a conditional write: S3's If-None-Match, local
-        O_EXCL); False if one has. The run's lock: two drivers can never both create it."""
+        """Write `name` only if no object has that name (a conditional write: S3's If-None-Match, GCS's
+        ifGenerationMatch=0, Azure's If-None-Match: *, local O_EXCL); False if one has. The run's lock: two drivers
+        can never both create it. A store that ignores the condition (`conditional_writes`: the GCS emulator) gets
+        a check instead: an object there refuses, and one written must read back as written after SETTLE_S, by
+        when a second driver's write begun in the same instant has landed."""
+        if not self.conditional_writes():
+            return self._create_checked(name, data)
+        return self._retry("creating", lambda: self._create_if_absent(name, data), name)
 
-        def put() -> bool:
-            try:
-                with self.fs.open(self._path(name), "xb") as f:
-                    f.write(data)
-                return True
-            except FileExistsError:
+    def _create_if_absent(self, name: str, data: bytes) -> bool:
+        try:
+            with self.fs.open(self._path(name), "xb") as f:
+                f.write(data)
+            return True
+        except FileExistsError:
+            return False
+        except OSError as e:  # s3fs reports the failed precondition as EINVAL
+            if "pre-condition" in str(e) or "PreconditionFailed" in str(e):
                 return False
-            except OSError as e:  # s3fs reports the failed precondition as EINVAL
-                if "pre-condition" in str(e) or "PreconditionFailed" in str(e):
-                    return False
-                raise
+            raise
 
-        return self._retry("creating", put, name)
+    def conditional_writes(self) -> bool:
+        """Whether the store refuses a conditional write over an object that exists; asked once per Store, with
+        an object of its own created twice."""
+        if self._conditional is None:
+            probe = f".distrain-probe-{uuid.uuid4().hex[:12]}"
+            first = self._retry("creating", lambda: self._create_if_absent(probe, b"1"), probe)
+            again = self._retry("creating", lambda: self._create_if_absent(probe, b"2"), probe)
+            self.remove(probe)
+            self._conditional = first and not again
+        return self._conditional
+
+    def _create_checked(self, name: str, data: bytes) -> bool:
+        if self.exists(name):
+            return False
+        self.write_bytes(name, data)
+        time.sleep(SETTLE_S)
+        try:
+            return self.read_bytes(name) == data
+        except FileNotFoundError:  # removed by its other writer, which then holds nothing either
+            return False
 
     def upload(self, local_dir: Path, names: Iterable[str], prefix: str) -> None:
         """Copy each named file of `local_dir` to `prefix/name` (to `name` with an empty prefix)."""
@@ -213,6 +241,13 @@ class Store:
 def _first(error: BaseException) -> str:
     text = str(error).strip().splitlines()
     return f"{type(error).__name__}: {text[0] if text else ''}"
+
+
+def delete_command(url: str) -> str:
+    """How a user deletes the object at `url` by hand: its cloud's command line."""
+    tool = {"s3": "aws s3 rm", "s3a": "aws s3 rm", "gs": "gcloud storage rm", "gcs": "gcloud storage rm"}
+    scheme = URL.match(url)[1]
+    return f"{tool[scheme]} {url} (or your store's tool)" if scheme in tool else f"delete {url} with your store's tool"
 
 
 def quick_options(url: str, options: dict) -> dict:

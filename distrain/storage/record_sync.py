@@ -22,7 +22,7 @@ from pathlib import Path
 
 from distrain.config import TrainConfig
 from distrain.storage.fsutil import LockedError, alive
-from distrain.storage.objectstore import StorageError, Store, store_for
+from distrain.storage.objectstore import SETTLE_S, StorageError, Store, delete_command, store_for
 
 LOCK_OBJECT = ".lock"  # the run's exclusive lock on the store: one driver per run URL
 NOT_RECORD = ("checkpoints",)  # uploaded and committed by the checkpoints' writer
@@ -150,11 +150,13 @@ def record_sync(cfg: TrainConfig, run_dir: str | Path, only: tuple[str, ...] | N
 
 @contextlib.contextmanager
 def store_lock(store: Store, say: Callable[[str], None] = print) -> Iterator[None]:
-    """The run's exclusive lock on the store: an object created by a conditional write (S3's If-None-Match),
+    """The run's exclusive lock on the store: an object created by a conditional write (Store.create),
     naming its holder's host, PID and time; removed at the end, also on failure. A lock left by a dead process
     of this host is taken over; one held elsewhere must be removed by hand if stale (LockedError says how), as
     must one this process could not remove at its end (the store unreachable then: `say` says so)."""
     me = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}
+    if not store.conditional_writes():
+        say(f"{store.url} ignores conditional writes: the run's lock is held once it reads back {SETTLE_S:g} s on")
     while not store.create(LOCK_OBJECT, json.dumps(me).encode()):
         try:
             holder = json.loads(store.read_bytes(LOCK_OBJECT))
@@ -168,8 +170,7 @@ def store_lock(store: Store, say: Callable[[str], None] = print) -> Iterator[Non
         since = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(holder.get("since", 0)))
         raise LockedError(
             f"{store.url} is in use by pid {holder.get('pid')} on {holder.get('host')} since {since}; wait for that "
-            f"run, or if it is no longer running delete its lock: aws s3 rm {store.url}/{LOCK_OBJECT} (or your "
-            f"store's tool)"
+            f"run, or if it is no longer running delete its lock: {delete_command(f'{store.url}/{LOCK_OBJECT}')}"
         )
     try:
         yield

