@@ -1,7 +1,8 @@
 """Checkpoints on a real object store (SeaweedFS on loopback, the `s3` fixture): a run SIGKILLed while a
 checkpoint's objects are being uploaded resumes from the last one committed on the store, bitwise as an
 uninterrupted run on local storage; a run resumes from the URL alone, its local mirror deleted, on another
-layout; a store stopped mid-run costs a checkpoint, not the run, and the next one commits once it is back."""
+layout; a store stopped mid-run costs a checkpoint, not the run, and the next one commits once it is back. The
+commit and the kill mid-upload also on GCS's and Azure's emulators (`store_server`: each store in turn)."""
 
 from __future__ import annotations
 
@@ -39,11 +40,11 @@ FAST_OPTIONS = {"config_kwargs": {"connect_timeout": 1, "read_timeout": 5, "retr
 TOLERANCE = 1e-4
 
 
-def store_config(s3, tmp: Path, name: str, *overrides: str):
-    """A run on the store (run.storage=s3://runs/ckpt), its local mirror under `tmp`."""
+def store_config(server, tmp: Path, name: str, *overrides: str):
+    """A run on the store (run.storage=s3://runs/ckpt, or the server's), its local mirror under `tmp`."""
     cfg = make_config(tmp, *COMMON, f"run.name={name}", f"storage.cache_dir={tmp / 'cache'}", *overrides)
-    cfg.run.storage = s3.url("ckpt")
-    return cfg
+    cfg.run.storage = server.url("ckpt")
+    return replace(cfg, storage=replace(cfg.storage, options=dict(server.options)))
 
 
 @pytest.mark.usefixtures("process_group")
@@ -115,10 +116,10 @@ def test_a_nodes_damaged_copy_is_fetched_again_not_skipped(s3, tmp_path: Path):
     assert shard.read_bytes() == store.read_bytes("checkpoints/step_00000004/__0_0.distcp")
 
 
-def test_a_checkpoint_the_store_holds_short_or_lacks_is_not_committed(s3, tmp_path: Path):
+def test_a_checkpoint_the_store_holds_short_or_lacks_is_not_committed(store_server, tmp_path: Path):
     """Rank 0 commits on the store only when every rank's object is there at the size that rank wrote: an object
     cut short, or missing, leaves the step uncommitted with one line naming the rank, the object and both sizes."""
-    store = store_for(s3.url("ckpt", "short"), StorageConfig())
+    store = store_for(store_server.url("ckpt", "short"), StorageConfig(options=dict(store_server.options)))
     prefix = "checkpoints/step_00000003"
     views = [  # (what each rank wrote: name → size, its checksums, its upload error)
         ({".metadata": 4, "__0_0.distcp": 8}, {".metadata": 1, "__0_0.distcp": 2}, None),
@@ -155,26 +156,26 @@ def reference(s3, ray_cluster, tmp_path_factory) -> dict:
 
 
 @pytest.fixture(scope="module")
-def killed(s3, ray_cluster, tmp_path_factory, reference) -> tuple:
+def killed(store_server, ray_cluster, tmp_path_factory, reference) -> tuple:
     """6 steps on the store, rank 1 SIGKILLed while step 4's checkpoint is uploading (once its first object
     is there), restarted by the supervisor: its config, summary and what the driver said."""
-    tmp = tmp_path_factory.mktemp("killed")
+    tmp = tmp_path_factory.mktemp(f"killed-{store_server.scheme}")
     # From the checkpoint, not the live replica's memory (which a 2-worker DDP run would take): the torn step 4.
     kill = ["fault.kill_at_step=4", "fault.kill_rank=1", "fault.kill_mid_upload=true", "cluster.peer_recovery=false"]
-    cfg = store_config(s3, tmp, "killed", "trainer.max_steps=6", *kill)
+    cfg = store_config(store_server, tmp, "killed", "trainer.max_steps=6", *kill)
     said = io.StringIO()
     with contextlib.redirect_stderr(said):
         summary = train(cfg)
     return cfg, summary, said.getvalue()
 
 
-def test_a_run_killed_mid_upload_resumes_from_the_store_bitwise(s3, killed, reference):
+def test_a_run_killed_mid_upload_resumes_from_the_store_bitwise(store_server, killed, reference):
     """The torn checkpoint of step 4 (rank 1's first object on the store, the rest never) is skipped, in one
     line; the run resumes from step 2, committed there, and trains exactly the uninterrupted local run."""
     cfg, summary, said = killed
     assert summary["status"] == "completed" and summary["restarts"] == 1
     assert summary["attempts"][1]["info"]["resumed_from_step"] == 2
-    torn = f"skipping checkpoint {s3.url('ckpt', 'killed', 'checkpoints', 'step_00000004')}: no commit marker"
+    torn = f"skipping checkpoint {store_server.url('ckpt', 'killed', 'checkpoints', 'step_00000004')}: no commit marker"
     assert torn in said, said[-3000:]
     assert logged(cfg) == {step: reference["loss"][step] for step in range(1, 7)}
     # On the store: the last two commits (retention), whole, with nothing of the torn save left.
@@ -184,13 +185,16 @@ def test_a_run_killed_mid_upload_resumes_from_the_store_bitwise(s3, killed, refe
     assert all(remote.problem_on_store(store, name, objects) is None for name, objects in found.items())
 
 
-def test_a_run_resumes_from_the_url_alone_on_another_layout(s3, killed, reference, tmp_path):
+@pytest.mark.parametrize("store_server", ["s3"], indirect=True)  # S3's run only: the core is the kill, above
+def test_a_run_resumes_from_the_url_alone_on_another_layout(store_server, killed, reference, tmp_path):
     """The killed run's mirror deleted, then extended to 8 steps on ZeRO-3: the checkpoint comes from the
     store (verified by its checksums), the losses and weights are the reference's; and the trained model
     loads from the URL in one process (export, generate) into a mirror of its own."""
     cfg, _, _ = killed
     shutil.rmtree(cfg.run_dir)
-    again = store_config(s3, Path(cfg.storage.cache_dir).parent, "killed", "trainer.max_steps=8", "strategy=zero3")
+    again = store_config(
+        store_server, Path(cfg.storage.cache_dir).parent, "killed", "trainer.max_steps=8", "strategy=zero3"
+    )
     summary = train(again)
     assert summary["status"] == "completed" and summary["attempts"][0]["info"]["resumed_from_step"] == 6
     got = logged(again)
