@@ -142,6 +142,28 @@ def test_the_store_lock_refuses_a_second_holder_and_is_released(store_server):
         assert json.loads(store.read_bytes(LOCK_OBJECT))["pid"] == os.getpid()
 
 
+def test_of_two_drivers_creating_the_lock_at_once_one_wins(store_server):
+    """Two clients create the same object at the same instant, three times: each time exactly one holds it, by
+    the store's condition, or on the GCS emulator (which ignores it) by the read-back of Store.create."""
+    from concurrent.futures import ThreadPoolExecutor
+    from threading import Barrier
+
+    stores = [Store(store_server.url("race"), {**store_server.options, "skip_instance_cache": True}) for _ in "ab"]
+    start = Barrier(2)
+
+    def create(i: int, name: str) -> bool:
+        start.wait()
+        return stores[i].create(name, f"driver {i}".encode())
+
+    with ThreadPoolExecutor(2) as pool:
+        assert [s.conditional_writes() for s in stores] == [store_server.scheme != "gs"] * 2
+        for n in range(3):
+            won = list(pool.map(create, (0, 1), (f"lock-{n}",) * 2))
+            assert sorted(won) == [False, True], won
+            winner = won.index(True)
+            assert stores[0].read_bytes(f"lock-{n}") == f"driver {winner}".encode()
+
+
 def test_a_sync_uploads_what_changed_and_never_checkpoints_or_hidden_files(s3, tmp_path: Path):
     for name in ("summary.json", "logs/driver-1.log", "hydra/t/.hydra/config.yaml", "checkpoints/x", ".lock"):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
