@@ -302,10 +302,11 @@ def azure(tmp_path_factory):
     yield from serving(Azurite(tmp_path_factory.mktemp("azurite")))
 
 
-@pytest.fixture(scope="session", params=["s3", "gcs", "azure"])
+@pytest.fixture(scope="module", params=["s3", "gcs", "azure"])
 def store_server(request):
     """Each object store in turn, for the object-storage tests' core (docs/object-storage.md#stores-tested): the
-    session's server of that kind, started by the first test that asks for it."""
+    session's server of that kind, started by the first test that asks for it. Module-scoped, so that pytest
+    groups a module's tests by store there, not the session's (which would set a module's fixtures up again)."""
     return request.getfixturevalue(request.param)
 
 

@@ -160,6 +160,27 @@ MUTANTS = (
         ("tests/test_urls.py::test_every_job_refuses_it_in_one_line",),
     ),
     Mutant(
+        "conditional-writes-assumed",
+        "distrain/storage/objectstore.py",
+        "self._conditional = first and not again",
+        "self._conditional = True",
+        ("tests/test_object_storage_run.py::test_the_store_lock_refuses_a_second_holder_and_is_released[gcs]",),
+    ),
+    Mutant(
+        "lock-read-back-skipped",
+        "distrain/storage/objectstore.py",
+        "            return self.read_bytes(name) == data",
+        "            return True",
+        ("tests/test_object_storage_run.py::test_of_two_drivers_creating_the_lock_at_once_one_wins[gcs]",),
+    ),
+    Mutant(
+        "connection-string-recorded",
+        "distrain/redaction.py",
+        "|sas|connection",
+        "|sas",
+        ("tests/test_object_storage_run.py::test_the_secret_is_in_no_file_the_run_wrote[azure]",),
+    ),
+    Mutant(
         "missing-bucket-made",
         "distrain/storage/objectstore.py",
         "        if not create:",
@@ -670,10 +691,15 @@ MUTANTS = (
 
 
 def mutated_copy(mutant: Mutant, into: Path) -> Path:
-    """The tree (no virtual environment, no git, no runs) copied into `into` with the mutant's bug put in."""
-    skip = shutil.ignore_patterns(".venv", ".git", "runs", "outputs", "__pycache__", ".pytest_cache", "*.egg-info")
+    """The tree (no virtual environment, no git, no runs) copied into `into` with the mutant's bug put in; npm's
+    packages (Azurite: 360 MB) linked, not copied."""
+    skip = shutil.ignore_patterns(
+        ".venv", ".git", "runs", "outputs", "__pycache__", ".pytest_cache", "*.egg-info", ".npm"
+    )
     tree = into / "tree"
     shutil.copytree(REPO, tree, ignore=skip, symlinks=True)
+    if (REPO / ".npm").exists():
+        (tree / ".npm").symlink_to(REPO / ".npm")
     path = tree / mutant.file
     text = path.read_text()
     if text.count(mutant.old) != 1:
