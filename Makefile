@@ -74,4 +74,4 @@ lint: setup
 	$(VENV)/bin/ruff check .
 
 clean:
-	rm -rf $(VENV) runs outputs
+	rm -rf $(VENV) runs outputs .npm
