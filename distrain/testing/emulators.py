@@ -54,31 +54,37 @@ class Emulator:
         """What must exist before a client writes: the bucket."""
 
     def start(self) -> Emulator:
+        command = self.command()  # first: a missing server says so before anything starts
         (self.folder / "data").mkdir(parents=True, exist_ok=True)
         self.log = open(self.folder / "server.log", "ab")  # noqa: SIM115  (closed in stop)
         self.proc = subprocess.Popen(
-            self.command(),
+            command,
             env={**os.environ, **self.server_env()},
             stdout=self.log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
+        try:
+            self._wait_listening()
+            self.prepare()
+        except BaseException:
+            self.stop()  # also when the wait or the bucket failed: nothing left running
+            raise
+        return self
+
+    def _wait_listening(self) -> None:
         deadline = time.monotonic() + self.start_timeout_s
         while True:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.command()[0]} exited ({self.proc.returncode}): see {self.log.name}")
             try:
                 socket.create_connection((self.host, self.port), timeout=1).close()
-                break
+                return
             except OSError:
                 if time.monotonic() > deadline:
-                    self.stop()
-                    raise RuntimeError(
-                        f"{self.command()[0]} did not listen within {self.start_timeout_s:g} s"
-                    ) from None
+                    said = f"{self.command()[0]} did not listen within {self.start_timeout_s:g} s"
+                    raise RuntimeError(said) from None
                 time.sleep(0.1)
-        self.prepare()
-        return self
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
