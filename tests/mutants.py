@@ -681,6 +681,13 @@ MUTANTS = (
         ("tests/test_chunked_loss.py::test_a_model_that_cannot_leave_its_head_is_refused_in_one_line",),
     ),
     Mutant(
+        "learner-ignores-loss-chunk",
+        "distrain/train/learner.py",
+        "collective, loss_chunk=chunk)",
+        "collective, loss_chunk=0)",
+        ("tests/test_chunked_loss.py::test_one_process_gives_todays_loss_and_gradients_without_holding_the_logits",),
+    ),
+    Mutant(
         "chunked-loss-keeps-the-logits",  # no recomputation: each slice's logits saved for the backward
         "distrain/parallel/chunked_loss.py",
         "            part = checkpoint(self._slice, h, y, use_reentrant=False, preserve_rng_state=False)",

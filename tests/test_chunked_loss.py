@@ -35,21 +35,22 @@ LAYOUTS = {
 
 
 def losses_and_grads(overrides: tuple[str, ...], tmp_path: Path) -> list[tuple[torch.Tensor, dict, int]]:
-    """One process: one step's loss, each parameter's gradient and the bytes saved for the backward, without and
+    """One process, built as a parameter-server worker builds it (a Learner: trainer.loss_chunk reaches the model
+    from the config): one step's loss, each parameter's gradient and the bytes saved for the backward, without and
     with chunks."""
-    from distrain.model.registry import build_model
-    from distrain.parallel.parallelize import ParallelModel
     from distrain.parallel.traffic import saved_activations
     from distrain.strategy.resolve import single
-    from distrain.train.learner import cross_entropy
+    from distrain.train.faults import Faults
+    from distrain.train.learner import Learner
 
+    (tmp_path / "corpus").mkdir(exist_ok=True)
+    (tmp_path / "corpus" / "text.txt").write_text("the quick brown fox jumps over the lazy dog\n" * 50)
     got = []
     for chunk in (0, 20):
         cfg = make_config(tmp_path, *overrides, "model.vocab_size=1000", f"trainer.loss_chunk={chunk}")
-        model = build_model(cfg.model, cfg.trainer.seq_len, seed=3)
-        parallel = ParallelModel(
-            model, cfg.strategy, single(1), torch.device("cpu"), False, cross_entropy, False, chunk
-        )
+        cfg.data.path = str(tmp_path / "corpus")
+        learner = Learner(cfg, single(1), (0, 1), torch.device("cpu"), Faults(cfg.fault, 0, None), collective=False)
+        parallel = learner.parallel
         x = torch.randint(0, 1000, (2, cfg.trainer.seq_len + 1), generator=torch.Generator().manual_seed(0))
         with saved_activations(parallel.module) as held:
             loss = parallel.loss_fn(parallel.module(x[:, :-1]), x[:, 1:])
