@@ -238,6 +238,9 @@ class TrainerConfig:
     eval_interval: int = 100  # 0 disables periodic validation (a final one still runs)
     eval_batches: int = 4
     precision: str = "auto"  # auto: bf16 autocast on GPU, fp32 on CPU | fp32 | bf16
+    # The head and loss over this many tokens of a micro-batch at a time, so its whole logits are never held
+    # (distrain/parallel/chunked_loss.py); 0: all at once.
+    loss_chunk: int = 0
     # Refuse a run whose estimated memory per rank (`--plan`) exceeds its devices' (distrain/driver/fits.py).
     check_memory: bool = True
 

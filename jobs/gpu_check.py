@@ -2,7 +2,8 @@
 
 On a machine with G ≥ 1 GPUs (`torch.cuda.device_count()`) it runs, one console line per part (PASS, FAIL
 or SKIP, and its figure), then a summary, and exits 1 if any part failed. `--parts` picks them (default:
-strategies, journey, ps, sticky, moe; the benchmarks mfu and collectives are optional, five minutes of their own):
+strategies, journey, ps, sticky, moe, loss; the benchmarks mfu and collectives are optional, five minutes of their
+own):
 
 1. **strategies**: a short NCCL run of every preset in conf/strategy/ that fits on G GPUs, through
    distrain's own driver (`distrain.driver.launch.train`, what `python jobs/train.py` runs): `model=nano`, 20
@@ -54,10 +55,14 @@ strategies, journey, ps, sticky, moe; the benchmarks mfu and collectives are opt
    does; the figure gives tokens/s, MFU counted on the active parameters (the weights a token passes through,
    as DeepSeek and torchtitan count a sparse model's) and the busiest expert's load ÷ the mean at the last
    step. CPU mode: `moe_nano` at the tests' tiny size.
-7. **MFU** (optional): jobs/bench/bench_mfu.py, llama_1b in bf16 with compiled blocks, distrain beside a plain
+7. **loss**: jobs/bench/bench_loss.py, one training step of a narrow Llama with a 128k vocabulary on 2048 tokens,
+   the head and loss whole and chunked (`trainer.loss_chunk`), each in a fresh process: writes docs/loss.md. It
+   passes when the chunked step's peak memory (torch.cuda.max_memory_allocated) is below the whole one's and the
+   losses agree within 1e-6 (relative).
+8. **MFU** (optional): jobs/bench/bench_mfu.py, llama_1b in bf16 with compiled blocks, distrain beside a plain
    PyTorch loop and transformers (the ratios are reported): writes docs/mfu.md. It passes when distrain's
    best run reaches the goal, ≥ 50% MFU (set for one H100).
-8. **collectives** (optional): jobs/bench/bench_collectives.py on every GPU (NCCL), against torch.distributed's
+9. **collectives** (optional): jobs/bench/bench_collectives.py on every GPU (NCCL), against torch.distributed's
    plain processes on the same GPUs (--repeats passes of each, alternating): writes docs/collectives.md.
    It passes when every operation's bandwidth ratio is ≥ 0.95; on one GPU, where nothing crosses a link,
    the ratio is only reported.
@@ -79,9 +84,10 @@ docs/gpu.md), collectives on one H100 (2026-11-24):
 | 4. ps at 1 worker, its server                                          |      13 |
 | 5. sticky: one fresh GPU worker                                        |       5 |
 | 6. moe: moe_1b, 20 steps (not yet measured on a GPU)                   |       — |
+| 7. loss: bench_loss, 2 fresh processes (not yet measured on a GPU)     |       — |
 | total by default (without moe)                                         |     406 |
-| 7. optional: bench_mfu, 6 runs of llama_1b × 30 steps (3 sides × 2)    |     330 |
-| 8. optional: bench_collectives, 1 KB–256 MB, 2 passes of each side     |     184 |
+| 8. optional: bench_mfu, 6 runs of llama_1b × 30 steps (3 sides × 2)    |     330 |
+| 9. optional: bench_collectives, 1 KB–256 MB, 2 passes of each side     |     184 |
 
 Without a GPU it runs in CPU mode, which checks that the scripts work: the same parts at tiny sizes (the
 tests' tiny model, 8 steps, 12 for the journey, whose presets are nano and gpt2_nano; gloo; --workers CPU
@@ -118,8 +124,8 @@ if TYPE_CHECKING:
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "offload", "nvme", "tp", "pp", "hsdp", "fsdp_tp", "3d")
 STRATEGIES += ("tp2d", "tp2p5d", "tp3d")  # 4 and 8 GPUs
 STRATEGIES += ("cp", "cp_alltoall")  # 2 GPUs
-PARTS = ("strategies", "journey", "ps", "sticky", "moe", "mfu", "collectives")
-DEFAULT_PARTS = PARTS[:5]  # the benchmarks take 5 minutes of their own: --parts names them
+PARTS = ("strategies", "journey", "ps", "sticky", "moe", "loss", "mfu", "collectives")
+DEFAULT_PARTS = PARTS[:6]  # the last two benchmarks take 5 minutes of their own: --parts names them
 TOLERANCE = 0.02  # bf16's final loss against fp32's, relative
 MOST_WORKERS = 64  # how far to look for the worker count a preset needs
 RUN = ["checkpoint.interval=0", "trainer.eval_interval=0", "trainer.eval_batches=1", "cluster.reuse_workers=true"]
@@ -131,6 +137,7 @@ JOURNEY_RUN = ["checkpoint.async=true", f"checkpoint.interval={INTERVAL}", "chec
 JOURNEY_RUN += [f"fault.kill_at_step={KILL_AT}", "cluster.restart_backoff_s=0"]
 JOURNEY_RUN += ["cluster.peer_recovery=false"]  # the checkpoint restart (from replicas: test_peer_recovery)
 RESUME_TOLERANCE = {"cpu": 0.0, "cuda": 0.01}  # the resumed run's loss at each step against the uninterrupted one's
+LOSS_CHUNK_TOLERANCE = 1e-6  # the chunked loss against the whole one, relative
 LOGITS_TOLERANCE = 1e-5  # the export's logits against distrain's, in fp32, times the largest logit (at least 1)
 MEMORY_SHARE = 0.8  # of a GPU's memory, at most, that plan's estimate of a preset's training may take
 PROMPT, NEW_TOKENS = "def ", 32
@@ -551,6 +558,21 @@ def bench(args: argparse.Namespace, script: str, pages: Path, storage: Path, *ex
     return harness.read_json(out, {}), ""
 
 
+def loss_part(args: argparse.Namespace, pages: Path, storage: Path) -> Part:
+    label = "chunked loss (jobs/bench/bench_loss.py)"
+    raw, error = bench(args, "bench_loss", pages, storage)
+    if error or not raw.get("rows"):
+        return Part(label, "FAIL", error or "it wrote no numbers")
+    whole, *chunked = raw["rows"]
+    best = min(chunked, key=lambda r: r["peak"])
+    drift = max(abs(r["loss"] - whole["loss"]) for r in chunked)
+    ok = best["peak"] < whole["peak"] and drift <= LOSS_CHUNK_TOLERANCE * max(1.0, abs(whole["loss"]))
+    figure = f"{whole['device']}, vocabulary {raw['model']['vocab_size']:,}, {raw['seq']} tokens: peak "
+    figure += f"{best['peak'] / 2**20:,.0f} MiB at loss_chunk={best['chunk']}, {whole['peak'] / 2**20:,.0f} MiB whole; "
+    figure += f"losses within {drift:.1e}" + (" (smoke)" if args.smoke else "")
+    return Part(label, "PASS" if ok else "FAIL", figure)
+
+
 def mfu_part(args: argparse.Namespace, pages: Path, storage: Path) -> Part:
     label = "MFU (jobs/bench/bench_mfu.py)"
     # The compiled blocks only: their best is what the goal is about, and eager's three runs would take the
@@ -616,13 +638,14 @@ def main(argv: list[str] | None = None) -> None:
                 if name in args.parts:
                     began = time.time()
                     parts.append(report(part(args) if name == "sticky" else part(args, storage), began))
-        for name, part in (("mfu", mfu_part), ("collectives", collectives_part)):
+        for name, part in (("loss", loss_part), ("mfu", mfu_part), ("collectives", collectives_part)):
             if name in args.parts:
                 began = time.time()
                 parts.append(report(part(args, pages, storage), began))
         rows = [[p.name, f"**{p.status}**", p.figure.replace("|", "/"), f"{p.seconds:.0f}"] for p in parts]
         every = ["## Every part", "", *harness.table(["part", "result", "figure", "seconds"], rows, "lllr"), ""]
-        links = "The benchmarks' own pages: [mfu.md](mfu.md) (MFU) and [collectives.md](collectives.md) (bandwidth)."
+        links = "The benchmarks' own pages: [loss.md](loss.md) (the chunked loss's memory), [mfu.md](mfu.md) (MFU) "
+        links += "and [collectives.md](collectives.md) (bandwidth)."
         page.write("\n".join([*every, *section, links]))
     failed = [p for p in parts if p.status == "FAIL"]
     counts = {s: sum(p.status == s for p in parts) for s in ("PASS", "FAIL", "SKIP")}
@@ -633,7 +656,8 @@ def main(argv: list[str] | None = None) -> None:
     if not args.gpus:
         print(
             "gpu_check: CPU mode checked that the scripts work; the GPU figures (NCCL runs, bf16 on CUDA, the journey "
-            "on CUDA, MFU, NCCL bandwidth) are still to be taken: `make gpu-check TORCH=torch` on a GPU machine."
+            "on CUDA, the chunked loss's memory, MFU, NCCL bandwidth) are still to be taken: `make gpu-check "
+            "TORCH=torch` on a GPU machine."
         )
     if failed:
         raise SystemExit(1)

@@ -687,6 +687,41 @@ MUTANTS = (
         "    if False:",
         ("tests/test_moe_layer.py::test_a_moe_setting_that_cannot_work_is_refused_in_one_line",),
     ),
+    Mutant(
+        "loss-chunk-negative-accepted",
+        "distrain/driver/validation.py",
+        "    require(t.loss_chunk >= 0,",
+        "    require(True,",
+        ("tests/test_config.py::test_each_rule_refuses_in_its_own_words[loss chunk]",),
+    ),
+    Mutant(
+        "chunked-loss-takes-any-model",
+        "distrain/parallel/chunked_loss.py",
+        '        if not hasattr(model, "head_skipped"):',
+        "        if False:",
+        ("tests/test_chunked_loss.py::test_a_model_that_cannot_leave_its_head_is_refused_in_one_line",),
+    ),
+    Mutant(
+        "learner-ignores-loss-chunk",
+        "distrain/train/learner.py",
+        "collective, loss_chunk=chunk)",
+        "collective, loss_chunk=0)",
+        ("tests/test_chunked_loss.py::test_one_process_gives_todays_loss_and_gradients_without_holding_the_logits",),
+    ),
+    Mutant(
+        "chunked-loss-keeps-the-logits",  # no recomputation: each slice's logits saved for the backward
+        "distrain/parallel/chunked_loss.py",
+        "            part = checkpoint(self._slice, h, y, use_reentrant=False, preserve_rng_state=False)",
+        "            part = self._slice(h, y)",
+        ("tests/test_chunked_loss.py::test_one_process_gives_todays_loss_and_gradients_without_holding_the_logits",),
+    ),
+    Mutant(
+        "chunked-loss-slices-weighed-alike",  # the short last slice counted as a full one
+        "distrain/parallel/chunked_loss.py",
+        "(y.numel() / total)",
+        "(width * hidden.shape[0] / total)",
+        ("tests/test_chunked_loss.py::test_one_process_gives_todays_loss_and_gradients_without_holding_the_logits",),
+    ),
 )
 
 

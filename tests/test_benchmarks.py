@@ -222,7 +222,7 @@ def test_gpu_check_cpu_mode(tmp_path: Path) -> None:
     to the bit (CPU, fp32), exported and loaded by transformers with the same logits, and sampled."""
     import torch
 
-    docs = {name: REPO / "docs" / name for name in ("gpu.md", "mfu.md", "collectives.md")}
+    docs = {name: REPO / "docs" / name for name in ("gpu.md", "loss.md", "mfu.md", "collectives.md")}
     before = {name: path.stat().st_mtime_ns if path.exists() else None for name, path in docs.items()}
     cmd = [sys.executable, "jobs/gpu_check.py", "--storage", str(tmp_path)]
     cmd += ["--parts", ",".join(importlib.import_module("gpu_check").PARTS)]  # every one, the optional benchmarks too
@@ -233,7 +233,8 @@ def test_gpu_check_cpu_mode(tmp_path: Path) -> None:
         assert f"PASS  strategy {part} (1 CPU worker)" in log, log
     assert "SKIP  strategy tp " in log and "needs 2 CPU workers (tp 2)" in log and "needs 4 CPU workers" in log
     mfu, collectives = "MFU (jobs/bench/bench_mfu.py)", "collectives (jobs/bench/bench_collectives.py)"
-    for part in ("bf16 against fp32 (ddp)", mfu, collectives):
+    loss = "chunked loss (jobs/bench/bench_loss.py)"  # its smoke: the chunked step's peak below the whole one's
+    for part in ("bf16 against fp32 (ddp)", loss, mfu, collectives):
         assert f"PASS  {part} (" in log, log
     lines = {line.split(" (")[0]: line for line in log.splitlines() if line.startswith(("PASS", "FAIL", "SKIP"))}
     for model in ("nano", "gpt2_nano"):
@@ -246,7 +247,7 @@ def test_gpu_check_cpu_mode(tmp_path: Path) -> None:
         assert [a["outcome"] for a in summary["attempts"]] == ["failed", "completed"], summary
         assert summary["attempts"][1]["info"]["resumed_from_step"] in (4, 8), summary  # committed before step 10
     assert "SKIP  a sticky CUDA error leaves the worker unreused" in log and "needs a GPU" in log
-    assert "17 passed, 0 failed, 11 skipped" in log and "are still to be taken" in log
+    assert "18 passed, 0 failed, 11 skipped" in log and "are still to be taken" in log
     assert "PASS  moe_nano, ep 1 (1 CPU worker)" in log and "× the mean" in lines.get("PASS  moe_nano, ep 1", ""), log
     assert all(f"SKIP  strategy {grid} " in log for grid in ("tp2d", "tp2p5d", "tp3d"))  # 4 and 8 workers
     assert "SKIP  strategy cp " in log and "needs 2 CPU workers (cp 2)" in log

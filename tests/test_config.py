@@ -166,6 +166,7 @@ REFUSALS = {
     "seq len": (["trainer.seq_len=1"], "trainer.seq_len=1: must be ≥ 2"),
     "log interval": (["trainer.log_interval=0"], "trainer.log_interval=0: must be ≥ 1"),
     "eval batches": (["trainer.eval_batches=0"], "trainer.eval_batches=0: must be ≥ 1"),
+    "loss chunk": (["trainer.loss_chunk=-1"], "trainer.loss_chunk=-1: must be ≥ 0"),
     "precision": (["trainer.precision=fp8"], "trainer.precision='fp8': choose one of"),
     "lr": (["optim.lr=-1"], "optim.lr=-1.0: must be positive"),
     "warmup": (["optim.warmup_steps=-1"], "optim.warmup_steps=-1: must be ≥ 0"),

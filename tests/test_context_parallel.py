@@ -62,7 +62,8 @@ def train_steps(parallel, layout, data, shard: tuple[int, int]) -> tuple[list[to
 
 
 def built(case: tuple[dict, dict], device: torch.device) -> tuple:
-    """A case's config, layout and ParallelModel, built as a Learner builds it (on the meta device, then laid out)."""
+    """A case's config, layout and ParallelModel, built as a Learner builds it (on the meta device, then laid out;
+    trainer.loss_chunk taken as the Learner takes it: test_chunked_loss.py's cases set it)."""
     from distrain.config import from_plain
     from distrain.model.registry import build_model
     from distrain.parallel.parallelize import ParallelModel
@@ -72,7 +73,8 @@ def built(case: tuple[dict, dict], device: torch.device) -> tuple:
     cfg, layout = from_plain(case[0]), Layout.from_dict(case[1])
     with torch.device("meta"):
         model = build_model(cfg.model, cfg.trainer.seq_len, seed=cfg.trainer.seed)
-    return cfg, layout, ParallelModel(model, cfg.strategy, layout, device, False, cross_entropy)
+    chunk = cfg.trainer.loss_chunk
+    return cfg, layout, ParallelModel(model, cfg.strategy, layout, device, False, cross_entropy, loss_chunk=chunk)
 
 
 def rank_main(rank: int, port: int, cases: dict, memory: dict, out: str) -> None:

@@ -29,7 +29,8 @@ LAYOUTS = {
     "tp_gathered_loss": (2, ["strategy=tp", "strategy.loss_parallel=false"], 1e-4),
     "pp_gpipe": (2, ["strategy=pp", "strategy.schedule=gpipe"], 1e-4),
     "pp_1f1b": (2, ["strategy=pp", "strategy.schedule=1f1b"], 1e-4),
-    "pp_interleaved_1f1b": (2, ["strategy=pp", "strategy.schedule=interleaved_1f1b"], 1e-4),
+    # with the chunked loss (trainer.loss_chunk) through the driver: a rank's two stages, the head on its second
+    "pp_interleaved_1f1b": (2, ["strategy=pp", "strategy.schedule=interleaved_1f1b", "trainer.loss_chunk=20"], 1e-4),
     "pp_looped_bfs": (2, ["strategy=pp", "strategy.schedule=looped_bfs"], 1e-4),
     "pp_interleaved_zb": (2, ["strategy=pp", "strategy.schedule=interleaved_zb"], 1e-4),
     "dp_pp": (4, ["strategy=pp"], 1e-4),

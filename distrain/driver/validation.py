@@ -230,6 +230,7 @@ def _validate_training(cfg: TrainConfig) -> None:
     require(t.seq_len >= 2, f"trainer.seq_len={t.seq_len}: must be ≥ 2")
     require(t.log_interval >= 1, f"trainer.log_interval={t.log_interval}: must be ≥ 1")
     require(t.eval_batches >= 1, f"trainer.eval_batches={t.eval_batches}: must be ≥ 1")
+    require(t.loss_chunk >= 0, f"trainer.loss_chunk={t.loss_chunk}: must be ≥ 0 (0: the loss over all tokens at once)")
     require(t.precision in PRECISIONS, f"trainer.precision={t.precision!r}: choose one of {', '.join(PRECISIONS)}")
     require(
         f.straggler is None or 0 <= f.straggler < n,

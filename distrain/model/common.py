@@ -77,6 +77,9 @@ class FamilyModel(nn.Module):
     output_modules = ("norm", "output")
     # Set by context parallelism: which of each sequence's positions this rank's tokens are.
     sequence_split: SequenceSplit | None = None
+    # Set by the chunked loss (trainer.loss_chunk, distrain/parallel/chunked_loss.py): forward returns the final
+    # norm's output and the loss applies the head a slice of the sequence at a time.
+    head_skipped = False
 
     def __init__(self, cfg: ModelConfig, max_seq_len: int, seed: int = 0):
         super().__init__()
@@ -99,6 +102,11 @@ class FamilyModel(nn.Module):
         the weights are the same on every device and under every layout while at most one full
         parameter exists at once. A sharded parameter (a DTensor: FSDP2, TP) keeps only its piece."""
         fill_parameters(self, lambda name, shape: initial_value(self.cfg, self.seed, name, shape))
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """The logits of the final hidden states `h`; `h` itself on a stage without the head or when the loss
+        applies it (`head_skipped`)."""
+        return self.output(h) if self.output is not None and not self.head_skipped else h
 
     def positions(self, t: int, device: torch.device) -> torch.Tensor:
         """The positions in their sequence of the t tokens of each sequence this rank holds: 0..t-1, or

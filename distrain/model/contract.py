@@ -19,6 +19,10 @@ seed: int)`, under `with torch.device("meta")` (it allocates nothing there), and
   role for 2-D/2.5-D/3-D tensor parallelism. None: no such plan (the driver refuses that strategy).
 - `flops_per_token(seq_len: int) -> float`: training FLOPs per token; the parameter count is counted.
 
+The chunked loss (trainer.loss_chunk) asks one thing more: an attribute `head_skipped`, which the step sets, and
+while it is true `forward` returns the hidden states the head (the last of `output_modules`) would take, without
+applying it (`common.FamilyModel.head`); the loss then calls the head itself, a slice of the sequence at a time.
+
 Context parallelism (strategy.cp) asks two things more: the causal attention computed by a
 `common.CausalAttention` module (the step swaps each for one that sees the whole sequence), and the tokens'
 positions read from the model's `sequence_split`, which the step sets (`common.FamilyModel.positions`):

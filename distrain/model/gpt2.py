@@ -89,7 +89,7 @@ class GPT2(FamilyModel):
         for block in self.layers.values():
             h = block(h)
         h = self.norm(h) if self.norm is not None else h
-        return self.output(h) if self.output is not None else h
+        return self.head(h)
 
     def tp_plan(self, loss_parallel: bool) -> dict[str, ParallelStyle]:
         """Megatron with sequence parallelism (common.megatron_plan)."""

@@ -141,7 +141,7 @@ class Transformer(FamilyModel):
         for block in self.layers.values():
             h = block(h, cos, sin)
         h = self.norm(h) if self.norm is not None else h
-        return self.output(h) if self.output is not None else h
+        return self.head(h)
 
     def tp_plan(self, loss_parallel: bool) -> dict[str, ParallelStyle]:
         """Megatron with sequence parallelism (common.megatron_plan); attention also takes the rotary tables."""

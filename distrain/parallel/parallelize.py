@@ -29,6 +29,7 @@ from distrain.compat import settle_gradients
 from distrain.config import StrategyConfig
 from distrain.model.moe import aux_loss_scale, recomputing
 from distrain.parallel import context_parallel, data_parallel, expert_parallel, tensor_parallel
+from distrain.parallel.chunked_loss import chunked
 from distrain.parallel.data_parallel import no_gradient_sync
 from distrain.parallel.mesh import ParallelMesh
 from distrain.parallel.passes import Pass, PassContext
@@ -144,7 +145,8 @@ class ParallelModel:
     """One rank's share of the model under a strategy: its stages, wrapped, and how to step them.
 
     `collective=False` builds it for one process without a process group (a parameter-server
-    worker, whose gradients travel to the servers instead): no mesh, no wrapper."""
+    worker, whose gradients travel to the servers instead): no mesh, no wrapper. `loss_chunk` > 0: the
+    head and loss over that many tokens at a time (trainer.loss_chunk)."""
 
     def __init__(
         self,
@@ -155,6 +157,7 @@ class ParallelModel:
         bf16: bool,
         loss_fn: LossFn,
         collective: bool = True,
+        loss_chunk: int = 0,
     ):
         self.cfg, self.layout, self.device, self.bf16 = cfg, layout, device, bf16
         self.mesh = ParallelMesh(layout, device.type, sharded=cfg.zero >= 2, collective=collective)
@@ -173,6 +176,8 @@ class ParallelModel:
         self.sequence_split = on.sequence_split  # context parallelism: this rank's tokens of each sequence
         self.experts = on.experts  # expert parallelism: the experts' gradients, summed apart
         self.loss_fn = loss_fn if self.grid is None else functools.partial(grid_cross_entropy, self.grid)
+        if loss_chunk:  # the head applied by the loss, a slice of the sequence at a time (chunked_loss.py)
+            self.loss_fn = chunked(list(parts.values()), self.loss_fn, loss_chunk)
 
         self.pipeline = None
         if layout.pp > 1:
