@@ -238,6 +238,9 @@ class TrainerConfig:
     eval_interval: int = 100  # 0 disables periodic validation (a final one still runs)
     eval_batches: int = 4
     precision: str = "auto"  # auto: bf16 autocast on GPU, fp32 on CPU | fp32 | bf16
+    # none | tensorwise | rowwise: the blocks' nn.Linear matmuls in float8 with that scaling (torchao; a GPU of
+    # compute capability ≥ 8.9, emulated on CPUs): distrain/strategy/float8.py
+    float8: str = "none"
     # Refuse a run whose estimated memory per rank (`--plan`) exceeds its devices' (distrain/driver/fits.py).
     check_memory: bool = True
 

@@ -63,7 +63,8 @@ class Learner:
         # its shards, and their values are the same in every layout and engine (distrain/model/contract.py).
         with torch.device("meta"):
             model = build_model(cfg.model, cfg.trainer.seq_len, seed=cfg.trainer.seed)
-        self.parallel = ParallelModel(model, s, layout, device, self.precision == "bf16", cross_entropy, collective)
+        bf16, float8 = self.precision == "bf16", cfg.trainer.float8
+        self.parallel = ParallelModel(model, s, layout, device, bf16, cross_entropy, collective, float8)
         if cfg.model.init_from:  # a Hugging Face model's weights, each rank its pieces; a resumed checkpoint wins
             fill_parameters(self.module, hf_weights(cfg.model.init_from, cfg.model))
         self.train_batches, self.val_batches = run_batches(cfg)
