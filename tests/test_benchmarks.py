@@ -233,7 +233,8 @@ def test_gpu_check_cpu_mode(tmp_path: Path) -> None:
         assert f"PASS  strategy {part} (1 CPU worker)" in log, log
     assert "SKIP  strategy tp " in log and "needs 2 CPU workers (tp 2)" in log and "needs 4 CPU workers" in log
     mfu, collectives = "MFU (jobs/bench/bench_mfu.py)", "collectives (jobs/bench/bench_collectives.py)"
-    for part in ("bf16 against fp32 (ddp)", mfu, collectives):
+    float8 = "float8 (tensorwise) against bf16 (zero3, 1 rank)"  # emulated on the CPU
+    for part in ("bf16 against fp32 (ddp)", float8, mfu, collectives):
         assert f"PASS  {part} (" in log, log
     lines = {line.split(" (")[0]: line for line in log.splitlines() if line.startswith(("PASS", "FAIL", "SKIP"))}
     for model in ("nano", "gpt2_nano"):
