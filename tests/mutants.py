@@ -732,6 +732,13 @@ MUTANTS = (
         "enable_fsdp_float8_all_gather=False,",
         ("tests/test_float8.py::test_fsdp2_and_tensor_parallel_float8_match_one_process",),
     ),
+    Mutant(
+        "float8-checkpoint-keeps-the-wrapper",
+        "distrain/train/state.py",
+        "model_sd = {k: unwrapped(v) for k, v in model_sd.items()}",
+        "model_sd = dict(model_sd)",
+        ("tests/test_float8.py::test_fsdp2_and_tensor_parallel_float8_match_one_process",),
+    ),
 )
 
 

@@ -117,8 +117,8 @@ def built(recipe: str, storage: Path, *overrides: str, collective: bool = False,
     return ParallelModel(model, cfg.strategy, layout, device, False, cross_entropy, collective, recipe), layout
 
 
-def train(parallel, shard: tuple[int, int] = (0, 1)) -> tuple[list[torch.Tensor], list[float]]:  # noqa: ANN001
-    """STEPS steps of AdamW: the rank's summed micro-batch losses and the gradient norms."""
+def train(parallel, shard: tuple[int, int] = (0, 1)) -> tuple[list[torch.Tensor], list[float], torch.optim.AdamW]:  # noqa: ANN001
+    """STEPS steps of AdamW: the rank's summed micro-batch losses, the gradient norms and the optimizer."""
     optimizer = torch.optim.AdamW(parallel.module.parameters(), lr=1e-2)
     losses, norms = [], []
     for batch in batches():
@@ -127,7 +127,7 @@ def train(parallel, shard: tuple[int, int] = (0, 1)) -> tuple[list[torch.Tensor]
         norms.append(float(parallel.clip_grad_norm(1.0)))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    return losses, norms
+    return losses, norms, optimizer
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +136,7 @@ def one_process(tmp_path_factory) -> dict:
     runs = {}
     for recipe in RECIPES:
         parallel, layout = built(recipe, tmp_path_factory.mktemp(recipe))
-        losses, norms = train(parallel)
+        losses, norms, _ = train(parallel)
         types = {name: type(m).__name__ for name, m in parallel.module.named_modules() if isinstance(m, nn.Linear)}
         runs[recipe] = {"loss": [float(x) / layout.micro_batches for x in losses], "grad_norm": norms, "types": types}
     return runs
@@ -165,15 +165,39 @@ def rank_main(rank: int, port: int, root: str) -> None:
     for name, (recipe, overrides) in DISTRIBUTED.items():
         parallel, layout = built(recipe, Path(root), *overrides, collective=True, device=device)
         weight = parallel.module.layers["0"].attention.wq.weight
-        losses, norms = train(parallel, layout.data_shard(rank))
+        losses, norms, optimizer = train(parallel, layout.data_shard(rank))
         total = torch.stack(losses)
         dist.all_reduce(total)  # the loop's global mean: every loss holder's local means, summed
         gathered = type(getattr(weight, "_local_tensor", weight)).__name__
         results[name] = {"loss": (total / (layout.micro_batches * layout.loss_holders)).tolist(), "grad_norm": norms,
                          "sharded as": gathered}  # fmt: skip
+        if name == "zero3_tensorwise":
+            results["resumed"] = resumed(parallel, optimizer, (recipe, overrides), Path(root, name), device)
     if rank == 0:
         torch.save(results, Path(root, "results.pt"))
     process_group.destroy()
+
+
+def resumed(parallel, optimizer, case: tuple, path: Path, device: torch.device) -> list[str]:  # noqa: ANN001
+    """The weights a checkpoint saved in the background (DCP's stager, as a run saves) and loaded into a fresh
+    model hold: the names of those that differ from the trained model's."""
+    from types import SimpleNamespace
+
+    from distrain.parallel.parallelize import as_tensor
+    from distrain.storage import checkpoint, saver
+    from distrain.train.state import checkpoint_state
+
+    def state(p, o) -> dict:  # noqa: ANN001
+        return checkpoint_state(SimpleNamespace(module=p.module, parallel=p), o)[0]
+
+    writer = saver.Saver(path, keep=1, background=True)
+    writer.save(STEPS, state(parallel, optimizer), {"step": STEPS, "world_size": WORLD}, {})
+    writer.close()
+    fresh, _ = built(case[0], path, *case[1], collective=True, device=device)
+    target = state(fresh, torch.optim.AdamW(fresh.module.parameters()))
+    checkpoint.load(checkpoint.checkpoints(path)[0], target)
+    want, got = parallel.module.state_dict(), fresh.module.state_dict()
+    return [k for k in want if not torch.equal(as_tensor(want[k]), as_tensor(got[k]))]
 
 
 @pytest.mark.timeout(300)
@@ -181,6 +205,7 @@ def test_fsdp2_and_tensor_parallel_float8_match_one_process(tmp_path: Path, one_
     spawn_ranks(rank_main, (free_port(), str(tmp_path)), WORLD)
     results = torch.load(tmp_path / "results.pt")
     assert results["zero3_tensorwise"]["sharded as"] == "WeightWithDynamicFloat8CastTensor"  # gathered in float8
+    assert results["resumed"] == [], "weights saved in the background and loaded back differ"
     for name, (recipe, _) in DISTRIBUTED.items():
         for key in ("loss", "grad_norm"):
             got, want = torch.tensor(results[name][key]), torch.tensor(one_process[recipe][key])

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 from types import ModuleType
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from distrain.parallel.passes import PassContext
 from distrain.strategy.float8 import check_gpu, kept
@@ -60,3 +62,19 @@ def parallelize(model: nn.Module, on: PassContext) -> nn.Module:
         module_filter_fn=lambda m, fqn: kept(fqn, m.in_features, m.out_features, outputs) is None,
     )
     return model
+
+
+def unwrapped(t: torch.Tensor) -> torch.Tensor:
+    """`t` as a checkpoint or a replica holds it: a weight FSDP2 all-gathers in float8 (its local piece torchao's
+    WeightWithDynamicFloat8CastTensor, a wrapper around the high-precision piece, `_tensor`) as a DTensor of the
+    piece it wraps, the same storage; any other tensor as it is. DCP's background stager copies each tensor's
+    storage, which a wrapper has none of: it saved garbage, and a run resumed from it had a NaN loss at once."""
+    fsdp_utils = sys.modules.get("torchao.float8.fsdp_utils")  # loaded only where float8 is in use
+    local = t._local_tensor if isinstance(t, DTensor) else t
+    if fsdp_utils is None or not isinstance(local, fsdp_utils.WeightWithDynamicFloat8CastTensor):
+        return t
+    if not isinstance(t, DTensor):
+        return local._tensor
+    return DTensor.from_local(
+        local._tensor, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
+    )
