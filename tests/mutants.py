@@ -733,6 +733,13 @@ MUTANTS = (
         ("tests/test_float8.py::test_fsdp2_and_tensor_parallel_float8_match_one_process",),
     ),
     Mutant(
+        "float8-gathered-under-tp",
+        "distrain/strategy/float8.py",
+        " and layout.tp == 1",
+        "",
+        ("tests/test_float8.py::test_the_plan_lists_the_converted_modules",),
+    ),
+    Mutant(
         "float8-checkpoint-keeps-the-wrapper",
         "distrain/train/state.py",
         "model_sd = {k: unwrapped(v) for k, v in model_sd.items()}",

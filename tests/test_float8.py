@@ -87,6 +87,9 @@ def test_the_plan_lists_the_converted_modules(tmp_path: Path):
     )
     assert lines[first + 1 : first + 9] == [*(f"  {name} in blocks 0-1" for name in BLOCK),
                                             "  kept in high precision: output (the head)"]  # fmt: skip
+    both = make_config(tmp_path, "cluster.num_workers=4", "strategy=fsdp_tp", "trainer.float8=tensorwise")
+    line = next(x for x in describe(both, validate(both), None, gpu=True).splitlines() if x.startswith("float8 ("))
+    assert line.startswith("float8 (tensorwise scaling, float8 tensor cores (torch._scaled_mm)): 14 of 15"), line
     moe = ("model=moe_nano", "model.n_layers=3", "model.moe.shared_experts=1", "model.moe.first_dense=1")
     cfg = make_config(tmp_path, *moe, "trainer.float8=rowwise")
     lines = describe(cfg, validate(cfg), None, gpu=True).splitlines()

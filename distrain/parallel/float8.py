@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from distrain.parallel.passes import PassContext
-from distrain.strategy.float8 import check_gpu, kept
+from distrain.strategy.float8 import check_gpu, gathers_float8, kept
 
 # What importing torchao logs that concerns no float8 training: its CUDA extensions (MX formats, cutlass kernels)
 # unloadable under a CPU torch, and torch's deprecation of a registration it makes. The float8 path is Python over
@@ -49,7 +49,7 @@ def parallelize(model: nn.Module, on: PassContext) -> nn.Module:
     if on.device.type == "cuda":  # a CPU emulates the float8 matmul
         check_gpu(torch.cuda.get_device_capability(on.device), torch.cuda.get_device_name(on.device))
     ao = torchao_float8()
-    gather = on.float8 == "tensorwise" and on.cfg.zero >= 2 and on.mesh.gradient is not None
+    gather = gathers_float8(on.float8, on.cfg.zero, on.layout)
     config = dataclasses.replace(
         ao.Float8LinearConfig.from_recipe_name(on.float8),
         emulate=on.device.type != "cuda",
