@@ -591,7 +591,7 @@ def mfu_part(args: argparse.Namespace, pages: Path, storage: Path) -> Part:
     sides = ", ".join(sorted({r["side"] for r in raw["runs"]}))
     if not args.gpus:
         return Part(label, "PASS", f"ran ({sides}); without a GPU it measures nothing, as it should")
-    ran = [r for r in raw["runs"] if r["side"] == "distrain" and r.get("mfu") is not None]
+    ran = [r for r in raw["runs"] if r["side"] == "distrain" and r["variant"] != "float8" and r.get("mfu") is not None]
     if not ran:
         return Part(label, "FAIL", f"no MFU: no bf16 peak known for {raw['device']} (--peak-tflops)")
     best = max(ran, key=lambda r: r["mfu"])

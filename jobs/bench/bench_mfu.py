@@ -306,7 +306,9 @@ def body(args: argparse.Namespace, trials: list[harness.Trial], fpt: float) -> s
             f"float8 (tensorwise, compiled) gives distrain {f8:.2f}× its compiled bf16 tokens/s: it {verdict} the goal "
             f"of ≥ {FLOAT8_GOAL:.1f}× (its MFU is still counted against the bf16 peak)."
         )
-    ours = [r for (side, _), rs in done.items() if side == "distrain" for r in rs if r.mfu is not None]
+    # the bf16 runs': float8's MFU is counted against the bf16 peak too, which its matmuls are not bound by
+    bf16 = [rs for (side, v), rs in done.items() if side == "distrain" and v != "float8"]
+    ours = [r for rs in bf16 for r in rs if r.mfu is not None]
     if best := max(ours, key=lambda r: r.mfu, default=None):
         verdict = "meets" if best.mfu >= GOAL else "falls short of"
         lines.append(f"distrain's best run ({best.mfu:.1%} MFU) {verdict} the goal of ≥ {GOAL:.0%}.")
