@@ -3,8 +3,9 @@ become torchao's Float8Linear, their matmuls in float8 with dynamic tensorwise o
 
 The first pass of parallelize.PASSES, as torchtitan converts before it parallelises: on the meta device, before
 tensor parallelism lays the converted modules out (its usual styles: DTensor takes the float8 casts, whose scales
-are the whole tensor's amax) and before FSDP2 shards them, which under tensorwise scaling then all-gathers each
-weight already cast to float8 (half bf16's bytes) with one scale for all its shards. On a GPU below compute
+are the whole tensor's amax) and before FSDP2 shards them, which under tensorwise scaling without tensor
+parallelism then all-gathers each weight already cast to float8 (half bf16's bytes) with one scale for all its
+shards (strategy/float8.gathers_float8). On a GPU below compute
 capability 8.9 the run is refused at once; on a CPU torchao emulates the float8 matmul.
 """
 
