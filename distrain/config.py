@@ -241,6 +241,9 @@ class TrainerConfig:
     # The head and loss over this many tokens of a micro-batch at a time, so its whole logits are never held
     # (distrain/parallel/chunked_loss.py); 0: all at once.
     loss_chunk: int = 0
+    # none | tensorwise | rowwise: the blocks' nn.Linear matmuls in float8 with that scaling (torchao; a GPU of
+    # compute capability ≥ 8.9, emulated on CPUs): distrain/strategy/float8.py
+    float8: str = "none"
     # Refuse a run whose estimated memory per rank (`--plan`) exceeds its devices' (distrain/driver/fits.py).
     check_memory: bool = True
 

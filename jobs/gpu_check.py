@@ -18,6 +18,11 @@ own):
    8 mantissa bits (0.4%), so the curves drift apart a little: over 20 steps of the nano model they stayed
    within 0.7% at every step and 0.01% at the last (CPU autocast, fp32 weights either way). A broken
    mixed-precision path (weights or gradients kept in bf16, a cast lost) moves the loss by far more.
+   **float8 against bf16** (with 1): zero3's run again with `trainer.float8=tensorwise` (torchao's float8
+   matmuls in the blocks; FSDP2 all-gathers their weights in float8 on 2 or more GPUs). It passes when the final
+   losses are within 2% (relative): e4m3 keeps 3 mantissa bits (6% a value), averaged over each matmul's sums
+   and the loss's tokens (tests/test_float8.py: 3 steps within 2% on the CPU). On a GPU below compute
+   capability 8.9 the run must be refused in one line instead, which passes. CPU mode emulates the matmuls.
 3. **journey**: what a user does, for every model preset in conf/model/ whose training fits one GPU (plan's
    memory estimate within 80% of its memory; --models names others), both families (Llama, GPT-2), ddp
    on G GPUs at the trainer's default precision (bf16 on CUDA), 12 steps:
@@ -60,8 +65,9 @@ own):
    passes when the chunked step's peak memory (torch.cuda.max_memory_allocated) is below the whole one's and the
    losses agree within 1e-6 (relative).
 8. **MFU** (optional): jobs/bench/bench_mfu.py, llama_1b in bf16 with compiled blocks, distrain beside a plain
-   PyTorch loop and transformers (the ratios are reported): writes docs/mfu.md. It passes when distrain's
-   best run reaches the goal, ≥ 50% MFU (set for one H100).
+   PyTorch loop and transformers (the ratios are reported), and distrain in float8 (`trainer.float8=tensorwise`):
+   writes docs/mfu.md. It passes when distrain's best run reaches the goal, ≥ 50% MFU (set for one H100), and
+   float8 ≥ 1.2× its compiled bf16 tokens/s (where the GPU has float8).
 9. **collectives** (optional): jobs/bench/bench_collectives.py on every GPU (NCCL), against torch.distributed's
    plain processes on the same GPUs (--repeats passes of each, alternating): writes docs/collectives.md.
    It passes when every operation's bandwidth ratio is ≥ 0.95; on one GPU, where nothing crosses a link,
@@ -78,6 +84,7 @@ docs/gpu.md), collectives on one H100 (2026-11-24):
 | 1. Ray's start and ddp at 1 worker (CUDA, NCCL), 20 steps              |      18 |
 | 1. zero1, zero2, zero3, offload, nvme at 1 worker, kept warm           |      14 |
 | 2. ddp in fp32                                                         |       2 |
+| 2. zero3 in float8 (not yet measured on a GPU)                         |       — |
 | 3. journey nano, gpt2_nano: 2 runs, a new worker after the kill        |      32 |
 | 3. journey llama_124m, gpt2_124m: the same, 2 GB checkpoints           |      86 |
 | 3. journey llama_1b: the same, 12 GB checkpoints, 4 GB export          |     222 |
@@ -87,6 +94,7 @@ docs/gpu.md), collectives on one H100 (2026-11-24):
 | 7. loss: bench_loss, 2 fresh processes (not yet measured on a GPU)     |       — |
 | total by default (without moe)                                         |     406 |
 | 8. optional: bench_mfu, 6 runs of llama_1b × 30 steps (3 sides × 2)    |     330 |
+| 8. and distrain in float8, 2 runs more (not yet measured on a GPU)     |       — |
 | 9. optional: bench_collectives, 1 KB–256 MB, 2 passes of each side     |     184 |
 
 Without a GPU it runs in CPU mode, which checks that the scripts work: the same parts at tiny sizes (the
@@ -126,7 +134,8 @@ STRATEGIES += ("tp2d", "tp2p5d", "tp3d")  # 4 and 8 GPUs
 STRATEGIES += ("cp", "cp_alltoall")  # 2 GPUs
 PARTS = ("strategies", "journey", "ps", "sticky", "moe", "loss", "mfu", "collectives")
 DEFAULT_PARTS = PARTS[:6]  # the last two benchmarks take 5 minutes of their own: --parts names them
-TOLERANCE = 0.02  # bf16's final loss against fp32's, relative
+TOLERANCE = 0.02  # bf16's final loss against fp32's, and float8's against bf16's, relative
+FLOAT8 = "tensorwise"  # the recipe part 2 runs: the one whose weights FSDP2 all-gathers in float8
 MOST_WORKERS = 64  # how far to look for the worker count a preset needs
 RUN = ["checkpoint.interval=0", "trainer.eval_interval=0", "trainer.eval_batches=1", "cluster.reuse_workers=true"]
 RUN += ["logger.wandb.mode=disabled", "logger.progress_interval_s=600", "optim.warmup_steps=5"]
@@ -245,8 +254,7 @@ def strategy_part(trained: harness.Trained, name: str, workers: int, unit: str) 
     return Part(label, "PASS", curve)
 
 
-def agreement_part(bf16: harness.Trained, fp32: harness.Trained) -> Part:
-    label = "bf16 against fp32 (ddp)"
+def agreement_part(bf16: harness.Trained, fp32: harness.Trained, label: str = "bf16 against fp32 (ddp)") -> Part:
     a, b = [m["loss"] for m in bf16.metrics], [m["loss"] for m in fp32.metrics]
     if bf16.error or fp32.error or not a or len(a) != len(b):
         return Part(label, "FAIL", bf16.error or fp32.error or "the runs logged different steps")
@@ -283,6 +291,9 @@ def training(args: argparse.Namespace, storage: Path) -> tuple[list[Part], list[
     workers, _ = workers_for("ddp", common, most, unit)
     bf16 = done.get("ddp") or train(common, "ddp", workers, "bf16")
     parts.append(report(agreement_part(bf16, train(common, "ddp", workers, "fp32")), began))
+    began = time.time()
+    workers, _ = workers_for("zero3", common, most, unit)
+    parts.append(report(float8_part(common, done.get("zero3") or train(common, "zero3", workers, "bf16")), began))
     head = ["strategy", f"{unit}s", "mesh"]
     section = [
         "## Strategies",
@@ -295,10 +306,29 @@ def training(args: argparse.Namespace, storage: Path) -> tuple[list[Part], list[
         "",
         f"bf16 against fp32: ddp's run again with `trainer.precision=fp32`, on the same seed, data and workers; "
         f"the final losses must agree within {TOLERANCE:.0%} (relative): bf16 autocast's rounding moves them "
-        "far less, a broken mixed-precision path far more.",
+        "far less, a broken mixed-precision path far more. float8 against bf16: zero3's run again with "
+        f"`trainer.float8={FLOAT8}`, within {TOLERANCE:.0%} of it (a GPU below compute capability 8.9 must refuse "
+        "it in one line).",
         "",
     ]
     return parts, section
+
+
+def float8_part(common: list[str], bf16: harness.Trained) -> Part:
+    """zero3's bf16 run again with trainer.float8: its final loss within TOLERANCE of bf16's; on a GPU below compute
+    capability 8.9, refused in one line (distrain/strategy/float8.py)."""
+    import torch
+
+    from distrain.strategy.float8 import FP8_CAPABILITY
+
+    label = f"float8 ({FLOAT8}) against bf16 (zero3, {mesh(bf16)})"
+    run = ["strategy=zero3", f"cluster.num_workers={bf16.layout.world_size}", "trainer.precision=bf16"]
+    float8 = harness.train([*common, *run, f"trainer.float8={FLOAT8}", "run.name=zero3-float8"], timeout_s=300)
+    capability = torch.cuda.get_device_capability(0) if torch.cuda.is_available() else FP8_CAPABILITY
+    if capability < FP8_CAPABILITY:
+        refused = float8.error is not None and "needs float8 tensor cores" in float8.error
+        return Part(label, "PASS" if refused else "FAIL", f"compute capability {capability}: {float8.error}")
+    return agreement_part(float8, bf16, label)
 
 
 def mesh(trained: harness.Trained) -> str:
@@ -549,7 +579,7 @@ def bench(args: argparse.Namespace, script: str, pages: Path, storage: Path, *ex
     cmd = [sys.executable, f"jobs/bench/{script}.py", "--out", str(pages / f"{script.removeprefix('bench_')}.md")]
     cmd += ["--json", str(out), "--storage", str(storage / script), *(["--smoke"] if args.smoke else []), *extra]
     try:
-        done = processes.run_command(cmd, storage / f"{script}.log", timeout_s=480)
+        done = processes.run_command(cmd, storage / f"{script}.log", timeout_s=600)  # bench_mfu: 8 runs
     except processes.CommandTimeout as e:
         return {}, str(e).splitlines()[0]
     if done.rc != 0:
@@ -575,23 +605,26 @@ def loss_part(args: argparse.Namespace, pages: Path, storage: Path) -> Part:
 
 def mfu_part(args: argparse.Namespace, pages: Path, storage: Path) -> Part:
     label = "MFU (jobs/bench/bench_mfu.py)"
-    # The compiled blocks only: their best is what the goal is about, and eager's three runs would take the
-    # part past its budget.
-    raw, error = bench(args, "bench_mfu", pages, storage, *([] if args.smoke else ["--variants", "compiled"]))
+    # The compiled blocks only, in bf16 and (distrain's) in float8: their best is what the goals are about, and
+    # eager's three runs would take the part past its budget.
+    raw, error = bench(args, "bench_mfu", pages, storage, *([] if args.smoke else ["--variants", "compiled,float8"]))
     if error or not raw:
         return Part(label, "FAIL", error or "it wrote no numbers")
     sides = ", ".join(sorted({r["side"] for r in raw["runs"]}))
     if not args.gpus:
         return Part(label, "PASS", f"ran ({sides}); without a GPU it measures nothing, as it should")
-    ran = [r for r in raw["runs"] if r["side"] == "distrain" and r.get("mfu") is not None]
+    ran = [r for r in raw["runs"] if r["side"] == "distrain" and r["variant"] != "float8" and r.get("mfu") is not None]
     if not ran:
         return Part(label, "FAIL", f"no MFU: no bf16 peak known for {raw['device']} (--peak-tflops)")
     best = max(ran, key=lambda r: r["mfu"])
     each = ", ".join(f"{r['variant']} {r['mfu']:.1%} ({r['tokens_per_s']:,.0f} tokens/s)" for r in ran)
     against = ", ".join(f"÷ {side} {x:.3f} ({v})" for v, r in raw["ratios"].items() for side, x in r.items())
     held = not args.smoke
-    ok = not held or best["mfu"] >= raw["goal"]
-    figure = f"distrain {each}; goal ≥ {raw['goal']:.0%}; distrain {against}" + ("" if held else " (smoke)")
+    f8 = raw.get("float8_speedup")
+    ok = not held or (best["mfu"] >= raw["goal"] and (f8 is None or f8 >= raw["float8_goal"]))
+    figure = f"distrain {each}; goal ≥ {raw['goal']:.0%}; distrain {against}"
+    figure += f"; float8 {f8:.2f}× compiled bf16 (goal ≥ {raw['float8_goal']:.1f}×)" if f8 is not None else ""
+    figure += "" if held else " (smoke)"
     return Part(label, "PASS" if ok else "FAIL", figure)
 
 

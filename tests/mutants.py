@@ -704,8 +704,8 @@ MUTANTS = (
     Mutant(
         "learner-ignores-loss-chunk",
         "distrain/train/learner.py",
-        "collective, loss_chunk=chunk)",
-        "collective, loss_chunk=0)",
+        "collective, loss_chunk=chunk, float8",
+        "collective, loss_chunk=0, float8",
         ("tests/test_chunked_loss.py::test_one_process_gives_todays_loss_and_gradients_without_holding_the_logits",),
     ),
     Mutant(
@@ -721,6 +721,65 @@ MUTANTS = (
         "(y.numel() / total)",
         "(width * hidden.shape[0] / total)",
         ("tests/test_chunked_loss.py::test_one_process_gives_todays_loss_and_gradients_without_holding_the_logits",),
+    ),
+    Mutant(
+        "float8-any-recipe",
+        "distrain/strategy/float8.py",
+        'require(f8 in ("none", *RECIPES),',
+        "require(True,",
+        ("tests/test_float8.py::test_bad_float8_settings_are_refused_before_anything_starts",),
+    ),
+    Mutant(
+        "float8-without-torchao",
+        "distrain/strategy/float8.py",
+        'importlib.util.find_spec("torchao") is not None,',
+        "True,",
+        ("tests/test_float8.py::test_bad_float8_settings_are_refused_before_anything_starts",),
+    ),
+    Mutant(
+        "float8-on-the-grid",
+        "distrain/strategy/float8.py",
+        's.tp == 1 or s.tp_mode == "1d",',
+        "True,",
+        ("tests/test_float8.py::test_bad_float8_settings_are_refused_before_anything_starts",),
+    ),
+    Mutant(
+        "float8-on-an-a100",
+        "distrain/strategy/float8.py",
+        "FP8_CAPABILITY = (8, 9)",
+        "FP8_CAPABILITY = (8, 0)",
+        ("tests/test_float8.py::test_a_gpu_without_float8_tensor_cores_is_refused_in_one_line",),
+    ),
+    Mutant(
+        "float8-head-converted",
+        "distrain/strategy/float8.py",
+        'if fqn.split(".")[0] in output_modules:',
+        "if False:",
+        (
+            "tests/test_float8.py::test_the_rule_converts_aligned_linears_but_the_head_and_routers",
+            "tests/test_float8.py::test_float8_converts_the_blocks_and_trains_as_fp32_does",
+        ),
+    ),
+    Mutant(
+        "float8-fsdp2-gathers-high-precision",
+        "distrain/parallel/float8.py",
+        "enable_fsdp_float8_all_gather=gather,",
+        "enable_fsdp_float8_all_gather=False,",
+        ("tests/test_float8.py::test_fsdp2_and_tensor_parallel_float8_match_one_process",),
+    ),
+    Mutant(
+        "float8-gathered-under-tp",
+        "distrain/strategy/float8.py",
+        " and layout.tp == 1",
+        "",
+        ("tests/test_float8.py::test_the_plan_lists_the_converted_modules",),
+    ),
+    Mutant(
+        "float8-checkpoint-keeps-the-wrapper",
+        "distrain/train/state.py",
+        "model_sd = {k: unwrapped(v) for k, v in model_sd.items()}",
+        "model_sd = dict(model_sd)",
+        ("tests/test_float8.py::test_fsdp2_and_tensor_parallel_float8_match_one_process",),
     ),
 )
 

@@ -234,7 +234,8 @@ def test_gpu_check_cpu_mode(tmp_path: Path) -> None:
     assert "SKIP  strategy tp " in log and "needs 2 CPU workers (tp 2)" in log and "needs 4 CPU workers" in log
     mfu, collectives = "MFU (jobs/bench/bench_mfu.py)", "collectives (jobs/bench/bench_collectives.py)"
     loss = "chunked loss (jobs/bench/bench_loss.py)"  # its smoke: the chunked step's peak below the whole one's
-    for part in ("bf16 against fp32 (ddp)", loss, mfu, collectives):
+    float8 = "float8 (tensorwise) against bf16 (zero3, 1 rank)"  # emulated on the CPU
+    for part in ("bf16 against fp32 (ddp)", float8, loss, mfu, collectives):
         assert f"PASS  {part} (" in log, log
     lines = {line.split(" (")[0]: line for line in log.splitlines() if line.startswith(("PASS", "FAIL", "SKIP"))}
     for model in ("nano", "gpt2_nano"):
@@ -247,7 +248,7 @@ def test_gpu_check_cpu_mode(tmp_path: Path) -> None:
         assert [a["outcome"] for a in summary["attempts"]] == ["failed", "completed"], summary
         assert summary["attempts"][1]["info"]["resumed_from_step"] in (4, 8), summary  # committed before step 10
     assert "SKIP  a sticky CUDA error leaves the worker unreused" in log and "needs a GPU" in log
-    assert "18 passed, 0 failed, 11 skipped" in log and "are still to be taken" in log
+    assert "19 passed, 0 failed, 11 skipped" in log and "are still to be taken" in log
     assert "PASS  moe_nano, ep 1 (1 CPU worker)" in log and "× the mean" in lines.get("PASS  moe_nano, ep 1", ""), log
     assert all(f"SKIP  strategy {grid} " in log for grid in ("tp2d", "tp2p5d", "tp3d"))  # 4 and 8 workers
     assert "SKIP  strategy cp " in log and "needs 2 CPU workers (cp 2)" in log

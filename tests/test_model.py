@@ -40,7 +40,8 @@ def test_num_params_matches_the_built_model(cfg: ModelConfig):
 @pytest.mark.parametrize("tied", [False, True])
 def test_a_family_record_matches_its_built_model(target: str, heads: str, tied: bool):
     """Every registered family's record (families/) says what the built model has: its parameter
-    count, its pipeline parts, its tensor-parallel plans; with and without a tied head, with
+    count, its pipeline parts, its tensor-parallel plans, its nn.Linear modules (what float8 converts, which
+    `--plan` lists from the record); with and without a tied head, with
     grouped-query attention, Qwen3's heads where the family has them, and a positions' table sized by the
     run's seq_len."""
     cfg = ModelConfig(
@@ -53,6 +54,8 @@ def test_a_family_record_matches_its_built_model(target: str, heads: str, tied: 
     assert parts(cfg, 16) == _counted_parts(model)
     assert has_plan(cfg, 16, "1d") == (model.tp_plan(True) is not None)
     assert has_plan(cfg, 16, "2d") == (model.grid_tp_plan() is not None)
+    linears = {n: (m.in_features, m.out_features) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert FAMILIES[target].linears(cfg) == linears
 
 
 @pytest.mark.parametrize(("target", "heads"), WITH_HEADS)

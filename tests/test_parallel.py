@@ -137,13 +137,14 @@ def test_every_schedule_name_has_a_torch_schedule():
 
 def test_every_parallelism_the_driver_knows_is_applied_in_torchtitans_order():
     """The driver's registry and the torch layer's steps name the same parallelisms (the pipeline is no
-    step: it makes the parts), laid on the mesh and applied in the order they always were."""
+    step: it makes the parts), laid on the mesh and applied in the order they always were; float8's conversion
+    first, so that the parallelisms lay out and shard the converted modules."""
     from distrain.parallel.parallelize import PASSES
     from distrain.strategy import MESH_DIMS, PARALLELISMS
 
     assert MESH_DIMS == ("pp", "dp_replicate", "dp_shard", "cp", "tp")
     assert {p.name for p in PARALLELISMS} - PASSES.keys() == {"pp"}
-    assert list(PASSES) == ["cp", "tp", "ep", "activation_checkpoint", "compile", "dp"]
+    assert list(PASSES) == ["float8", "cp", "tp", "ep", "activation_checkpoint", "compile", "dp"]
 
 
 WORLD = 4

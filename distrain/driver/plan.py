@@ -12,8 +12,8 @@ from dataclasses import dataclass, replace
 from distrain.cluster.places import RankPlace
 from distrain.config import TrainConfig, resolve_precision
 from distrain.driver.survival import survivable
-from distrain.model.size import num_params, parts
-from distrain.strategy import MESH_DIMS, PARALLELISMS
+from distrain.model.size import linears, num_params, parts
+from distrain.strategy import MESH_DIMS, PARALLELISMS, float8
 from distrain.strategy.context_parallel import ring_scores
 from distrain.strategy.expert_parallel import expert_params, expert_shard_ranks, rank_blocks
 from distrain.strategy.layout import Layout
@@ -247,6 +247,11 @@ def describe(
         *([not_placed] if table is None else []),
         *(["process groups:", *group_lines(layout)] if cfg.ps.mode is None else server_lines(cfg)),
         *(line for p in reversed(PARALLELISMS) for line in p.plan_lines(cfg, layout)),
+        *(
+            float8.plan_lines(cfg, layout, *linears(cfg.model, cfg.trainer.seq_len), gpu)
+            if cfg.trainer.float8 != "none"
+            else []
+        ),
         *memory_lines(cfg, layout, precision),
         *([checked] if checked else []),
         *(survivable(layout, table or [], cfg.cluster.peer_recovery) if cfg.ps.mode is None else []),

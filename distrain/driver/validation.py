@@ -18,7 +18,7 @@ from distrain.model.families import shipped
 from distrain.model.registry import check_model, has_causal_attention, has_plan
 from distrain.ps import rules as parameter_server
 from distrain.storage import directio
-from distrain.strategy import PARALLELISMS
+from distrain.strategy import PARALLELISMS, float8
 from distrain.strategy.layout import Layout
 from distrain.strategy.parallelism import require
 from distrain.strategy.pipeline import SCHEDULES
@@ -53,6 +53,7 @@ def validate(cfg: TrainConfig) -> Layout:
     _validate_elastic(cfg, layout)
     parameter_server.validate(cfg)
     _validate_training(cfg)
+    float8.validate(cfg)
     _validate_data(cfg)
     return layout
 

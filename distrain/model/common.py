@@ -27,6 +27,7 @@ from torch.distributed.tensor.parallel import (
 from distrain.config import ModelConfig
 from distrain.model.contract import fill_parameters, tie
 from distrain.model.families import Family
+from distrain.model.families.family import OUTPUT_MODULES
 
 
 class SequenceSplit(Protocol):
@@ -74,7 +75,7 @@ class FamilyModel(nn.Module):
 
     family: Family
     input_modules: tuple[str, ...]
-    output_modules = ("norm", "output")
+    output_modules = OUTPUT_MODULES
     # Set by context parallelism: which of each sequence's positions this rank's tokens are.
     sequence_split: SequenceSplit | None = None
     # Set by the chunked loss (trainer.loss_chunk, distrain/parallel/chunked_loss.py): forward returns the final

@@ -64,6 +64,15 @@ def has_causal_attention(cfg: ModelConfig, max_seq_len: int) -> bool:
     return any(isinstance(m, CausalAttention) for m in meta_model(cfg, max_seq_len).modules())
 
 
+def meta_linears(cfg: ModelConfig, max_seq_len: int) -> tuple[dict[str, tuple[int, int]], tuple[str, ...]]:
+    """A model's nn.Linear modules' (in, out) features by name, built on the meta device, and its output modules."""
+    from torch import nn
+
+    model = meta_model(cfg, max_seq_len)
+    found = {n: (m.in_features, m.out_features) for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    return found, tuple(model.output_modules)
+
+
 def meta_model(cfg: ModelConfig, max_seq_len: int) -> Any:
     """The model built on the meta device: its shape and methods, no memory."""
     import torch

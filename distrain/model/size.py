@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 
 from distrain.config import ModelConfig
 from distrain.model.families import Family, shipped
+from distrain.model.families.family import OUTPUT_MODULES, Linears
 
 
 def num_params(cfg: ModelConfig, seq_len: int | None = None) -> int:
@@ -77,6 +78,16 @@ def _counted_parts(model) -> Parts:  # noqa: ANN001  (an nn.Module)
     return Parts(
         count(model.input_modules, set()), count(("layers.0",), set()), count(model.output_modules, aliases), tied
     )
+
+
+def linears(cfg: ModelConfig, seq_len: int) -> tuple[Linears, tuple[str, ...]]:
+    """Every nn.Linear's (in, out) features by full-model name, and the model's output modules (float8's `--plan`)."""
+    family = shipped(cfg._target_)
+    if family is not None:
+        return family.linears(cfg), OUTPUT_MODULES
+    from distrain.model.registry import meta_linears
+
+    return meta_linears(cfg, seq_len)
 
 
 def _built(cfg: ModelConfig, seq_len: int):  # noqa: ANN202  (an nn.Module; torch stays unimported here)

@@ -1,7 +1,7 @@
 """Compose the parallelisms on one mesh, always in the same order:
 
-    pipeline split → context parallel → tensor parallel → expert parallel → activation checkpointing → compile
-    → data parallel
+    pipeline split → float8 → context parallel → tensor parallel → expert parallel → activation checkpointing
+    → compile → data parallel
 
 The pipeline cuts the model into this rank's stages; every other parallelism is a pass (`PASSES`)
 applied to each of them in turn, as torchtitan's parallelize_llama applies them. A model built on the
@@ -28,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 from distrain.compat import settle_gradients
 from distrain.config import StrategyConfig
 from distrain.model.moe import aux_loss_scale, recomputing
-from distrain.parallel import context_parallel, data_parallel, expert_parallel, tensor_parallel
+from distrain.parallel import context_parallel, data_parallel, expert_parallel, float8, tensor_parallel
 from distrain.parallel.chunked_loss import chunked
 from distrain.parallel.data_parallel import no_gradient_sync
 from distrain.parallel.mesh import ParallelMesh
@@ -61,8 +61,10 @@ def apply_compile(model: nn.Module, on: PassContext) -> nn.Module:
 
 # What is applied to each part of the model (the whole of it, or each pipeline stage), in this order; a
 # parallelism's pass is keyed by its name in distrain.strategy (the pipeline is no pass: it makes the
-# parts). A pass that does not apply to the layout returns the part as it is.
+# parts). A pass that does not apply to the layout returns the part as it is. Float8 comes first, as torchtitan
+# converts: the parallelisms then lay out and shard the converted modules.
 PASSES: dict[str, Pass] = {
+    "float8": float8.parallelize,
     "cp": context_parallel.parallelize,
     "tp": tensor_parallel.parallelize,
     "ep": expert_parallel.parallelize,
@@ -146,7 +148,8 @@ class ParallelModel:
 
     `collective=False` builds it for one process without a process group (a parameter-server
     worker, whose gradients travel to the servers instead): no mesh, no wrapper. `loss_chunk` > 0: the
-    head and loss over that many tokens at a time (trainer.loss_chunk)."""
+    head and loss over that many tokens at a time (trainer.loss_chunk).
+    `float8`: trainer.float8."""
 
     def __init__(
         self,
@@ -158,6 +161,7 @@ class ParallelModel:
         loss_fn: LossFn,
         collective: bool = True,
         loss_chunk: int = 0,
+        float8: str = "none",
     ):
         self.cfg, self.layout, self.device, self.bf16 = cfg, layout, device, bf16
         self.mesh = ParallelMesh(layout, device.type, sharded=cfg.zero >= 2, collective=collective)
@@ -169,7 +173,7 @@ class ParallelModel:
             from distrain.parallel.pipeline import split_stages  # torch's pipelining imports dynamo: only when used
 
             parts = split_stages(model, self.mesh.get("pp"), layout)
-        on = PassContext(cfg, self.mesh, device, bf16, self.vocab_sharded_loss)
+        on = PassContext(cfg, self.mesh, device, bf16, self.vocab_sharded_loss, float8)
         for apply in PASSES.values():  # each pass on every part before the next pass
             parts = {index: apply(part, on) for index, part in parts.items()}
         self.grid, self.grad_sync = on.grid, None  # 2-D, 2.5-D, 3-D tensor parallelism

@@ -30,6 +30,7 @@ class PassContext:
     device: torch.device
     bf16: bool
     vocab_sharded_loss: bool  # 1-D tensor parallelism's loss on vocabulary-sharded logits
+    float8: str = "none"  # trainer.float8: the recipe the first pass converts the model's nn.Linear modules with
     grid: Grid | None = None  # set by tensor parallelism's pass on the grid layouts
     sequence_split: SequenceSplit | None = None  # set by context parallelism's pass: each rank's tokens
     experts: ExpertGradients | None = None  # set by expert parallelism's pass: data parallelism leaves them out

@@ -63,8 +63,10 @@ class Learner:
         # its shards, and their values are the same in every layout and engine (distrain/model/contract.py).
         with torch.device("meta"):
             model = build_model(cfg.model, cfg.trainer.seq_len, seed=cfg.trainer.seed)
-        bf16, chunk = self.precision == "bf16", cfg.trainer.loss_chunk
-        self.parallel = ParallelModel(model, s, layout, device, bf16, cross_entropy, collective, loss_chunk=chunk)
+        bf16, chunk, float8 = self.precision == "bf16", cfg.trainer.loss_chunk, cfg.trainer.float8
+        self.parallel = ParallelModel(
+            model, s, layout, device, bf16, cross_entropy, collective, loss_chunk=chunk, float8=float8
+        )
         if cfg.model.init_from:  # a Hugging Face model's weights, each rank its pieces; a resumed checkpoint wins
             fill_parameters(self.module, hf_weights(cfg.model.init_from, cfg.model))
         self.train_batches, self.val_batches = run_batches(cfg)

@@ -17,6 +17,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from distrain.config import ClusterConfig
+from distrain.parallel.float8 import unwrapped
 from distrain.storage import checkpoint, remote, saver
 from distrain.storage.safeload import DamagedCheckpointError
 from distrain.strategy.layout import Layout
@@ -60,6 +61,7 @@ def checkpoint_state(learner: Learner, optimizer: torch.optim.Optimizer | Optimi
     says them, and the schedule sets lr every step."""
     model_sd, optim_sd = get_state_dict(learner.module, local_optimizers(optimizer), options=STATE_OPTIONS)
     groups = {k: optim_sd.pop(k) for k in [k for k in optim_sd if k.startswith("param_groups.")]}
+    model_sd = {k: unwrapped(v) for k, v in model_sd.items()}  # float8-gathered weights as their plain pieces
     return {"model": model_sd, "optim": learner.parallel.checkpoint_names(optim_sd, saving=True)}, groups
 
 

@@ -52,6 +52,10 @@ class HFMapping:
     qk_norm: bool = False
 
 
+Linears = dict[str, tuple[int, int]]
+OUTPUT_MODULES = ("norm", "output")  # every family's modules after the blocks (common.FamilyModel's)
+
+
 @dataclass(frozen=True)
 class Family:
     """A shipped family: `target` builds it (model._target_, imported only when a model is built).
@@ -70,6 +74,8 @@ class Family:
     rotary: bool
     tp: bool
     grid_tp: bool
+    # Every nn.Linear's (in, out) features by full-model name: what float8 training converts (strategy/float8.py).
+    linears: Callable[[ModelConfig], Linears]
     hf: tuple[HFMapping, ...] = ()
     head_options: bool = False
     # A sparse model's matmul weights one token passes through (its FLOPs count these); None: all of them.
@@ -90,6 +96,31 @@ def decoder_flops(matmul_weights: int, cfg: ModelConfig, seq_len: int) -> float:
 def attention_weights(cfg: ModelConfig) -> int:
     """wq, wo (dim × the heads' width) and wk, wv (dim × the key/value heads' width) of one block."""
     return cfg.dim * cfg.n_heads * cfg.head_width() * 2 + cfg.dim * kv_width(cfg) * 2
+
+
+def attention_linears(cfg: ModelConfig, block: str) -> Linears:
+    """A block's wq, wk, wv (the residual stream to the heads' and the key/value heads' widths) and wo."""
+    heads, at = cfg.n_heads * cfg.head_width(), f"{block}.attention"
+    return {
+        f"{at}.wq": (cfg.dim, heads),
+        f"{at}.wk": (cfg.dim, kv_width(cfg)),
+        f"{at}.wv": (cfg.dim, kv_width(cfg)),
+        f"{at}.wo": (heads, cfg.dim),
+    }
+
+
+def mlp_linears(at: str, dim: int, hidden: int, gated: bool) -> Linears:
+    """An MLP's w1 (and with `gated` w3) from dim to hidden, and w2 back."""
+    up = {f"{at}.w1": (dim, hidden), f"{at}.w2": (hidden, dim)}
+    return up | {f"{at}.w3": (dim, hidden)} if gated else up
+
+
+def decoder_linears(cfg: ModelConfig, feed_forward: Callable[[ModelConfig, int, str], Linears]) -> Linears:
+    """Every block's attention and `feed_forward(cfg, block, its name)`, then the head."""
+    found: Linears = {}
+    for block in range(cfg.n_layers):
+        found |= attention_linears(cfg, f"layers.{block}") | feed_forward(cfg, block, f"layers.{block}.feed_forward")
+    return found | {"output": (cfg.dim, cfg.vocab_size)}
 
 
 def kv_width(cfg: ModelConfig) -> int:

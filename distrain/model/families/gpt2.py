@@ -6,13 +6,27 @@ its Hugging Face counterpart. HF's Conv1D weights are stored (in, out), with Q, 
 from __future__ import annotations
 
 from distrain.config import ConfigError, ModelConfig
-from distrain.model.families.family import Family, HFMapping, Rule, attention_weights, kv_width, untied_embedding
+from distrain.model.families.family import (
+    Family,
+    HFMapping,
+    Linears,
+    Rule,
+    attention_weights,
+    decoder_linears,
+    kv_width,
+    mlp_linears,
+    untied_embedding,
+)
 
 ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")  # both the tanh approximation distrain's GPT-2 uses
 
 
 def matmul_weights(cfg: ModelConfig) -> int:
     return cfg.n_layers * (attention_weights(cfg) + 2 * cfg.dim * cfg.ffn_dim) + cfg.vocab_size * cfg.dim
+
+
+def linears(cfg: ModelConfig) -> Linears:
+    return decoder_linears(cfg, lambda c, _, at: mlp_linears(at, c.dim, c.ffn_dim, gated=False))
 
 
 def other_params(cfg: ModelConfig) -> int:
@@ -93,5 +107,6 @@ FAMILY = Family(
     rotary=False,
     tp=True,
     grid_tp=False,
+    linears=linears,
     hf=(HFMapping("GPT2LMHeadModel", unsupported, shape, config, rules, bare_prefix="transformer."),),
 )

@@ -10,8 +10,11 @@ from distrain.config import ModelConfig
 from distrain.model.families.family import (
     Family,
     HFMapping,
+    Linears,
     Rule,
     attention_weights,
+    decoder_linears,
+    mlp_linears,
     qk_norm_gains,
     untied_embedding,
 )
@@ -19,6 +22,10 @@ from distrain.model.families.family import (
 
 def matmul_weights(cfg: ModelConfig) -> int:
     return cfg.n_layers * (attention_weights(cfg) + 3 * cfg.dim * cfg.ffn_dim) + cfg.vocab_size * cfg.dim
+
+
+def linears(cfg: ModelConfig) -> Linears:
+    return decoder_linears(cfg, lambda c, _, at: mlp_linears(at, c.dim, c.ffn_dim, gated=True))
 
 
 def other_params(cfg: ModelConfig) -> int:
@@ -131,6 +138,7 @@ FAMILY = Family(
     rotary=True,
     tp=True,
     grid_tp=True,
+    linears=linears,
     hf=(LLAMA, QWEN3),
     head_options=True,
 )

@@ -12,7 +12,15 @@ from __future__ import annotations
 
 from distrain.config import ConfigError, ModelConfig, MoEConfig
 from distrain.model.families import llama
-from distrain.model.families.family import Family, HFMapping, Rule, attention_weights
+from distrain.model.families.family import (
+    Family,
+    HFMapping,
+    Linears,
+    Rule,
+    attention_weights,
+    decoder_linears,
+    mlp_linears,
+)
 
 
 def _weights(cfg: ModelConfig, experts_per_token: int | None) -> int:
@@ -32,6 +40,20 @@ def _weights(cfg: ModelConfig, experts_per_token: int | None) -> int:
 
 def matmul_weights(cfg: ModelConfig) -> int:
     return _weights(cfg, None)
+
+
+def linears(cfg: ModelConfig) -> Linears:
+    """Llama's, but a sparse block's feed-forward: its router and its shared experts (the routed experts are no
+    nn.Linear: one stacked weight each)."""
+    return decoder_linears(cfg, _feed_forward)
+
+
+def _feed_forward(cfg: ModelConfig, block: int, at: str) -> Linears:
+    m = cfg.moe
+    if not m.is_sparse(block):
+        return mlp_linears(at, cfg.dim, cfg.ffn_dim, gated=True)
+    shared = mlp_linears(f"{at}.shared", cfg.dim, (m.expert_dim or cfg.ffn_dim) * m.shared_experts, gated=True)
+    return {f"{at}.router": (cfg.dim, m.num_experts)} | (shared if m.shared_experts else {})
 
 
 def active_weights(cfg: ModelConfig) -> int:
@@ -173,6 +195,7 @@ FAMILY = Family(
     rotary=True,
     tp=True,
     grid_tp=False,
+    linears=linears,
     active_weights=active_weights,
     check=check,
     hf=(
