@@ -168,15 +168,17 @@ class TokenizerConfig:
 
 @dataclass
 class OptimConfig:
-    """AdamW by default; conf/optim/sgd.yaml holds what SGD changes."""
+    """AdamW by default; conf/optim/sgd.yaml and muon.yaml hold what SGD and Muon change."""
 
-    name: str = "adamw"  # adamw | sgd
+    name: str = "adamw"  # adamw | sgd | muon (Muon on the blocks' matrices, AdamW on the rest: docs/optimizers.md)
     lr: float = 3e-3
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
-    momentum: float = 0.0  # sgd only
+    momentum: float = 0.0  # sgd's, and muon's (its preset: 0.95, Nesterov)
+    ns_steps: int = 5  # muon: Newton–Schulz steps orthogonalising each matrix's update
+    muon_params: str = "blocks"  # muon: blocks (the blocks' matrices) | matrices (every matrix: embeddings, head)
     warmup_steps: int = 20
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at decay_steps
     decay_steps: int | None = None  # the schedule's length; None: trainer.max_steps

@@ -25,7 +25,8 @@ from distrain.strategy.pipeline import SCHEDULES
 from distrain.strategy.resolve import resolve, smaller
 from distrain.urls import check_location, is_url, looks_like_url
 
-OPTIMIZERS = ("adamw", "sgd")
+OPTIMIZERS = ("adamw", "sgd", "muon")
+MUON_PARAMS = ("blocks", "matrices")
 WANDB_MODES = (None, "online", "offline", "disabled")
 TENSORBOARD_HINT = 'pip install -e ".[tensorboard]"'  # logger.tensorboard's package
 PRECISIONS = ("auto", "fp32", "bf16")
@@ -267,6 +268,7 @@ def _validate_training(cfg: TrainConfig) -> None:
     )
     require(o.name in OPTIMIZERS, f"optim.name={o.name!r}: choose one of {', '.join(OPTIMIZERS)}")
     require(o.lr > 0, f"optim.lr={o.lr}: must be positive")
+    _validate_muon(cfg)
     require(o.warmup_steps >= 0, f"optim.warmup_steps={o.warmup_steps}: must be ≥ 0")
     require(
         o.decay_steps is None or o.decay_steps > o.warmup_steps,
@@ -285,6 +287,24 @@ def _validate_training(cfg: TrainConfig) -> None:
     )
     require(bool(cfg.run.name) and "/" not in cfg.run.name, f"run.name={cfg.run.name!r}: must be a plain name")
     require(cfg.run.objective in OBJECTIVES, f"run.objective={cfg.run.objective!r}: choose val_loss or loss")
+
+
+def _validate_muon(cfg: TrainConfig) -> None:
+    """Muon orthogonalises each matrix whole: a layout whose pieces of a matrix are not a DTensor's cannot."""
+    o, s = cfg.optim, cfg.strategy
+    if o.name != "muon":
+        return
+    require(o.ns_steps >= 1, f"optim.ns_steps={o.ns_steps}: must be ≥ 1")
+    require(o.muon_params in MUON_PARAMS, f"optim.muon_params={o.muon_params!r}: choose blocks or matrices")
+    require(
+        cfg.ps.mode is None,
+        "optim=muon needs whole matrices, and the parameter server's shards are slices of them: use optim=adamw",
+    )
+    require(
+        s.tp == 1 or s.tp_mode == "1d",
+        f"optim=muon needs whole matrices, and strategy.tp_mode={s.tp_mode} splits them into blocks it cannot "
+        "gather: use strategy.tp_mode=1d, or optim=adamw",
+    )
 
 
 def _validate_data(cfg: TrainConfig) -> None:

@@ -1,4 +1,4 @@
-"""Optimizers and the warmup + cosine learning-rate schedule."""
+"""Optimizers (AdamW, SGD, Muon beside AdamW) and the warmup + cosine learning-rate schedule."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
 from distrain.config import OptimConfig
+from distrain.train.muon import Muon
 from distrain.train.nvme import NVMeAdamW, Scratch
 
 
@@ -20,10 +21,24 @@ def build_optimizer(
     """Weight decay on matrices only: norms' gains are not decayed (as in GPT-2 and Llama).
     With `zero_group` (ZeRO-1), each rank of the group holds the state of its share of the parameters (the
     experts' under expert parallelism whole: `Optimizers`); with `scratch` (NVMe offload), AdamW's moments live
-    in files there."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    decayed, undecayed = [p for p in params if p.ndim >= 2], [p for p in params if p.ndim < 2]
-    return make_optimizer(decayed, undecayed, cfg, zero_group, scratch)
+    in files there. Under optim=muon, Muon steps the matrices `muon_takes` and AdamW the rest."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    orthogonal = [p for n, p in named if cfg.name == "muon" and muon_takes(n, p, cfg.muon_params)]
+    taken = {id(p) for p in orthogonal}
+    rest = [p for _, p in named if id(p) not in taken]
+    decayed, undecayed = [p for p in rest if p.ndim >= 2], [p for p in rest if p.ndim < 2]
+    others = make_optimizer(decayed, undecayed, cfg, zero_group, scratch)
+    if not orthogonal:
+        return others
+    options = {"lr": cfg.lr, "momentum": cfg.momentum, "weight_decay": cfg.weight_decay, "ns_steps": cfg.ns_steps}
+    groups = [{"params": part} for part in by_mesh(orthogonal)]
+    return Optimizers(*sharded(groups, Muon, options, zero_group), *parts(others))
+
+
+def muon_takes(name: str, p: torch.Tensor, which: str) -> bool:
+    """Whether Muon steps parameter `name`: a matrix, inside the blocks (`layers`, whatever wraps them) unless
+    optim.muon_params=matrices, which gives it the embeddings and the head too."""
+    return p.ndim == 2 and (which == "matrices" or "layers" in name.split("."))
 
 
 def make_optimizer(
@@ -39,7 +54,7 @@ def make_optimizer(
         *({"params": part, "weight_decay": cfg.weight_decay} for part in by_mesh(decayed)),
         *({"params": part, "weight_decay": 0.0} for part in by_mesh(undecayed)),
     ]
-    if cfg.name == "adamw":
+    if cfg.name in ("adamw", "muon"):  # Muon's other parameters: AdamW's
         cls, options = torch.optim.AdamW, {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps}
     elif cfg.name == "sgd":
         cls, options = torch.optim.SGD, {"lr": cfg.lr, "momentum": cfg.momentum}
@@ -49,8 +64,17 @@ def make_optimizer(
     if scratch is not None:
         assert cls is torch.optim.AdamW, "NVMe offload streams AdamW's moments (validation says so)"
         return NVMeAdamW(groups, scratch, **options)
+    optimizers = sharded(groups, cls, options, zero_group)
+    return optimizers[0] if len(optimizers) == 1 else Optimizers(*optimizers)
+
+
+def sharded(
+    groups: list[dict], cls: type, options: dict, zero_group: dist.ProcessGroup | None
+) -> list[torch.optim.Optimizer]:
+    """`cls` over `groups`; under ZeRO-1 (`zero_group`), ZeroRedundancyOptimizer's, each parameter's state whole
+    on one rank of the group (Muon's matrices whole, as it needs them)."""
     if zero_group is None:
-        return cls(groups, **options)
+        return [cls(groups, **options)]
     # ZeroRedundancyOptimizer steps each weight on one rank of the group and sends it to the others: a DTensor's
     # local shards (expert parallelism's experts; ZeRO-1 takes no other parallelism that makes DTensors) differ
     # between them, so theirs is an optimizer of its own, its state whole on each rank holding them
@@ -58,8 +82,12 @@ def make_optimizer(
     for g in groups:
         split[isinstance(next(iter(g["params"]), None), DTensor)].append(g)
     shared, apart = split[False], split[True]
-    zero = ZeroRedundancyOptimizer(shared, optimizer_class=cls, process_group=zero_group, **options)
-    return Optimizers(zero, cls(apart, **options)) if apart else zero
+    zero = [ZeroRedundancyOptimizer(shared, optimizer_class=cls, process_group=zero_group, **options)] if shared else []
+    return zero + ([cls(apart, **options)] if apart else [])
+
+
+def parts(optimizer: torch.optim.Optimizer | Optimizers) -> list[torch.optim.Optimizer]:
+    return list(optimizer.parts) if isinstance(optimizer, Optimizers) else [optimizer]
 
 
 class Optimizers:
@@ -110,7 +138,7 @@ def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
 
 def local_optimizers(optimizer: torch.optim.Optimizer | Optimizers) -> list[torch.optim.Optimizer]:
     """Those that hold this rank's state (`local_optimizer`'s of each part): what a checkpoint saves and loads."""
-    return [local_optimizer(part) for part in (optimizer.parts if isinstance(optimizer, Optimizers) else [optimizer])]
+    return [local_optimizer(part) for part in parts(optimizer)]
 
 
 def lr_at(step: int, cfg: OptimConfig, max_steps: int) -> float:
