@@ -30,6 +30,8 @@ Private torch names distrain relies on, the first place to look after a torch up
   `torch.distributed._composable.checkpoint` (parallel/parallelize.py);
 - `torch.utils._python_dispatch`, `torch.ops._c10d_functional`, `torch._ops.OpOverload` (parallel/traffic.py);
 - `torch._dynamo`, imported by a hot spare to warm up (train/rank.py).
+- `torch.optim._muon._zeropower_via_newtonschulz` and its constants (train/muon.py: torch.optim.Muon's
+  Newton–Schulz iteration, one matrix at a time).
 """
 
 from __future__ import annotations

@@ -172,6 +172,13 @@ REFUSALS = {
     "warmup": (["optim.warmup_steps=-1"], "optim.warmup_steps=-1: must be ≥ 0"),
     "decay": (["optim.decay_steps=1"], "optim.decay_steps=1 must exceed optim.warmup_steps=2"),
     "grad clip": (["optim.grad_clip=-1"], "optim.grad_clip=-1.0: must be ≥ 0"),
+    "muon ns steps": (["optim=muon", "optim.ns_steps=0"], "optim.ns_steps=0: must be ≥ 1"),
+    "muon params": (["optim=muon", "optim.muon_params=all"], "optim.muon_params='all': choose blocks or matrices"),
+    "muon on ps": (["optim=muon", "strategy=ps"], "optim=muon needs whole matrices, and the parameter server's"),
+    "muon on the grid": (
+        ["optim=muon", "strategy=tp2d", "cluster.num_workers=4"],
+        "optim=muon needs whole matrices, and strategy.tp_mode=2d splits them",
+    ),
     "checkpoint interval": (["checkpoint.interval=-1"], "checkpoint.interval=-1: must be ≥ 0"),
     "run name": (["run.name=a/b"], "run.name='a/b': must be a plain name"),
     "val fraction": (["data.val_fraction=0"], "data.val_fraction=0.0: must be in (0, 1)"),

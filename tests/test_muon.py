@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import free_port, make_config, rank_env, spawn_ranks
+from conftest import assert_matches, free_port, logged, make_config, rank_env, spawn_ranks, train_half_then_resume
 
 from distrain.model.llama import Transformer
 from distrain.train.muon import Muon
@@ -163,3 +163,18 @@ def test_every_layout_trains_as_one_process(tmp_path: Path):
                 torch.testing.assert_close(v, want[k], rtol=0, atol=TOL, msg=f"{name} rank {rank} {k}")
                 seen[name].add(k)
     assert seen == {name: set(want) for name in LAYOUTS}  # every weight compared (pipeline stages: some rank's)
+
+
+@pytest.mark.timeout(600)
+def test_a_muon_run_resumes_under_another_layout_as_one_process_trains(ray_cluster, tmp_path: Path):
+    """End to end, 10 steps: half under ZeRO-3 (Muon's momenta DTensors, each matrix gathered to one rank), the
+    rest resumed from its checkpoint under ZeRO-1 (whole momenta, split over the ranks by ZeroRedundancyOptimizer
+    beside AdamW's): the losses and gradient norms are the one-process run's within 1e-4 at every step."""
+    from distrain.driver.launch import train
+
+    common = ("optim=muon", "model.n_layers=4")
+    one = make_config(tmp_path, "run.name=one", "cluster.num_workers=1", f"trainer.max_steps={STEPS}", *common)
+    assert train(one)["status"] == "completed"
+    want = {"loss": logged(one), "grad_norm": logged(one, "grad_norm")}
+    cfg = train_half_then_resume(tmp_path, "resumed", (4, ["strategy=zero3"]), (4, ["strategy=zero1"]), STEPS, *common)
+    assert_matches(cfg, want, range(1, STEPS + 1), tol=TOL)

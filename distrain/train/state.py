@@ -65,6 +65,22 @@ def checkpoint_state(learner: Learner, optimizer: torch.optim.Optimizer | Optimi
     return {"model": model_sd, "optim": learner.parallel.checkpoint_names(optim_sd, saving=True)}, groups
 
 
+@contextlib.contextmanager
+def empty_groups_aside(optimizers: list[torch.optim.Optimizer]) -> Iterator[None]:
+    """DCP's set_state_dict reads a group's hyperparameters under its first parameter's name, and fails on a group
+    without one: ZeRO-1's share of a group of fewer parameters than ranks (optim=muon's AdamW matrices: the
+    embeddings and the head). Such groups are set aside for the load and put back where they were."""
+    empty = [[(i, g) for i, g in enumerate(o.param_groups) if not g["params"]] for o in optimizers]
+    for o in optimizers:
+        o.param_groups = [g for g in o.param_groups if g["params"]]
+    try:
+        yield
+    finally:
+        for o, aside in zip(optimizers, empty, strict=True):
+            for i, g in aside:
+                o.param_groups.insert(i, g)
+
+
 class RankState:
     def __init__(
         self,
@@ -85,13 +101,15 @@ class RankState:
 
     def apply(self, state: dict, groups: dict) -> None:
         """Set the model and optimizer from `state` (as `capture` made it, then filled) and the hyperparameters."""
-        set_state_dict(
-            self.learner.module,
-            local_optimizers(self.optimizer),
-            model_state_dict=state["model"],
-            optim_state_dict={**self.learner.parallel.checkpoint_names(state["optim"], saving=False), **groups},
-            options=STATE_OPTIONS,
-        )
+        optimizers = local_optimizers(self.optimizer)
+        with empty_groups_aside(optimizers):
+            set_state_dict(
+                self.learner.module,
+                optimizers,
+                model_state_dict=state["model"],
+                optim_state_dict={**self.learner.parallel.checkpoint_names(state["optim"], saving=False), **groups},
+                options=STATE_OPTIONS,
+            )
 
     def restore(self, source: Source | None) -> None:
         """Fill the state from `source` (None: a fresh start, as built); it is whole and committed at its step."""
