@@ -35,6 +35,16 @@ LAYOUTS = {
 }
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One torch thread here, as each rank has: on 2 busy cores, two threads' bfloat16 products cost 50 times the
+    CPU of one."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def gradient(p: torch.Tensor, step: int) -> torch.Tensor:
     """A gradient that is a function of the weight alone, elementwise: every layout computes its own shard of it."""
     return torch.sin(3 * p.detach() + step)
@@ -125,6 +135,7 @@ def train_every_layout(rank: int, port: int, cases: dict, out: str) -> None:
     from distrain.train.learner import Learner
 
     device = process_group.init_from_env()
+    torch.set_num_threads(1)  # the fork server's torch chose its threads before rank_env said one
     weights = {}
     for name, (plain, layout) in cases.items():
         cfg, layout = from_plain(plain), Layout.from_dict(layout)
