@@ -71,8 +71,9 @@ def empty_groups_aside(optimizers: list[torch.optim.Optimizer]) -> Iterator[None
     without one: ZeRO-1's share of a group of fewer parameters than ranks (optim=muon's AdamW matrices: the
     embeddings and the head). Such groups are set aside for the load and put back where they were."""
     empty = [[(i, g) for i, g in enumerate(o.param_groups) if not g["params"]] for o in optimizers]
-    for o in optimizers:
-        o.param_groups = [g for g in o.param_groups if g["params"]]
+    for o, aside in zip(optimizers, empty, strict=True):
+        if aside:
+            o.param_groups = [g for g in o.param_groups if g["params"]]
     try:
         yield
     finally:
