@@ -783,21 +783,21 @@ MUTANTS = (
     ),
     Mutant(
         "muon-ns-steps-unchecked",
-        "distrain/driver/validation.py",
+        "distrain/driver/optim_rules.py",
         "require(o.ns_steps >= 1,",
         "require(True,",
         ("tests/test_config.py::test_each_rule_refuses_in_its_own_words[muon ns steps]",),
     ),
     Mutant(
         "muon-params-unchecked",
-        "distrain/driver/validation.py",
+        "distrain/driver/optim_rules.py",
         "require(o.muon_params in MUON_PARAMS,",
         "require(True,",
         ("tests/test_config.py::test_each_rule_refuses_in_its_own_words[muon params]",),
     ),
     Mutant(
         "muon-on-the-parameter-server",
-        "distrain/driver/validation.py",
+        "distrain/driver/optim_rules.py",
         """        cfg.ps.mode is None,
         "optim=muon needs""",
         """        True,
@@ -806,7 +806,7 @@ MUTANTS = (
     ),
     Mutant(
         "muon-on-the-grid",
-        "distrain/driver/validation.py",
+        "distrain/driver/optim_rules.py",
         's.tp == 1 or s.tp_mode == "1d",',
         "True,",
         ("tests/test_config.py::test_each_rule_refuses_in_its_own_words[muon on the grid]",),

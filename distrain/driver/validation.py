@@ -13,6 +13,7 @@ from typing import Any
 from distrain.config import ClusterConfig, ConfigError, TrainConfig, attach_address
 from distrain.data.checks import check_data
 from distrain.data.corpus import corpus_files
+from distrain.driver import optim_rules
 from distrain.driver.plan import rank_memory
 from distrain.model.families import shipped
 from distrain.model.registry import check_model, has_causal_attention, has_plan
@@ -25,8 +26,6 @@ from distrain.strategy.pipeline import SCHEDULES
 from distrain.strategy.resolve import resolve, smaller
 from distrain.urls import check_location, is_url, looks_like_url
 
-OPTIMIZERS = ("adamw", "sgd", "muon")
-MUON_PARAMS = ("blocks", "matrices")
 WANDB_MODES = (None, "online", "offline", "disabled")
 TENSORBOARD_HINT = 'pip install -e ".[tensorboard]"'  # logger.tensorboard's package
 PRECISIONS = ("auto", "fp32", "bf16")
@@ -227,7 +226,7 @@ def _validate_numbers(cfg: Any, prefix: str = "") -> None:
 
 
 def _validate_training(cfg: TrainConfig) -> None:
-    t, o, f, n = cfg.trainer, cfg.optim, cfg.fault, cfg.cluster.num_workers
+    t, f, n = cfg.trainer, cfg.fault, cfg.cluster.num_workers
     require(t.max_steps >= 1, f"trainer.max_steps={t.max_steps}: must be ≥ 1")
     require(t.seq_len >= 2, f"trainer.seq_len={t.seq_len}: must be ≥ 2")
     require(t.log_interval >= 1, f"trainer.log_interval={t.log_interval}: must be ≥ 1")
@@ -266,15 +265,7 @@ def _validate_training(cfg: TrainConfig) -> None:
         "fault.kill_mid_upload, fault.kill_after_backward and fault.fail_in_update each put fault.kill_at_step's "
         "fault somewhere else: set one of them",
     )
-    require(o.name in OPTIMIZERS, f"optim.name={o.name!r}: choose one of {', '.join(OPTIMIZERS)}")
-    require(o.lr > 0, f"optim.lr={o.lr}: must be positive")
-    _validate_muon(cfg)
-    require(o.warmup_steps >= 0, f"optim.warmup_steps={o.warmup_steps}: must be ≥ 0")
-    require(
-        o.decay_steps is None or o.decay_steps > o.warmup_steps,
-        f"optim.decay_steps={o.decay_steps} must exceed optim.warmup_steps={o.warmup_steps} (or be null)",
-    )
-    require(o.grad_clip >= 0, f"optim.grad_clip={o.grad_clip}: must be ≥ 0 (0 disables clipping)")
+    optim_rules.validate(cfg)
     require(cfg.checkpoint.interval >= 0, f"checkpoint.interval={cfg.checkpoint.interval}: must be ≥ 0")
     require(cfg.checkpoint.keep >= 1, f"checkpoint.keep={cfg.checkpoint.keep}: keep at least 1 checkpoint")
     require(
@@ -287,24 +278,6 @@ def _validate_training(cfg: TrainConfig) -> None:
     )
     require(bool(cfg.run.name) and "/" not in cfg.run.name, f"run.name={cfg.run.name!r}: must be a plain name")
     require(cfg.run.objective in OBJECTIVES, f"run.objective={cfg.run.objective!r}: choose val_loss or loss")
-
-
-def _validate_muon(cfg: TrainConfig) -> None:
-    """Muon orthogonalises each matrix whole: a layout whose pieces of a matrix are not a DTensor's cannot."""
-    o, s = cfg.optim, cfg.strategy
-    if o.name != "muon":
-        return
-    require(o.ns_steps >= 1, f"optim.ns_steps={o.ns_steps}: must be ≥ 1")
-    require(o.muon_params in MUON_PARAMS, f"optim.muon_params={o.muon_params!r}: choose blocks or matrices")
-    require(
-        cfg.ps.mode is None,
-        "optim=muon needs whole matrices, and the parameter server's shards are slices of them: use optim=adamw",
-    )
-    require(
-        s.tp == 1 or s.tp_mode == "1d",
-        f"optim=muon needs whole matrices, and strategy.tp_mode={s.tp_mode} splits them into blocks it cannot "
-        "gather: use strategy.tp_mode=1d, or optim=adamw",
-    )
 
 
 def _validate_data(cfg: TrainConfig) -> None:
