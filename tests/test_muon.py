@@ -183,7 +183,10 @@ def test_a_muon_run_resumes_under_another_layout_as_one_process_trains(ray_clust
     beside AdamW's): the losses and gradient norms are the one-process run's within 1e-4 at every step."""
     from distrain.driver.launch import train
 
-    common = ("optim=muon", "model.n_layers=4")
+    # The reduce-scatter sums the gradients in another order than one process: their last fp32 bits differ, which
+    # flips a bfloat16 rounding in the orthogonalisation now and then; at lr 3e-3 the logs stay within 1e-4 (the
+    # preset's 3e-2 amplifies the same to 3e-4 by step 4).
+    common = ("optim=muon", "optim.lr=3e-3", "model.n_layers=4")
     one = make_config(tmp_path, "run.name=one", "cluster.num_workers=1", f"trainer.max_steps={STEPS}", *common)
     assert train(one)["status"] == "completed"
     want = {"loss": logged(one), "grad_norm": logged(one, "grad_norm")}
