@@ -28,7 +28,6 @@ LAYOUTS = {
     "zero2": ("strategy=zero2",),  # Shard(0) over 4
     "zero3": ("strategy=zero3",),
     "hsdp": ("strategy=hsdp",),  # (Replicate, Shard(0)) over 2 × 2
-    "offload": ("strategy=offload",),  # ZeRO-3's shards on the host
     "tp": ("strategy=tp",),  # Shard(0) or Shard(1) over tp=2, dp_replicate=2
     "fsdp_tp": ("strategy=fsdp_tp",),  # 2-D: (_StridedShard or Shard(0), Shard(0 or 1)) over 2 × 2
     "pp": ("strategy=pp",),  # each stage its blocks whole
