@@ -117,7 +117,7 @@ def built(recipe: str, storage: Path, *overrides: str, collective: bool = False,
     with torch.device("meta"):
         model = build_model(cfg.model, cfg.trainer.seq_len, seed=cfg.trainer.seed)
     device = device or torch.device("cpu")
-    return ParallelModel(model, cfg.strategy, layout, device, False, cross_entropy, collective, recipe), layout
+    return ParallelModel(model, cfg.strategy, layout, device, False, cross_entropy, collective, float8=recipe), layout
 
 
 def train(parallel, shard: tuple[int, int] = (0, 1)) -> tuple[list[torch.Tensor], list[float], torch.optim.AdamW]:  # noqa: ANN001

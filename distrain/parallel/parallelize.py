@@ -160,6 +160,7 @@ class ParallelModel:
         bf16: bool,
         loss_fn: LossFn,
         collective: bool = True,
+        *,
         loss_chunk: int = 0,
         float8: str = "none",
     ):

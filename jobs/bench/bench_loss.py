@@ -52,7 +52,7 @@ def measure(model: dict, seq: int, chunk: int, repeats: int) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     with torch.device("meta"):
         net = Transformer(ModelConfig(name="bench_loss", **model), seq, seed=0)
-    parallel = ParallelModel(net, StrategyConfig(), single(1), device, False, cross_entropy, False, chunk)
+    parallel = ParallelModel(net, StrategyConfig(), single(1), device, False, cross_entropy, False, loss_chunk=chunk)
     optimizer = torch.optim.AdamW(parallel.module.parameters())
     x = torch.randint(0, model["vocab_size"], (1, seq + 1), generator=torch.Generator().manual_seed(0)).to(device)
 
