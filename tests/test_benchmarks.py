@@ -213,7 +213,7 @@ def test_gpu_check_walks_the_journey_by_default() -> None:
     assert "journey" in gpu_check.parse_args([]).parts
 
 
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(540)
 def test_gpu_check_cpu_mode(tmp_path: Path) -> None:
     """Without a GPU (hidden where there is one), jobs/gpu_check.py runs every part at tiny sizes, one worker
     in place of one GPU: those that fit pass, those that need more workers are skipped, and every page goes
@@ -226,7 +226,7 @@ def test_gpu_check_cpu_mode(tmp_path: Path) -> None:
     before = {name: path.stat().st_mtime_ns if path.exists() else None for name, path in docs.items()}
     cmd = [sys.executable, "jobs/gpu_check.py", "--storage", str(tmp_path)]
     cmd += ["--parts", ",".join(importlib.import_module("gpu_check").PARTS)]  # every one, the optional benchmarks too
-    done = processes.run_command(cmd, tmp_path / "gpu_check.log", 360, env={"CUDA_VISIBLE_DEVICES": ""})
+    done = processes.run_command(cmd, tmp_path / "gpu_check.log", 480, env={"CUDA_VISIBLE_DEVICES": ""})
     log = done.log.read_text()
     assert done.rc == 0, done.tail(60)
     for part in ("ddp", "zero1", "zero2", "zero3", "offload", "nvme", "ps"):
