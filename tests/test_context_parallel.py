@@ -81,10 +81,9 @@ def rank_main(rank: int, port: int, cases: dict, memory: dict, out: str) -> None
     rank_env(rank, WORLD, port, CUDA_VISIBLE_DEVICES="")
     import torch.distributed as dist
 
-    from distrain.parallel import process_group, ring_attention
+    from distrain.parallel import process_group
 
     device = process_group.init_from_env()
-    ring_attention.TILE = 4  # a chunk's queries in tiles (8 of cp 2's rows: 2 tiles), as long sequences run
     results = {}
     for name, case in cases.items():
         cfg, layout, parallel = built(case, device)
