@@ -8,7 +8,8 @@ most memory one rank's blocks add to what it holds against what the whole's kern
 the output and the gradients against the whole's (relative to the largest value). Each length is timed
 --repeats times, the ring and the whole alternating; the medians are reported. It passes when the errors are
 within bf16's rounding, TOLERANCE (the ring rounds each block's output before its fp32 merge); the time and
-memory are reported. --smoke (and without a GPU): short sequences on the CPU in fp32, to check that it works.
+memory are reported. Needs a GPU: without one it says so and exits 0, writing no page; --smoke runs short
+sequences on the CPU in fp32, to check that it works (jobs/gpu_check.py's ring part in CPU mode).
 """
 
 from __future__ import annotations
@@ -103,6 +104,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--cp", type=int, default=CP, help=f"ranks whose blocks run (default {CP})")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the raw numbers as JSON")
     args = harness.parse(p, argv)
+    if not (args.smoke or torch.cuda.is_available()):
+        print("bench_ring: needs a GPU (the fused kernels' time and memory on one); --smoke checks it on the CPU")
+        return
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     lengths, heads, head_dim = SMOKE if device.type == "cpu" else (LENGTHS, HEADS, HEAD_DIM)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
