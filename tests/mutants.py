@@ -146,6 +146,13 @@ MUTANTS = (
         ("tests/test_attention_blocks.py::test_the_ring_of_blocks_gives_sdpa_on_the_whole_sequence",),
     ),
     Mutant(
+        "ring-flash-op-given-an-unpadded-head",
+        "distrain/parallel/attention_blocks.py",
+        'if device == "cuda" and choice == SDPBackend.FLASH_ATTENTION and head_dim % 8:',
+        "if False:",
+        ("tests/test_attention_blocks.py::test_each_choice_of_sdpa_gets_the_kernel_that_takes_it",),
+    ),
+    Mutant(
         "ring-block-backward-own-lse",
         "distrain/parallel/ring_attention.py",
         "got = kernel.backward(dout, q, k, v, out, lse, causal, q.shape[-1] ** -0.5)",

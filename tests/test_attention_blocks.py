@@ -60,3 +60,21 @@ def test_the_cuda_kernels_are_called_as_their_ops_take_them(backend: SDPBackend)
     assert out.shape == q.shape and lse.shape == (B, H, 40) and lse.dtype == torch.float32
     grads = kernel.backward(dout, q, k, v, out, lse, False, 0.125)
     assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+
+
+@pytest.mark.parametrize(
+    ("choice", "device", "head_dim", "kernel"),
+    [
+        (SDPBackend.FLASH_ATTENTION, "cpu", 20, SDPBackend.FLASH_ATTENTION),  # the CPU op takes any head size
+        (SDPBackend.FLASH_ATTENTION, "cuda", 64, SDPBackend.FLASH_ATTENTION),
+        (SDPBackend.FLASH_ATTENTION, "cuda", 20, SDPBackend.MATH),  # sdpa pads it to 24; the op does not
+        (SDPBackend.EFFICIENT_ATTENTION, "cuda", 20, SDPBackend.EFFICIENT_ATTENTION),
+        (SDPBackend.CUDNN_ATTENTION, "cuda", 128, SDPBackend.CUDNN_ATTENTION),
+        (SDPBackend.MATH, "cuda", 64, SDPBackend.MATH),
+        (SDPBackend.OVERRIDEABLE, "xpu", 64, SDPBackend.MATH),  # another device's fused op: not called here
+    ],
+)
+def test_each_choice_of_sdpa_gets_the_kernel_that_takes_it(choice, device: str, head_dim: int, kernel):
+    from distrain.parallel.attention_blocks import backend_for
+
+    assert backend_for(choice, device, head_dim) == kernel

@@ -102,12 +102,27 @@ def _unused_rng(device: torch.device, shape: tuple, dtype: torch.dtype) -> tuple
     return torch.zeros(shape, dtype=dtype, device=device), torch.zeros((), dtype=dtype, device=device)
 
 
+FUSED = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION)
+
+
+def backend_for(choice: SDPBackend, device: str, head_dim: int) -> SDPBackend:
+    """The block kernel for sdpa's choice: the same fused kernel, or the math fallback where sdpa would run its
+    math path, where the fused kernel is another device's than the CPU's or CUDA's, and for CUDA's flash op at a
+    head size that is not a multiple of 8 (sdpa pads it; the op does not)."""
+    if choice not in FUSED or device not in ("cpu", "cuda"):
+        return SDPBackend.MATH
+    if device == "cuda" and choice == SDPBackend.FLASH_ATTENTION and head_dim % 8:
+        return SDPBackend.MATH
+    return choice
+
+
 def kernel_for(q: torch.Tensor) -> Kernel:
-    """The kernel sdpa would run causal attention on q's device, dtype and head size with (K/V as Q: where a
-    kernel needs them, they are expanded to Q's heads)."""
-    choice = SDPBackend(torch._fused_sdp_choice(q, q, q, is_causal=True))
-    fused = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION)
-    return Kernel(choice if choice in fused else SDPBackend.MATH)
+    """The kernel sdpa would run causal attention with on q's device, dtype and head size, asked as for a
+    training step (the gradient wanted), with K/V as Q (a CUDA kernel is given them expanded to Q's heads)."""
+    with torch.enable_grad():
+        probe = q.detach().requires_grad_()
+        choice = SDPBackend(torch._fused_sdp_choice(probe, probe, probe, is_causal=True))
+    return Kernel(backend_for(choice, q.device.type, q.shape[-1]))
 
 
 def _tiles(rows: int, keys: int, causal: bool) -> Iterator[tuple[slice, slice]]:
