@@ -9,8 +9,9 @@ probabilities it recomputes, exp(scores − lse), are then the row's softmax res
 blocks' gradients sum to the exact gradient, as a fused kernel's backward does over its own key tiles.
 
 Where sdpa would pick its math path (a head size or dtype no fused kernel takes on the device, or
-`torch.nn.attention.sdpa_kernel` limiting sdpa to it), the block runs as plain matmuls in fp32, TILE query rows
-at a time, so that what it holds grows with the chunk, not its square.
+`torch.nn.attention.sdpa_kernel` limiting sdpa to it), or a fused op this file does not call (`backend_for`),
+the block runs as plain matmuls in fp32, TILE query rows at a time, so that what it holds grows with the
+chunk, not its square.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ def _fold(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Kernel:
-    """A block's forward (its output in q's dtype, its log-sum-exp in fp32, (b, heads, rows)) and backward."""
+    """A block's forward (its output in q's dtype, in fp32 from the math fallback; its log-sum-exp in fp32,
+    (b, heads, rows)) and backward."""
 
     backend: SDPBackend
 
