@@ -72,16 +72,22 @@ def attend(
 
 
 def attend_backward(
-    kernel: Kernel, saved: tuple, kv: list[torch.Tensor], rank: int, source: int, grads: list[torch.Tensor]
-) -> None:
-    """Add the gradients of this rank's block with `source`'s K/V to grads = [dq, dk, dv] (fp32; dk, dv
-    those of `source`'s K/V); `saved` = (dout, q, out, lse) of the whole row."""
+    kernel: Kernel, saved: tuple, kv: list[torch.Tensor], rank: int, source: int, dq: torch.Tensor
+) -> tuple[int | None, torch.Tensor, torch.Tensor]:
+    """The gradients of this rank's block with `source`'s K/V: dq's added to `dq` (fp32), dk and dv returned,
+    with the half of `source`'s K/V they belong to (None: both); `saved` = (dout, q, out, lse) of the whole row."""
     rows, keys, causal = block(rank, source)
     dout, q, out, lse = (half(t, rows).contiguous() for t in saved)
     k, v = (half(t, keys) for t in kv)
     got = kernel.backward(dout, q, k, v, out, lse, causal, q.shape[-1] ** -0.5)
-    for grad, which, g in zip(grads, (rows, keys, keys), got, strict=True):
-        half(grad, which).add_(g)
+    half(dq, rows).add_(got[0])
+    return keys, got[1], got[2]
+
+
+def add_to(grads: list[torch.Tensor], keys: int | None, dk: torch.Tensor, dv: torch.Tensor) -> None:
+    """Add a block's dk, dv to the K/V gradients accumulated so far (fp32), on the half of K/V they belong to."""
+    for grad, g in zip(grads, (dk, dv), strict=True):
+        half(grad, keys).add_(g)
 
 
 class RingAttention(torch.autograd.Function):
@@ -121,16 +127,18 @@ class RingAttention(torch.autograd.Function):
         rank, cp = dist.get_rank(group), dist.get_world_size(group)
         saved = (grad_out.to(q.dtype), q, out, lse)
         dq = torch.zeros_like(q, dtype=torch.float32)
-        held = [k, v]
+        held, returned = [k, v], []
         grads = [torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)]
         for step in range(cp):
             requests = []
             if step < cp - 1:
                 incoming, requests = pass_on(held, group)
-            attend_backward(ctx.kernel, saved, held, rank, (rank - step) % cp, [dq, *grads])
-            _wait(requests)
+            keys, dk, dv = attend_backward(ctx.kernel, saved, held, rank, (rank - step) % cp, dq)
+            _wait(returned)  # the K/V gradients the previous rank accumulated for this block, travelling meanwhile
+            add_to(grads, keys, dk, dv)
             grads, returned = pass_on(grads, group)  # on to the next rank, as its K/V go; the last step home
-            _wait(returned)
+            _wait(requests)
             if step < cp - 1:
                 held = incoming
+        _wait(returned)
         return dq.to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype), None

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from distrain.parallel.attention_blocks import kernel_for
-from distrain.parallel.ring_attention import attend, attend_backward
+from distrain.parallel.ring_attention import add_to, attend, attend_backward
 from distrain.parallel.sequence_split import SequenceSplit
 
 Chunks = list[list[torch.Tensor]]  # each rank's q, k, v, dout: its two chunks of the sequence
@@ -35,7 +35,7 @@ def rank_backward(mine: Chunks, rank: int, merged: tuple, grads: Chunks) -> None
     kernel, saved = kernel_for(q), (mine[rank][3], q, *merged)
     for step in range(cp):
         source = (rank - step) % cp
-        attend_backward(kernel, saved, mine[source][1:3], rank, source, [grads[rank][0], *grads[source][1:]])
+        add_to(grads[source][1:], *attend_backward(kernel, saved, mine[source][1:3], rank, source, grads[rank][0]))
 
 
 def ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, cp: int) -> list[torch.Tensor]:
