@@ -2,8 +2,8 @@
 
 On a machine with G ≥ 1 GPUs (`torch.cuda.device_count()`) it runs, one console line per part (PASS, FAIL
 or SKIP, and its figure), then a summary, and exits 1 if any part failed. `--parts` picks them (default:
-strategies, journey, ps, sticky, moe, loss; the benchmarks mfu and collectives are optional, five minutes of their
-own):
+strategies, journey, ps, sticky, moe, loss; the benchmarks mfu, collectives and ring are optional, minutes of
+their own):
 
 1. **strategies**: a short NCCL run of every preset in conf/strategy/ that fits on G GPUs, through
    distrain's own driver (`distrain.driver.launch.train`, what `python jobs/train.py` runs): `model=nano`, 20
@@ -72,6 +72,10 @@ own):
    plain processes on the same GPUs (--repeats passes of each, alternating): writes docs/collectives.md.
    It passes when every operation's bandwidth ratio is ≥ 0.95; on one GPU, where nothing crosses a link,
    the ratio is only reported.
+10. **ring** (optional): jobs/bench/bench_ring.py, ring attention's blocks (cp 4, each the fused kernel sdpa
+   picks, merged) on one GPU against sdpa on the whole sequence, 16k to 64k tokens in bf16: writes docs/ring.md.
+   It passes when the output and gradients are within bf16's rounding of the whole's; the time and memory
+   ratios are reported.
 
 It writes docs/gpu.md (--out); every page's header names the GPU, torch and its CUDA. The benchmarks run as
 commands of their own, so their pages name their own command and each finds the GPU free.
@@ -96,6 +100,7 @@ docs/gpu.md), collectives on one H100 (2026-11-24):
 | 8. optional: bench_mfu, 6 runs of llama_1b × 30 steps (3 sides × 2)    |     330 |
 | 8. and distrain in float8, 2 runs more (not yet measured on a GPU)     |       — |
 | 9. optional: bench_collectives, 1 KB–256 MB, 2 passes of each side     |     184 |
+| 10. optional: bench_ring, 16k–64k tokens, 5 passes (not yet measured)  |       — |
 
 Without a GPU it runs in CPU mode, which checks that the scripts work: the same parts at tiny sizes (the
 tests' tiny model, 8 steps, 12 for the journey, whose presets are nano and gpt2_nano; gloo; --workers CPU
@@ -132,8 +137,8 @@ if TYPE_CHECKING:
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "offload", "nvme", "tp", "pp", "hsdp", "fsdp_tp", "3d")
 STRATEGIES += ("tp2d", "tp2p5d", "tp3d")  # 4 and 8 GPUs
 STRATEGIES += ("cp", "cp_alltoall")  # 2 GPUs
-PARTS = ("strategies", "journey", "ps", "sticky", "moe", "loss", "mfu", "collectives")
-DEFAULT_PARTS = PARTS[:6]  # the last two benchmarks take 5 minutes of their own: --parts names them
+PARTS = ("strategies", "journey", "ps", "sticky", "moe", "loss", "mfu", "collectives", "ring")
+DEFAULT_PARTS = PARTS[:6]  # the last three benchmarks take minutes of their own: --parts names them
 TOLERANCE = 0.02  # bf16's final loss against fp32's, and float8's against bf16's, relative
 FLOAT8 = "tensorwise"  # the recipe part 2 runs: the one whose weights FSDP2 all-gathers in float8
 MOST_WORKERS = 64  # how far to look for the worker count a preset needs
@@ -167,7 +172,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=1, help="CPU mode: CPU workers in place of GPUs (default 1)")
     p.add_argument("--strategies", default=",".join(STRATEGIES), help="presets to run (default: all but ps)")
     p.add_argument(
-        "--parts", default=",".join(DEFAULT_PARTS), help=f"of {','.join(PARTS)} (default: all but the last 2)"
+        "--parts", default=",".join(DEFAULT_PARTS), help=f"of {','.join(PARTS)} (default: all but the last 3)"
     )
     p.add_argument(
         "--models", default="", help="model presets the journey walks (default: all that fit; CPU: nano,gpt2_nano)"
@@ -646,6 +651,22 @@ def collectives_part(args: argparse.Namespace, pages: Path, storage: Path) -> Pa
     return Part(label, "PASS" if ok else "FAIL", figure)
 
 
+def ring_part(args: argparse.Namespace, pages: Path, storage: Path) -> Part:
+    label = "ring attention's blocks (jobs/bench/bench_ring.py)"
+    raw, error = bench(args, "bench_ring", pages, storage)
+    if error or not raw.get("rows"):
+        return Part(label, "FAIL", error or "it wrote no numbers")
+    worst = max(max(r["errors"]) for r in raw["rows"])
+    each = ", ".join(
+        f"{r['seq']} tokens {r['ratio']:.2f}× the time, {r['memory']['ring']:.0f} MiB to {r['memory']['whole']:.0f}"
+        for r in raw["rows"]
+    )
+    figure = f"{raw['cp']} ranks' blocks against sdpa on the whole: {each}; largest error {worst:.1e}"
+    if not raw["held"]:
+        return Part(label, "PASS", f"{figure} (on the CPU: not held)")
+    return Part(label, "PASS" if worst <= raw["tolerance"] else "FAIL", f"{figure} (tolerance {raw['tolerance']:.1e})")
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     started = time.time()
@@ -671,14 +692,15 @@ def main(argv: list[str] | None = None) -> None:
                 if name in args.parts:
                     began = time.time()
                     parts.append(report(part(args) if name == "sticky" else part(args, storage), began))
-        for name, part in (("loss", loss_part), ("mfu", mfu_part), ("collectives", collectives_part)):
+        optional = (("mfu", mfu_part), ("collectives", collectives_part), ("ring", ring_part))
+        for name, part in (("loss", loss_part), *optional):
             if name in args.parts:
                 began = time.time()
                 parts.append(report(part(args, pages, storage), began))
         rows = [[p.name, f"**{p.status}**", p.figure.replace("|", "/"), f"{p.seconds:.0f}"] for p in parts]
         every = ["## Every part", "", *harness.table(["part", "result", "figure", "seconds"], rows, "lllr"), ""]
-        links = "The benchmarks' own pages: [loss.md](loss.md) (the chunked loss's memory), [mfu.md](mfu.md) (MFU) "
-        links += "and [collectives.md](collectives.md) (bandwidth)."
+        links = "The benchmarks' own pages: [loss.md](loss.md) (the chunked loss's memory), [mfu.md](mfu.md) (MFU), "
+        links += "[collectives.md](collectives.md) (bandwidth) and [ring.md](ring.md) (ring attention's blocks)."
         page.write("\n".join([*every, *section, links]))
     failed = [p for p in parts if p.status == "FAIL"]
     counts = {s: sum(p.status == s for p in parts) for s in ("PASS", "FAIL", "SKIP")}
@@ -689,7 +711,8 @@ def main(argv: list[str] | None = None) -> None:
     if not args.gpus:
         print(
             "gpu_check: CPU mode checked that the scripts work; the GPU figures (NCCL runs, bf16 on CUDA, the journey "
-            "on CUDA, the chunked loss's memory, MFU, NCCL bandwidth) are still to be taken: `make gpu-check "
+            "on CUDA, the chunked loss's memory, MFU, NCCL bandwidth, ring attention's blocks) are still to be taken: "
+            "`make gpu-check "
             "TORCH=torch` on a GPU machine."
         )
     if failed:

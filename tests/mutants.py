@@ -134,9 +134,31 @@ MUTANTS = (
     Mutant(
         "ring-math-in-bf16",
         "distrain/parallel/ring_attention.py",
-        "with torch.autocast(q.device.type, enabled=False):  # fp32 math",
-        "with torch.autocast(q.device.type, enabled=torch.is_autocast_enabled(q.device.type)):  # fp32 math",
+        "with torch.autocast(q.device.type, enabled=False):  # the kernels in q's dtype",
+        "with torch.autocast(q.device.type, enabled=torch.is_autocast_enabled(q.device.type)):  # q's dtype",
         ("tests/test_context_parallel.py::test_attention_in_bf16_errs_no_more_than_its_rounding",),
+    ),
+    Mutant(
+        "ring-later-rank-front-chunk-only",
+        "distrain/parallel/ring_attention.py",
+        "return (None, 0, False) if source < rank else (1, None, False)",
+        "return (None, 0, False) if source < rank else (1, 0, False)",
+        ("tests/test_attention_blocks.py::test_the_ring_of_blocks_gives_sdpa_on_the_whole_sequence",),
+    ),
+    Mutant(
+        "ring-flash-op-given-an-unpadded-head",
+        "distrain/parallel/attention_blocks.py",
+        'if device == "cuda" and choice == SDPBackend.FLASH_ATTENTION and head_dim % 8:',
+        "if False:",
+        ("tests/test_attention_blocks.py::test_each_choice_of_sdpa_gets_the_kernel_that_takes_it",),
+    ),
+    Mutant(
+        "ring-block-backward-own-lse",
+        "distrain/parallel/ring_attention.py",
+        "got = kernel.backward(dout, q, k, v, out, lse, causal, q.shape[-1] ** -0.5)",
+        "got = kernel.backward(dout, q, k, v, *kernel.forward(q, k, v, causal, q.shape[-1] ** -0.5), causal, "
+        "q.shape[-1] ** -0.5)",
+        ("tests/test_attention_blocks.py::test_the_ring_of_blocks_gives_sdpa_on_the_whole_sequence",),
     ),
     Mutant(
         "malformed-url-taken-for-a-path",

@@ -222,7 +222,7 @@ def test_gpu_check_cpu_mode(tmp_path: Path) -> None:
     to the bit (CPU, fp32), exported and loaded by transformers with the same logits, and sampled."""
     import torch
 
-    docs = {name: REPO / "docs" / name for name in ("gpu.md", "loss.md", "mfu.md", "collectives.md")}
+    docs = {name: REPO / "docs" / name for name in ("gpu.md", "loss.md", "mfu.md", "collectives.md", "ring.md")}
     before = {name: path.stat().st_mtime_ns if path.exists() else None for name, path in docs.items()}
     cmd = [sys.executable, "jobs/gpu_check.py", "--storage", str(tmp_path)]
     cmd += ["--parts", ",".join(importlib.import_module("gpu_check").PARTS)]  # every one, the optional benchmarks too
@@ -235,7 +235,8 @@ def test_gpu_check_cpu_mode(tmp_path: Path) -> None:
     mfu, collectives = "MFU (jobs/bench/bench_mfu.py)", "collectives (jobs/bench/bench_collectives.py)"
     loss = "chunked loss (jobs/bench/bench_loss.py)"  # its smoke: the chunked step's peak below the whole one's
     float8 = "float8 (tensorwise) against bf16 (zero3, 1 rank)"  # emulated on the CPU
-    for part in ("bf16 against fp32 (ddp)", float8, loss, mfu, collectives):
+    ring = "ring attention's blocks (jobs/bench/bench_ring.py)"
+    for part in ("bf16 against fp32 (ddp)", float8, loss, mfu, collectives, ring):
         assert f"PASS  {part} (" in log, log
     lines = {line.split(" (")[0]: line for line in log.splitlines() if line.startswith(("PASS", "FAIL", "SKIP"))}
     for model in ("nano", "gpt2_nano"):
@@ -248,7 +249,7 @@ def test_gpu_check_cpu_mode(tmp_path: Path) -> None:
         assert [a["outcome"] for a in summary["attempts"]] == ["failed", "completed"], summary
         assert summary["attempts"][1]["info"]["resumed_from_step"] in (4, 8), summary  # committed before step 10
     assert "SKIP  a sticky CUDA error leaves the worker unreused" in log and "needs a GPU" in log
-    assert "19 passed, 0 failed, 11 skipped" in log and "are still to be taken" in log
+    assert "20 passed, 0 failed, 11 skipped" in log and "are still to be taken" in log
     assert "PASS  moe_nano, ep 1 (1 CPU worker)" in log and "× the mean" in lines.get("PASS  moe_nano, ep 1", ""), log
     assert all(f"SKIP  strategy {grid} " in log for grid in ("tp2d", "tp2p5d", "tp3d"))  # 4 and 8 workers
     assert "SKIP  strategy cp " in log and "needs 2 CPU workers (cp 2)" in log
@@ -262,6 +263,7 @@ def test_gpu_check_cpu_mode(tmp_path: Path) -> None:
     assert "## Against torch.distributed without Ray" in collectives and "| all_reduce | " in collectives
     assert "## all_reduce (busbw factor 1)" in collectives  # 2 ranks: 2(n − 1)/n = 1
     assert_mfu(tmp_path / "docs" / "mfu.md", tmp_path / "bench_mfu.json")
+    assert "| 512 | " in assert_page(tmp_path / "docs" / "ring.md")  # every length measured, the ring beside sdpa
 
 
 @pytest.mark.timeout(30)

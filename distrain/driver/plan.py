@@ -81,8 +81,9 @@ def layer_activations(cfg: TrainConfig, layout: Layout, precision: str, scores: 
     doubles it; with activation checkpointing a block keeps only its 2·s·b·h input (divided alike).
     An estimate: it assumes a 4h MLP, and counts the a·s² attention scores that a fused SDPA kernel does not store
     (`scores=False` leaves them out). Ring context parallelism never holds them: it keeps q, k, v, the output
-    and its log-sum-exp (in the 34·s·b·h), and scores a tile of query rows at a time, whose fp32 working set
-    is added to what a block needs while it runs (`ring_scores`), whatever `scores` says.
+    and its log-sum-exp (in the 34·s·b·h), and its blocks score a tile of query rows at a time (the fused
+    kernel's own, or its math fallback's), whose fp32 working set at most is added to what a block needs while it
+    runs (`ring_scores`), whatever `scores` says.
     """
     m, t = cfg.model, cfg.trainer
     sbh = t.seq_len * t.micro_batch_size * m.dim

@@ -16,7 +16,8 @@ parallelism (mesh.py's gradient mesh folds cp into the data-parallel group); eac
 equal share of the tokens, and their mean is the whole sequence's.
 
 torch.distributed.tensor.experimental.context_parallel is not used: in torch 2.13 it handles only the CUDA
-attention kernels (flash, efficient, cuDNN), not the CPU one, so it cannot run on gloo.
+attention kernels (flash, efficient, cuDNN), not the CPU one, so it cannot run on gloo; the ring calls the
+same kernels itself, and the CPU's (attention_blocks.py).
 """
 
 from __future__ import annotations

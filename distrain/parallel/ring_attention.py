@@ -2,34 +2,39 @@
 
 Each rank holds two chunks of every sequence (distrain/strategy/context_parallel.py's load-balanced split:
 chunks r and 2·cp−1−r of 2·cp). Its queries meet every rank's keys and values in cp steps: at each step it
-starts passing the K/V it holds to the next rank (isend/irecv round the ring) and, while they travel,
-attends its queries to them; a query chunk sees a key chunk whole when that comes earlier in the sequence,
-under the causal mask when it is the same chunk, and not at all when it comes later. The partial outputs
-are merged with the log-sum-exp correction: o = Σ_j exp(lse_j − lse)·o_j, lse = log Σ_j exp(lse_j).
+starts passing the K/V it holds to the next rank (isend/irecv round the ring) and, while they travel, attends
+its queries to them in one call of the device's fused attention kernel (attention_blocks.py): its own K/V under
+the causal mask (its two chunks laid end to end are in sequence order, so the mask of the pair is the
+sequence's); an earlier rank's front chunk with all its queries (that rank's back chunk comes after both of
+its own); a later rank's two chunks with its back chunk's queries only (its front chunk comes before both).
+The partial outputs are merged in fp32 with the log-sum-exp correction: o = Σ_j exp(lse_j − lse)·o_j,
+lse = log Σ_j exp(lse_j).
 
-The backward (a custom autograd.Function) runs the ring again: K/V travel as in the forward, and with
-them the gradients of K and V accumulated so far, which end, after one more step, at the rank that owns
-them. Only q, k, v, the output and the lse are kept for it: the scores are recomputed block by block, and
-within a block TILE query rows at a time, so what a step holds beside them grows with the chunk, not its square.
+The backward (a custom autograd.Function) runs the ring again: K/V travel as in the forward, and with them
+the gradients of K and V accumulated so far, which end, after one more step, at the rank that owns them. Only
+q, k, v, the output and the lse are kept for it; each block's backward is the kernel's own, given the merged
+output and lse, which makes it exact.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterator
-
 import torch
 import torch.distributed as dist
 
-from distrain.strategy.context_parallel import TILE
-
-Pairs = list[tuple[int, int, bool]]  # (local query chunk, local key chunk, causal) for one block of K/V
+from distrain.parallel.attention_blocks import Kernel, kernel_for
 
 
-def pairs(rank: int, source: int, cp: int) -> Pairs:
-    """Which of this rank's query chunks attend to which of `source`'s key chunks, and how."""
-    mine, theirs = (rank, 2 * cp - 1 - rank), (source, 2 * cp - 1 - source)
-    return [(a, b, ga == gb) for a, ga in enumerate(mine) for b, gb in enumerate(theirs) if gb <= ga]
+def block(rank: int, source: int) -> tuple[int | None, int | None, bool]:
+    """Which half of this rank's queries (None: both) meets which half of `source`'s K/V (None: both), and
+    whether under the causal mask."""
+    if source == rank:
+        return None, None, True
+    return (None, 0, False) if source < rank else (1, None, False)
+
+
+def half(t: torch.Tensor, which: int | None) -> torch.Tensor:
+    """Chunk `which` of the two a rank holds (dim 2: the sequence), or both."""
+    return t if which is None else t.chunk(2, dim=2)[which]
 
 
 def pass_on(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> tuple[list[torch.Tensor], list]:
@@ -49,68 +54,66 @@ def _wait(requests: list) -> None:
         request.wait()
 
 
-def _tiles(n: int, causal: bool) -> Iterator[tuple[slice, slice]]:
-    """Each tile of a chunk's n query rows, and the keys it sees: all, or under the causal mask up to its last row."""
-    for start in range(0, n, TILE):
-        stop = min(start + TILE, n)
-        yield slice(start, stop), slice(0, stop if causal else n)
+def attend(
+    kernel: Kernel, q: torch.Tensor, kv: list[torch.Tensor], rank: int, source: int, merged: tuple | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's queries against `source`'s K/V, merged into `merged` (out and lse in fp32, changed in
+    place; None at the first block, its own, which every query sees)."""
+    rows, keys, causal = block(rank, source)
+    k, v = (half(t, keys) for t in kv)
+    out, lse = kernel.forward(half(q, rows), k, v, causal, q.shape[-1] ** -0.5)
+    if merged is None:
+        return out.float(), lse
+    o, seen = (half(t, rows) for t in merged)
+    total = torch.logaddexp(seen, lse)
+    o.mul_((seen - total).exp().unsqueeze(-1)).add_(out.float() * (lse - total).exp().unsqueeze(-1))
+    seen.copy_(total)
+    return merged
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float, first_row: int) -> torch.Tensor:
-    """Scaled scores of query rows first_row.. against keys 0..; masked above the diagonal when causal."""
-    s = q @ k.transpose(-2, -1) * scale
-    if causal:
-        above = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(first_row + 1)
-        s = s.masked_fill(above, float("-inf"))  # one (rows, keys) mask for every sequence and head
-    return s
+def attend_backward(
+    kernel: Kernel, saved: tuple, kv: list[torch.Tensor], rank: int, source: int, dq: torch.Tensor
+) -> tuple[int | None, torch.Tensor, torch.Tensor]:
+    """The gradients of this rank's block with `source`'s K/V: dq's added to `dq` (fp32), dk and dv returned,
+    with the half of `source`'s K/V they belong to (None: both); `saved` = (dout, q, out, lse) of the whole row."""
+    rows, keys, causal = block(rank, source)
+    dout, q, out, lse = (half(t, rows).contiguous() for t in saved)
+    k, v = (half(t, keys) for t in kv)
+    got = kernel.backward(dout, q, k, v, out, lse, causal, q.shape[-1] ** -0.5)
+    half(dq, rows).add_(got[0])
+    return keys, got[1], got[2]
 
 
-def _expand(kv: torch.Tensor, heads: int) -> torch.Tensor:
-    """Grouped-query attention: each K/V head serves heads / kv_heads query heads."""
-    return kv if kv.shape[1] == heads else kv.repeat_interleave(heads // kv.shape[1], dim=1)
-
-
-def _fold(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """The gradient of an expanded K/V, summed back onto its kv_heads heads."""
-    return grad if grad.shape[1] == kv_heads else grad.unflatten(1, (kv_heads, -1)).sum(2)
+def add_to(grads: list[torch.Tensor], keys: int | None, dk: torch.Tensor, dv: torch.Tensor) -> None:
+    """Add a block's dk, dv to the K/V gradients accumulated so far (fp32), on the half of K/V they belong to."""
+    for grad, g in zip(grads, (dk, dv), strict=True):
+        half(grad, keys).add_(g)
 
 
 class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        with torch.autocast(q.device.type, enabled=False):  # fp32 math whatever the block runs in
+        with torch.autocast(q.device.type, enabled=False):  # the kernels in q's dtype, the merge in fp32
             return RingAttention._forward(ctx, q, k, v, group)
 
     @staticmethod
     def _forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
         rank, cp = dist.get_rank(group), dist.get_world_size(group)
-        heads, scale = q.shape[1], 1.0 / math.sqrt(q.shape[-1])
-        qs = q.float().chunk(2, dim=2)
-        out = [torch.zeros_like(c) for c in qs]
-        lse = [torch.full(c.shape[:-1], float("-inf"), device=q.device) for c in qs]
-        held = [k, v]  # travel as they came (bf16 under autocast); each block's math in fp32
+        kernel, held, merged = kernel_for(q), [k, v], None
         for step in range(cp):
             requests = []
             if step < cp - 1:
                 incoming, requests = pass_on(held, group)
-            ks, vs = (_expand(t.float(), heads).chunk(2, dim=2) for t in held)
-            for a, b, causal in pairs(rank, (rank - step) % cp, cp):
-                for rows, keys in _tiles(qs[a].shape[2], causal):
-                    s = _scores(qs[a][:, :, rows], ks[b][:, :, keys], causal, scale, rows.start)
-                    block_lse = s.logsumexp(-1)
-                    block_out = (s - block_lse[..., None]).exp() @ vs[b][:, :, keys]
-                    o, seen = out[a][:, :, rows], lse[a][:, :, rows]
-                    merged = torch.logaddexp(seen, block_lse)
-                    o.mul_((seen - merged).exp()[..., None]).add_(block_out * (block_lse - merged).exp()[..., None])
-                    seen.copy_(merged)
+            merged = attend(kernel, q, held, rank, (rank - step) % cp, merged)
             _wait(requests)
             if step < cp - 1:
                 held = incoming
+        out, lse = merged
         # laid out (b, t, heads, d) as the fused kernels lay theirs: the model's transpose back is then a view
-        out_all = torch.cat(out, dim=2).to(q.dtype).transpose(1, 2).contiguous().transpose(1, 2)
-        ctx.save_for_backward(q, k, v, out_all, torch.cat(lse, dim=2))
-        ctx.group, ctx.scale = group, scale
-        return out_all
+        out = out.to(q.dtype).transpose(1, 2).contiguous().transpose(1, 2)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.kernel = group, kernel
+        return out
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor) -> tuple:
@@ -120,33 +123,22 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def _backward(ctx, grad_out: torch.Tensor) -> tuple:
         q, k, v, out, lse = ctx.saved_tensors
-        group, scale = ctx.group, ctx.scale
+        group = ctx.group
         rank, cp = dist.get_rank(group), dist.get_world_size(group)
-        heads = q.shape[1]
-        grad_out = grad_out.float()
-        delta = (grad_out * out.float()).sum(-1)  # D = rowsum(dO ∘ O)
-        qs, dos, lses, deltas = (t.chunk(2, dim=2) for t in (q.float(), grad_out, lse, delta))
-        dq = [torch.zeros_like(c) for c in qs]
-        held = [k, v]
+        saved = (grad_out.to(q.dtype), q, out, lse)
+        dq = torch.zeros_like(q, dtype=torch.float32)
+        held, returned = [k, v], []
         grads = [torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)]
         for step in range(cp):
             requests = []
             if step < cp - 1:
                 incoming, requests = pass_on(held, group)
-            ks, vs = (_expand(t.float(), heads).chunk(2, dim=2) for t in held)
-            dk, dv = (torch.zeros_like(_expand(g, heads)).chunk(2, dim=2) for g in grads)
-            for a, b, causal in pairs(rank, (rank - step) % cp, cp):
-                for rows, keys in _tiles(qs[a].shape[2], causal):
-                    q_, do, k_, v_ = qs[a][:, :, rows], dos[a][:, :, rows], ks[b][:, :, keys], vs[b][:, :, keys]
-                    p = (_scores(q_, k_, causal, scale, rows.start) - lses[a][:, :, rows, None]).exp()
-                    dv[b][:, :, keys].add_(p.transpose(-2, -1) @ do)
-                    ds = p * (do @ v_.transpose(-2, -1) - deltas[a][:, :, rows, None])
-                    dq[a][:, :, rows].add_(ds @ k_ * scale)
-                    dk[b][:, :, keys].add_(ds.transpose(-2, -1) @ q_ * scale)
-            grads = [g + _fold(torch.cat(d, dim=2), g.shape[1]) for g, d in zip(grads, (dk, dv), strict=True)]
-            _wait(requests)
+            keys, dk, dv = attend_backward(ctx.kernel, saved, held, rank, (rank - step) % cp, dq)
+            _wait(returned)  # the K/V gradients the previous rank accumulated for this block, travelling meanwhile
+            add_to(grads, keys, dk, dv)
             grads, returned = pass_on(grads, group)  # on to the next rank, as its K/V go; the last step home
-            _wait(returned)
+            _wait(requests)
             if step < cp - 1:
                 held = incoming
-        return torch.cat(dq, dim=2).to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype), None
+        _wait(returned)
+        return dq.to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype), None

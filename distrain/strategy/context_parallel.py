@@ -11,8 +11,8 @@ from distrain.strategy.layout import Layout
 from distrain.strategy.parallelism import Parallelism, require
 
 CP_MODES = ("ring", "alltoall")
-TILE = 128  # query rows the ring scores at once: the transient scores are TILE × a chunk's keys per head, never chunk²
-TILE_TENSORS = 4  # tile-sized fp32 tensors live at once in the ring's backward: scores, probabilities, dP, dS
+TILE = 128  # query rows the ring's math fallback scores at once: TILE × a block's keys per head, never the block's
+TILE_TENSORS = 4  # tile-sized fp32 tensors live at once in the fallback's backward: scores, probabilities, dP, dS
 
 
 def chunks(seq_len: int, cp: int, rank: int) -> tuple[range, range]:
@@ -87,14 +87,15 @@ def attention_traffic(mode: str, cp: int, tokens: int, heads: int, kv_heads: int
 
 
 def ring_scores(cfg: TrainConfig, layout: Layout) -> int | None:
-    """Bytes of the scores ring attention holds at once on a rank (fp32, in its backward: TILE_TENSORS tiles of
-    TILE query rows against one chunk's keys, for each of the rank's heads and sequences); None without ring cp,
+    """Bytes of the scores ring attention holds at once on a rank, at most: its math fallback's, in its backward
+    (fp32: TILE_TENSORS tiles of TILE query rows against a block's keys, the rank's two chunks at most, for each
+    of the rank's heads and sequences); a fused kernel holds only its own small tiles. None without ring cp,
     whose attention (the fused kernel's, or all-to-all's) the plan counts as Korthikanti does."""
     if layout.cp == 1 or layout.cp_mode != "ring":
         return None
-    chunk = cfg.trainer.seq_len // (2 * layout.cp)
+    keys = cfg.trainer.seq_len // layout.cp
     heads = cfg.model.n_heads // layout.tp
-    return TILE_TENSORS * cfg.trainer.micro_batch_size * heads * min(TILE, chunk) * chunk * 4
+    return TILE_TENSORS * cfg.trainer.micro_batch_size * heads * min(TILE, keys) * keys * 4
 
 
 def _tokens(r: range) -> str:

@@ -166,13 +166,17 @@ def body(grown: dict, times: dict, model: dict, lengths: list, budget: int, time
             "",
             "What a rank holds for the backward grows with its tokens (seq/cp), so the longest sequence that fits "
             "grows about as cp. The two modes move different things: the ring passes K and V cp − 1 hops and "
-            "overlaps each hop with a block of attention, but its blocks are plain PyTorch matmuls (the scores "
-            "of TILE query rows at a time, in fp32); all-to-all moves Q, K, V and the output once each way and runs "
-            "the fused attention kernel on the whole sequence with heads/cp heads, which on a CPU is the faster of "
-            "the two. All-to-all needs cp | heads (and kv-heads); the ring has no such limit. `--plan` counts the "
-            "two so: all-to-all's attention scores (heads/cp of them, over the whole sequence) as it counts them "
-            "without cp, and for the ring none, but the fp32 tiles a block's backward holds while it runs (4 tiles "
-            "of TILE query rows by a chunk's keys, per head and sequence: `strategy/context_parallel.ring_scores`).",
+            "overlaps each hop with a block of attention, one call of the fused attention kernel sdpa picks (the "
+            "CPU's flash attention here) through the op that also returns the log-sum-exp the blocks are merged "
+            "by; all-to-all moves Q, K, V and the output once each way and runs the same kernel on the whole "
+            "sequence with heads/cp heads. All-to-all needs cp | heads (and kv-heads); the ring has no such limit. "
+            "The peak counts the tensors ops create; a fused kernel's working tiles, inside it, are not among them. "
+            "`--plan` counts the two so: all-to-all's attention scores (heads/cp of them, over the whole sequence) "
+            "as it counts them without cp, and for the ring none, but at most the fp32 tiles its math fallback "
+            "(plain matmuls, TILE query rows at a time, where sdpa would pick its math path) holds while a block's "
+            "backward runs (`strategy/context_parallel.ring_scores`). The ring's blocks on a GPU (flash, "
+            "memory-efficient or cuDNN attention) are still to be measured: `jobs/bench/bench_ring.py`, "
+            "jobs/gpu_check.py's ring part.",
         ]
     )
 
