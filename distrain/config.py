@@ -327,6 +327,28 @@ class FaultConfig:
     slow_return_s: float = 0.0
 
 
+# What finetune.lora.targets may name: groups of a block's projections, or one projection by its name.
+LORA_GROUPS = {"attention": "attention", "mlp": "feed_forward"}  # target → the block's module holding them
+LORA_PROJECTIONS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
+
+
+@dataclass
+class LoRAConfig:
+    """Low-rank adapters (Hu et al. 2021; distrain/model/lora.py): each targeted nn.Linear of the blocks keeps its
+    weight frozen and learns W + (alpha / rank)·B·A, A (rank, in) and B (out, rank). docs/huggingface.md."""
+
+    rank: int = 0  # 0: no adapters, every parameter trained
+    alpha: float = 16.0
+    dropout: float = 0.0  # on the adapter's input only, as PEFT's lora_dropout
+    # attention (wq, wk, wv, wo), mlp (w1, w2, w3; a MoE block's shared experts), or projections by name
+    targets: list[str] = field(default_factory=lambda: ["attention", "mlp"])
+
+
+@dataclass
+class FinetuneConfig:
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+
+
 @dataclass
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -342,6 +364,7 @@ class TrainConfig:
     run: RunConfig = field(default_factory=RunConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
     plan: bool = False  # print the layout (mesh, process groups, memory per rank) and exit without training
 
     @property

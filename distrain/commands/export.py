@@ -1,6 +1,6 @@
 """A trained run as a Hugging Face model directory:
 
-    distrain export run.name=NAME out=DIR [run.storage=runs] [step=N] [storage.create_bucket=false]
+    distrain export run.name=NAME out=DIR [run.storage=runs] [step=N] [storage.create_bucket=false] [merge=false]
     (a checkout: python jobs/export.py run.name=NAME out=DIR [...])
 
 DIR (or a URL: s3://bucket/prefix, any fsspec URL, with the environment's credentials and endpoint) gets
@@ -11,6 +11,9 @@ exported is said. DIR is never overwritten: the files are written beside it and 
 place once whole; to a URL they are written to a temporary folder and uploaded, config.json last (a model
 without it does not load), and a URL holding a config.json is never written to, nor one whose bucket does not
 exist (storage.create_bucket=true makes it).
+A LoRA run (finetune.lora) exports its adapter alone, as PEFT saves one (adapter_config.json,
+adapter_model.safetensors; `peft.PeftModel.from_pretrained(base, DIR)` loads it onto the base model), or
+with merge=true the base model with the adapter added into its weights.
 Bad input: one line and exit status 2."""
 
 from __future__ import annotations
@@ -23,17 +26,19 @@ from pathlib import Path
 
 from distrain.config import ConfigError, StorageConfig
 
-ARGUMENTS = "run.name=NAME out=DIR|URL [run.storage=runs] [step=N] [storage.create_bucket=false]"
+ARGUMENTS = "run.name=NAME out=DIR|URL [run.storage=runs] [step=N] [storage.create_bucket=false] [merge=false]"
 
 
-def export(run_dir: str | Path, out: str | Path, step: int | None = None) -> tuple[Path, int]:
+def export(run_dir: str | Path, out: str | Path, step: int | None = None, merge: bool = False) -> tuple[Path, int]:
     """Write the run's model and tokenizer to `out` (absent or empty) as a Hugging Face directory; returns
-    `out` and the step of the checkpoint exported."""
+    `out` and the step of the checkpoint exported. A LoRA run's (finetune.lora) is its adapter alone, as PEFT
+    saves one, or with `merge` the base model with the adapter added into its weights."""
     from safetensors.torch import save_file
 
     from distrain.data.tokenizer import run_tokenizer
     from distrain.driver.trained import checkpoint_path, load_trained
     from distrain.model.hf import hf_config, to_hf
+    from distrain.model.lora_hf import adapter_files, merged_state
     from distrain.storage.checkpoint import read_meta
 
     out = Path(out)
@@ -41,19 +46,27 @@ def export(run_dir: str | Path, out: str | Path, step: int | None = None) -> tup
         raise ConfigError(f"out={out} exists and is not empty; give a new directory (export never overwrites)")
     step = read_meta(checkpoint_path(run_dir, step))["step"]  # the one load_trained loads: checked once
     cfg, model = load_trained(run_dir, step)
+    lora = cfg.finetune.lora
+    if merge and not lora.rank:
+        raise ConfigError(f"merge=true: run {Path(run_dir).name} trained no adapters (finetune.lora); leave merge out")
     tokenizer = run_tokenizer(cfg)
-    config = hf_config(cfg.model, cfg.trainer.seq_len) | {
-        "bos_token_id": tokenizer.eos_id,
-        "eos_token_id": tokenizer.eos_id,
-    }
-    tensors = to_hf({k: v.detach() for k, v in model.state_dict().items()}, cfg.model)
+    if lora.rank and not merge:
+        config, tensors = adapter_files(model, cfg.model, lora, cfg.model.init_from)
+    else:
+        config = hf_config(cfg.model, cfg.trainer.seq_len) | {
+            "bos_token_id": tokenizer.eos_id,
+            "eos_token_id": tokenizer.eos_id,
+        }
+        state = merged_state(model) if lora.rank else {k: v.detach() for k, v in model.state_dict().items()}
+        tensors = to_hf(state, cfg.model)
+    config_file, weights_file = files(adapter=bool(lora.rank and not merge))
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = out.parent / f".{out.name}.export-{uuid.uuid4().hex[:8]}"
     try:
         staging.mkdir()
-        (staging / "config.json").write_text(json.dumps(config, indent=1))
-        save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
-        readable(staging / "model.safetensors")
+        (staging / config_file).write_text(json.dumps(config, indent=1))
+        save_file(tensors, str(staging / weights_file), metadata={"format": "pt"})
+        readable(staging / weights_file)
         tokenizer.save(staging)
         if out.exists():
             out.rmdir()  # empty (checked above)
@@ -63,19 +76,28 @@ def export(run_dir: str | Path, out: str | Path, step: int | None = None) -> tup
     return out, step
 
 
+def files(adapter: bool) -> tuple[str, str]:
+    """The config's and the weights' file names: a model's, or PEFT's of an adapter alone."""
+    return ("adapter_config.json", "adapter_model.safetensors") if adapter else ("config.json", "model.safetensors")
+
+
 def export_to(
-    run_dir: str | Path, out: str, step: int | None = None, storage: StorageConfig | None = None
+    run_dir: str | Path, out: str, step: int | None = None, storage: StorageConfig | None = None, merge: bool = False
 ) -> tuple[str, int]:
-    """`export` to a local directory, or to a URL through a temporary folder under `storage.cache_dir`,
-    config.json uploaded last."""
+    """`export` to a local directory, or to a URL through a temporary folder under `storage.cache_dir`, its config
+    file uploaded last."""
+    from distrain.driver.trained import checkpoint_path
+    from distrain.storage.checkpoint import read_meta
     from distrain.storage.publish import staged
     from distrain.urls import is_url
 
     if not is_url(out):
-        path, step = export(run_dir, out, step)
+        path, step = export(run_dir, out, step, merge)
         return str(path), step
-    with staged(out, storage or StorageConfig(), "config.json", "out") as local:
-        return out, export(run_dir, local, step)[1]
+    storage = storage or StorageConfig()
+    lora = read_meta(checkpoint_path(run_dir, step, storage))["config"].get("finetune", {}).get("lora", {})
+    with staged(out, storage, files(bool(lora.get("rank")) and not merge)[0], "out") as local:
+        return out, export(run_dir, local, step, merge)[1]
 
 
 def readable(path: Path) -> None:
@@ -96,7 +118,7 @@ def main(argv: list[str]) -> None:
     def work(args: dict) -> str:
         run = run_location(args["run.storage"], args["run.name"])
         storage = StorageConfig(create_bucket=args["storage.create_bucket"])
-        out, step = export_to(run, args["out"], args["step"], storage)
+        out, step = export_to(run, args["out"], args["step"], storage, args["merge"])
         return f"distrain: exported run {args['run.name']} at step {step} to {out}"
 
     spec = {
@@ -105,5 +127,6 @@ def main(argv: list[str]) -> None:
         "out": (Location, REQUIRED),
         "step": (int, None),
         "storage.create_bucket": (boolean, False),
+        "merge": (boolean, False),
     }
     run_job(argv, spec, f"{how('export')} {ARGUMENTS}", work)

@@ -25,6 +25,7 @@ from distrain.cluster.supervisor import Supervisor
 from distrain.cluster.timeouts import Timeouts
 from distrain.cluster.worker_group import WorkerGroup
 from distrain.config import ClusterConfig, ConfigError, TrainConfig, attach_address
+from distrain.driver import finetune
 from distrain.driver.collective import AllReduceEngine
 from distrain.driver.fits import verdict
 from distrain.driver.objectrun import check_run_url
@@ -166,7 +167,8 @@ def _prepare(
         on_rank_progress, sizes = lambda p: None, [layout.world_size]
     else:
         layouts = {layout.world_size: layout, **smaller(layout, cfg)}
-        job = RankJob(cfg, layout, str(run_dir), started, wandb_run_id, run_id=uuid.uuid4().hex)
+        base = finetune.base_fingerprint(cfg)
+        job = RankJob(cfg, layout, str(run_dir), started, wandb_run_id, run_id=uuid.uuid4().hex, base=base)
         engine = AllReduceEngine(job, layouts, progress.message)
         on_rank_progress, sizes = progress.update, list(layouts)
     c = cfg.cluster

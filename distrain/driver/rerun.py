@@ -13,6 +13,7 @@ from pathlib import Path
 
 from distrain.config import ConfigError, TrainConfig, to_plain
 from distrain.data.checks import check_same_shards
+from distrain.driver import finetune
 from distrain.driver.objectrun import on_store, patiently
 from distrain.driver.stop import StoppedBeforeStart
 from distrain.storage import checkpoint, remote
@@ -36,6 +37,7 @@ def claimed(cfg: TrainConfig, say: Callable[[str], None]) -> Iterator[tuple[Path
             found = newest_checkpoint(cfg, run_dir)
             if found[0] is not None:
                 check_resumable(found[1].get("config"), to_plain(cfg))
+                finetune.check_base(found[1], cfg)
                 check_steps_left(found[1], cfg, say)
             yield run_dir, found
     except BaseException:

@@ -10,6 +10,9 @@ from pathlib import Path
 from torch import nn
 
 from distrain.config import ConfigError, StorageConfig, TrainConfig, from_plain
+from distrain.model.contract import fill_parameters
+from distrain.model.hf import hf_weights
+from distrain.model.lora import add_adapters, is_adapter
 from distrain.model.registry import build_model
 from distrain.storage import checkpoint, remote, safeload
 from distrain.urls import is_url
@@ -68,14 +71,18 @@ def load_trained(
     meta = checkpoint.read_meta(path)
     cfg = from_plain(meta["config"])
     model = build_model(cfg.model, cfg.trainer.seq_len, seed=cfg.trainer.seed)
+    add_adapters(model, cfg.finetune.lora, cfg.trainer.seed)
     if "ps" in meta:  # the parameter server's own files
         from distrain.ps.server import load_weights
 
         load_weights(path, model)
     else:
-        state = {"model": model.state_dict()}
+        trained = {n for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
+        state = {"model": {k: v for k, v in model.state_dict().items() if k in trained or not cfg.finetune.lora.rank}}
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.simplefilter("ignore", UserWarning)
             safeload.read_state(path, state, no_dist=True)  # as a resume reads it: tensors and plain data only
-        model.load_state_dict(state["model"])
+        if cfg.finetune.lora.rank and cfg.model.init_from:  # a LoRA run's checkpoint holds its adapters alone
+            fill_parameters(model, hf_weights(cfg.model.init_from, cfg.model), only=lambda n: not is_adapter(n))
+        model.load_state_dict(state["model"], strict=not cfg.finetune.lora.rank)
     return cfg, model.eval()

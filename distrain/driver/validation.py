@@ -13,7 +13,7 @@ from typing import Any
 from distrain.config import ClusterConfig, ConfigError, TrainConfig, attach_address
 from distrain.data.checks import check_data
 from distrain.data.corpus import corpus_files
-from distrain.driver import optim_rules
+from distrain.driver import finetune, optim_rules
 from distrain.driver.plan import rank_memory
 from distrain.model.families import shipped
 from distrain.model.registry import check_model, has_causal_attention, has_plan
@@ -45,6 +45,7 @@ def validate(cfg: TrainConfig) -> Layout:
     layout = resolve(cfg)
     _validate_numbers(cfg)
     _validate_model(cfg)
+    finetune.validate(cfg)
     for parallelism in reversed(PARALLELISMS):
         parallelism.validate(cfg)
     _validate_offload_compile_and_checkpointing(cfg)

@@ -94,12 +94,17 @@ def owner(name: str) -> str:
 
 
 @torch.no_grad()
-def fill_parameters(module: nn.Module, value_of: Callable[[str, torch.Size], torch.Tensor]) -> None:
+def fill_parameters(
+    module: nn.Module,
+    value_of: Callable[[str, torch.Size], torch.Tensor],
+    only: Callable[[str], bool] = lambda name: True,
+) -> None:
     """Copy each parameter's FULL value, `value_of(full-model name, full shape)`, into it: a plain
     parameter whole, a DTensor (FSDP2, TP) only its local piece (cut here, no communication). A
-    DDP "module." prefix is stripped; a tied parameter is filled once, by its source's name."""
+    DDP "module." prefix is stripped; a tied parameter is filled once, by its source's name. `only`: the
+    names filled (LoRA's adapters, or all but them)."""
     model = module.module if isinstance(module, DistributedDataParallel) else module
-    for name, p in model.named_parameters():
+    for name, p in ((n, p) for n, p in model.named_parameters() if only(n)):
         full = value_of(canonical(model, name) if hasattr(model, "tied_parameters") else name, p.shape)
         if isinstance(p, DTensor):
             piece = distribute_tensor(full.to(p.dtype), p.device_mesh, p.placements, src_data_rank=None).to_local()

@@ -84,7 +84,7 @@ def resolve_init_from(cfg: TrainConfig, say: Callable[[str], None] = print) -> T
     return dataclasses.replace(cfg, model=model)
 
 
-def _mapping(cfg: ModelConfig) -> HFMapping:
+def hf_mapping(cfg: ModelConfig) -> HFMapping:
     """The family's counterpart for cfg: the one whose attention norms Q and K per head as model.qk_norm says."""
     family = shipped(cfg._target_)
     fits = [m for m in (family.hf if family is not None else ()) if m.qk_norm == cfg.qk_norm]
@@ -101,6 +101,11 @@ def _rope_rows(t: torch.Tensor, heads: int, to_hf: bool) -> torch.Tensor:
     return grouped.transpose(1, 2).flatten(0, 2)
 
 
+def hf_rows(rule: Rule, t: torch.Tensor) -> torch.Tensor:
+    """Rows of distrain's order (a weight's, a LoRA B's) in the HF tensor's: permuted per head where the rule says."""
+    return _rope_rows(t, rule.heads, to_hf=True) if rule.heads else t
+
+
 def _to_distrain(rule: Rule, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
     if rule.conv1d and t.dim() == 2:
         t = t.t()
@@ -112,9 +117,7 @@ def _to_distrain(rule: Rule, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
 def _to_hf(rule: Rule, parts: list[torch.Tensor]) -> torch.Tensor:
     import torch
 
-    t = torch.cat(parts) if len(parts) > 1 else parts[0]
-    if rule.heads:
-        t = _rope_rows(t, rule.heads, to_hf=True)
+    t = hf_rows(rule, torch.cat(parts) if len(parts) > 1 else parts[0])
     return (t.t() if rule.conv1d and t.dim() == 2 else t).contiguous()
 
 
@@ -148,7 +151,7 @@ def hf_weights(directory: str | Path, cfg: ModelConfig) -> Callable[[str, torch.
     from the HF directory (only the tensor holding it), as float32."""
     import torch
 
-    mapping = _mapping(cfg)
+    mapping = hf_mapping(cfg)
     files, by_name = _Files(directory, mapping.bare_prefix), {}
     for rule in mapping.rules(cfg):
         for index, name in enumerate(rule.names):
@@ -177,11 +180,11 @@ def to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.T
     def parts(rule: Rule) -> list[torch.Tensor]:
         return [state[n] if rule.expert is None else state[n][rule.expert] for n in rule.names]
 
-    return {rule.hf: _to_hf(rule, parts(rule)) for rule in _mapping(cfg).rules(cfg)}
+    return {rule.hf: _to_hf(rule, parts(rule)) for rule in hf_mapping(cfg).rules(cfg)}
 
 
 def hf_config(cfg: ModelConfig, max_seq_len: int) -> dict:
     """The config.json of cfg's HF counterpart (float32 weights), trained on sequences of max_seq_len."""
-    mapping = _mapping(cfg)
+    mapping = hf_mapping(cfg)
     common = {"vocab_size": cfg.vocab_size, "tie_word_embeddings": cfg.tie_embeddings, "dtype": "float32"}
     return common | {"architectures": [mapping.architecture]} | mapping.config(cfg, max_seq_len)

@@ -30,9 +30,13 @@ def parallelize(model: nn.Module, on: PassContext) -> nn.Module:
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, vocab_sharded_loss: bool) -> None:
-    """The model's 1-D plan; tied parameters (each split the same way by the plan) made one again."""
+    """The model's 1-D plan; tied parameters (each split the same way by the plan) made one again. A frozen parameter
+    stays frozen (LoRA's base): torch's SequenceParallel makes each parameter it replicates a trainable one."""
+    trained = {name: p.requires_grad for name, p in model.named_parameters()}
     parallelize_module(model, tp_mesh, model.tp_plan(vocab_sharded_loss))
     tie(model)
+    for name, p in model.named_parameters():
+        p.requires_grad_(trained[name])
 
 
 def apply_tp_grid(model: nn.Module, mesh: DeviceMesh, mode: str) -> Grid:

@@ -48,3 +48,4 @@ class RankJob:
     start: Start = FRESH  # where the attempt's state comes from (driver/collective.py decides)
     use_gpu: bool | None = None  # Ray gave the rank a GPU, which it must train on; None: whatever torch sees
     run_id: str = ""  # one run of the driver: what a rank's kept state is matched against
+    base: str | None = None  # a LoRA run's base model (driver/finetune.base_fingerprint), which checkpoints record

@@ -22,6 +22,7 @@ from distrain.config import TrainConfig, resolve_precision
 from distrain.data.loader import Batches, Prefetch, run_batches
 from distrain.model.contract import fill_parameters
 from distrain.model.hf import hf_weights
+from distrain.model.lora import add_adapters, is_adapter
 from distrain.model.registry import build_model
 from distrain.parallel import process_group
 from distrain.parallel.parallelize import ParallelModel
@@ -63,12 +64,15 @@ class Learner:
         # its shards, and their values are the same in every layout and engine (distrain/model/contract.py).
         with torch.device("meta"):
             model = build_model(cfg.model, cfg.trainer.seq_len, seed=cfg.trainer.seed)
+            add_adapters(model, cfg.finetune.lora, cfg.trainer.seed)  # finetune.lora: the base frozen
+        # full-model names of the parameters nothing trains (a LoRA run's base), which checkpoints leave out
+        self.frozen = {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
         bf16, chunk, float8 = self.precision == "bf16", cfg.trainer.loss_chunk, cfg.trainer.float8
         self.parallel = ParallelModel(
             model, s, layout, device, bf16, cross_entropy, collective, loss_chunk=chunk, float8=float8
         )
         if cfg.model.init_from:  # a Hugging Face model's weights, each rank its pieces; a resumed checkpoint wins
-            fill_parameters(self.module, hf_weights(cfg.model.init_from, cfg.model))
+            fill_parameters(self.module, hf_weights(cfg.model.init_from, cfg.model), only=lambda n: not is_adapter(n))
         self.train_batches, self.val_batches = run_batches(cfg)
         self.inputs = Prefetch(self.train_batches, shard, device)
 

@@ -282,10 +282,9 @@ class Trainer:
         with self.outside_steps():
             self.check_finite()  # never a checkpoint of NaN weights
             wandb_run_id = self.tracker.wandb_run_id if self.tracker is not None else None
-            # `config`: what a resume is checked against
-            self.state.save(
-                self.saver, self.cfg.trainer.seed, {"config": self.plain_config, "wandb_run_id": wandb_run_id}
-            )
+            # `config` and `base` (a LoRA run's base model): what a resume is checked against
+            recorded = {"config": self.plain_config, "wandb_run_id": wandb_run_id, "base": self.job.base}
+            self.state.save(self.saver, self.cfg.trainer.seed, recorded)
             if wait:
                 self.saver.wait()
         self.log.blocked_s += time.perf_counter() - start  # what a background save saves, per save (checkpoint_block_s)

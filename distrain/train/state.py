@@ -8,6 +8,7 @@ train/replicas.py."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -58,8 +59,10 @@ def checkpoint_state(learner: Learner, optimizer: torch.optim.Optimizer | Optimi
     entry per parameter so that ranks holding different parameters (pipeline stages, ZeRO-1
     shards) contribute disjoint keys. Its `param_groups.*` entries (lr, betas, eps, weight decay:
     one small item per parameter and key, most of what a load reads) are not saved: the config
-    says them, and the schedule sets lr every step."""
+    says them, and the schedule sets lr every step. A LoRA run's frozen base is left out too: its model.init_from
+    (or its seed) gives it again, and the checkpoint records its fingerprint (driver/finetune.py)."""
     model_sd, optim_sd = get_state_dict(learner.module, local_optimizers(optimizer), options=STATE_OPTIONS)
+    model_sd = {k: v for k, v in model_sd.items() if k not in learner.frozen}  # a LoRA run's base: never saved
     groups = {k: optim_sd.pop(k) for k in [k for k in optim_sd if k.startswith("param_groups.")]}
     model_sd = {k: unwrapped(v) for k, v in model_sd.items()}  # float8-gathered weights as their plain pieces
     return {"model": model_sd, "optim": learner.parallel.checkpoint_names(optim_sd, saving=True)}, groups
@@ -109,7 +112,7 @@ class RankState:
                 optimizers,
                 model_state_dict=state["model"],
                 optim_state_dict={**self.learner.parallel.checkpoint_names(state["optim"], saving=False), **groups},
-                options=STATE_OPTIONS,
+                options=dataclasses.replace(STATE_OPTIONS, strict=not self.learner.frozen),  # LoRA: adapters
             )
 
     def restore(self, source: Source | None) -> None:
