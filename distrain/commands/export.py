@@ -46,9 +46,7 @@ def export(run_dir: str | Path, out: str | Path, step: int | None = None, merge:
         raise ConfigError(f"out={out} exists and is not empty; give a new directory (export never overwrites)")
     step = read_meta(checkpoint_path(run_dir, step))["step"]  # the one load_trained loads: checked once
     cfg, model = load_trained(run_dir, step)
-    lora = cfg.finetune.lora
-    if merge and not lora.rank:
-        raise ConfigError(f"merge=true: run {Path(run_dir).name} trained no adapters (finetune.lora); leave merge out")
+    lora = cfg.finetune.lora  # merge=true on a run without adapters: nothing to merge, the model as it is
     tokenizer = run_tokenizer(cfg)
     if lora.rank and not merge:
         config, tensors = adapter_files(model, cfg.model, lora, cfg.model.init_from)
