@@ -343,6 +343,14 @@ class LoRAConfig:
     # attention (wq, wk, wv, wo), mlp (w1, w2, w3; a MoE block's shared experts), or projections by name
     targets: list[str] = field(default_factory=lambda: ["attention", "mlp"])
 
+    def adapts(self, module: str) -> bool:
+        """Whether the nn.Linear named `module` (layers.{i}.{attention|feed_forward}[.…].{projection}) is one `targets`
+        names: by its group (attention, mlp) or its own name (wq, …). A mixture of experts' router never is."""
+        parts = module.split(".")
+        if self.rank == 0 or len(parts) < 4 or parts[0] != "layers" or parts[-1] == "router":
+            return False
+        return any(parts[-1] == t or LORA_GROUPS.get(t) == parts[2] for t in self.targets)
+
 
 @dataclass
 class FinetuneConfig:

@@ -14,7 +14,8 @@ import torch
 from conftest import assert_matches, logged, make_config, train_half_then_resume
 from safetensors.torch import save_file
 
-from distrain.config import ConfigError, LoRAConfig, ModelConfig, OptimConfig
+from distrain.config import ConfigError, LoRAConfig, ModelConfig, OptimConfig, to_plain
+from distrain.driver.finetune import base_fingerprint, check_base
 from distrain.driver.launch import train
 from distrain.driver.validation import validate
 from distrain.model.contract import fill_parameters
@@ -52,6 +53,18 @@ def test_refused_in_one_line(overrides: list[str], key: str, tmp_path: Path):
     assert "\n" not in str(error.value)
     if key == "qkv":  # the valid names listed
         assert "attention, mlp, wq" in str(error.value)
+
+
+def test_a_checkpoint_of_other_adapters_or_of_another_base_is_refused(tmp_path: Path):
+    """rerun.claimed's check of a LoRA run's newest checkpoint: the same adapters on the same base resume; other
+    adapters, or another base (here: weights drawn from another seed), are refused in one line."""
+    cfg = make_config(tmp_path, "run.name=r", *LORA)
+    meta = {"config": to_plain(cfg), "base": base_fingerprint(cfg)}
+    check_base(meta, cfg)
+    for override, key in (("finetune.lora.rank=8", "finetune.lora="), ("trainer.seed=1", "another base model")):
+        with pytest.raises(ConfigError, match=key) as error:
+            check_base(meta, make_config(tmp_path, "run.name=r", *LORA, override))
+        assert "\n" not in str(error.value)
 
 
 def tiny(target: str = "distrain.model.llama.Transformer", **more) -> ModelConfig:
@@ -135,6 +148,30 @@ def test_an_adapter_without_a_place_in_hf_is_refused_in_one_line():
     with pytest.raises(ConfigError, match="merge=true") as error:
         adapter_files(model, cfg, LoRAConfig(rank=2, targets=["mlp"]), None)
     assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize(
+    "model", [[], ["model=gpt2_nano"], ["model=moe_nano", "model.moe.shared_experts=1", "model.moe.first_dense=1"]]
+)
+def test_the_plan_counts_the_adapters_and_their_memory(model: list[str], tmp_path: Path):
+    """--plan: the adapters' parameters as the built model has them, the base frozen; the optimizer state and the
+    gradients those of the adapters alone (on the same ZeRO-1 layout, full fine-tuning's hold them all)."""
+    from distrain.driver.plan import describe, rank_memory
+
+    cfg = make_config(tmp_path, *LORA, "finetune.lora.targets=[attention,mlp]", "strategy=zero1", *model)
+    layout = validate(cfg)
+    built = add_adapters(build_model(cfg.model, cfg.trainer.seq_len), cfg.finetune.lora, 0)
+    trained = sum(p.numel() for p in built.parameters() if p.requires_grad)
+    frozen = sum(p.numel() for p in built.parameters() if not p.requires_grad)
+    text = describe(cfg, layout, None)
+    assert f"rank 4, alpha 8 on attention, mlp: {trained:,} parameters trained" in text
+    assert f"{frozen:,} frozen" in text
+    lora, full = (
+        rank_memory(cfg, layout, 0, "fp32"),
+        rank_memory(make_config(tmp_path, "strategy=zero1", *model), layout, 0, "fp32"),
+    )
+    assert lora.optimizer / full.optimizer == pytest.approx(trained / frozen, rel=0.01)
+    assert lora.grads / full.grads == pytest.approx(trained / frozen, rel=0.01)
 
 
 # -- runs: one process, then every layout ------------------------------------------------------------------

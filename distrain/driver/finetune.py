@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 from distrain.config import LORA_GROUPS, LORA_PROJECTIONS, TrainConfig, to_plain
+from distrain.model.size import linears
 from distrain.strategy.parallelism import require
 
 TARGETS = (*LORA_GROUPS, *LORA_PROJECTIONS)
@@ -85,3 +86,25 @@ def check_base(meta: dict, cfg: TrainConfig) -> None:
         f"run {cfg.run.name!r}'s checkpoint adapts another base model (fingerprint {meta.get('base')}, this config's "
         f"{base}): resume with the model.init_from and trainer.seed it was trained on, or start a new run.name",
     )
+
+
+def adapter_params(cfg: TrainConfig) -> int:
+    """Parameters the adapters add, rank × (in + out) per adapted projection: a shipped family's nn.Linears from its
+    record, a user's model's built on the meta device (model/size.py)."""
+    lora = cfg.finetune.lora
+    if not lora.rank:
+        return 0
+    shapes = linears(cfg.model, cfg.trainer.seq_len)[0]
+    return sum(lora.rank * (fan_in + fan_out) for name, (fan_in, fan_out) in shapes.items() if lora.adapts(name))
+
+
+def plan_lines(cfg: TrainConfig, total: int) -> list[str]:
+    """--plan's line of a LoRA run: what trains and what stays frozen, of the model's `total` parameters."""
+    lora = cfg.finetune.lora
+    if not lora.rank:
+        return []
+    trained = adapter_params(cfg)
+    return [
+        f"finetune.lora: rank {lora.rank}, alpha {lora.alpha:g} on {', '.join(lora.targets)}: {trained:,} parameters "
+        f"trained ({100 * trained / (total + trained):.2f}%), {total:,} frozen (no gradient, no optimizer state)"
+    ]

@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 
 from distrain.cluster.places import RankPlace
 from distrain.config import TrainConfig, resolve_precision
+from distrain.driver import finetune
 from distrain.driver.survival import survivable
 from distrain.model.size import linears, num_params, parts
 from distrain.strategy import MESH_DIMS, PARALLELISMS, float8
@@ -102,7 +103,8 @@ def rank_memory(cfg: TrainConfig, layout: Layout, pp_rank: int, precision: str, 
     too (P/N). Offload keeps the ZeRO-3 numbers in CPU memory. 1-D tensor parallelism leaves the routers and
     the routed experts whole (distrain/model/moe.py, moe_tp_plan). Expert parallelism's experts are 1/ep on each
     rank (those of its stages' blocks), sharded by ZeRO-2/3 over ep_rest's ranks within a replica, as
-    parallel/data_parallel.py's shard_experts does; ZeRO-1 leaves them whole."""
+    parallel/data_parallel.py's shard_experts does; ZeRO-1 leaves them whole. A LoRA run (finetune.lora) holds
+    gradients and optimizer state of its adapters alone, spread over the ranks as the base's parameters are."""
     s = cfg.strategy
     stages, n_stages = layout.stages(pp_rank), layout.num_stages
     p = sum(stage_params(cfg, i, n_stages, layout) for i in stages)
@@ -123,10 +125,13 @@ def rank_memory(cfg: TrainConfig, layout: Layout, pp_rank: int, precision: str, 
     layers = sum(len(stage_layers(cfg.model.n_layers, n_stages)[i]) for i in stages)
     kept, full = layer_activations(cfg, layout, precision, scores)
     activations = layers * in_flight(layout, pp_rank) * kept + (full - kept)
+    added = finetune.adapter_params(cfg)  # a LoRA run: only its adapters have gradients and optimizer state
+    trained = p if not added else -(-p * added // num_params(cfg.model, cfg.trainer.seq_len))
+    p += trained if added else 0
     return Memory(
         params=FP32 * (shard(p, 3) + experts_at(3)),
-        grads=FP32 * (shard(p, 2) + experts_at(2)),
-        optimizer=FP32 * (shard(optimizer_states(cfg) * p, 1) + optimizer_states(cfg) * experts_at(1)),
+        grads=FP32 * (shard(trained, 2) + experts_at(2)),
+        optimizer=FP32 * (shard(optimizer_states(cfg) * trained, 1) + optimizer_states(cfg) * experts_at(1)),
         activations=activations,
         offload=s.offload,
     )
@@ -253,6 +258,7 @@ def describe(
             if cfg.trainer.float8 != "none"
             else []
         ),
+        *finetune.plan_lines(cfg, num_params(cfg.model, cfg.trainer.seq_len)),
         *memory_lines(cfg, layout, precision),
         *([checked] if checked else []),
         *(survivable(layout, table or [], cfg.cluster.peer_recovery) if cfg.ps.mode is None else []),

@@ -13,7 +13,6 @@ the base layer's one collective. Checkpoints hold the adapters alone (train/stat
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +20,7 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
-from distrain.config import LORA_GROUPS, ConfigError, LoRAConfig
+from distrain.config import ConfigError, LoRAConfig
 from distrain.model.common import parameter_seed
 from distrain.model.contract import fill_parameters
 
@@ -56,22 +55,13 @@ class LoRALinear(nn.Linear):
         return (self.lora_B @ self.lora_A) * self.scale
 
 
-def targeted(name: str, targets: Iterable[str]) -> bool:
-    """Whether the module `name` (layers.{i}.{attention|feed_forward}[.….]{projection}) is one `targets` names:
-    by its group (attention, mlp) or its own name (wq, …). A mixture of experts' router never is."""
-    parts = name.split(".")
-    if len(parts) < 4 or parts[0] != "layers" or parts[-1] == "router":
-        return False
-    return any(parts[-1] == t or LORA_GROUPS.get(t) == parts[2] for t in targets)
-
-
 def add_adapters(model: nn.Module, cfg: LoRAConfig, seed: int) -> nn.Module:
     """`model` with adapters on the `nn.Linear`s `cfg.targets` names and every other parameter frozen (as it is when
     cfg.rank is 0: no adapters); a one-line ConfigError when none is named. Built on the meta device the adapters are
     drawn by `init_weights`, else here."""
     if cfg.rank == 0:
         return model
-    chosen = [n for n, m in model.named_modules() if type(m) is nn.Linear and targeted(n, cfg.targets)]
+    chosen = [n for n, m in model.named_modules() if type(m) is nn.Linear and cfg.adapts(n)]
     if not chosen:
         raise ConfigError(
             f"finetune.lora.targets={list(cfg.targets)}: no nn.Linear of the model's blocks matches "
