@@ -865,6 +865,13 @@ MUTANTS = (
         ("tests/test_lora.py::test_a_checkpoint_of_other_adapters_or_of_another_base_is_refused",),
     ),
     Mutant(
+        "lora-no-target-in-driver",
+        "distrain/driver/finetune.py",
+        "        adapter_params(cfg) > 0,",
+        "        True,",
+        ("tests/test_lora.py::test_refused_in_one_line",),
+    ),
+    Mutant(
         "lora-no-target-unchecked",
         "distrain/model/lora.py",
         "    if not chosen:",

@@ -44,6 +44,7 @@ STEPS = 10
         (["strategy=tp2d", "cluster.num_workers=4"], "strategy.tp_mode"),
         (["strategy=ps"], "ps.mode"),
         (["model=moe_nano", "strategy.ep=2"], "strategy.ep"),
+        (["model=gpt2_nano", "finetune.lora.targets=[w3]"], "no nn.Linear"),  # GPT-2's MLP has no w3
     ],
 )
 def test_refused_in_one_line(overrides: list[str], key: str, tmp_path: Path):

@@ -41,6 +41,11 @@ def validate(cfg: TrainConfig) -> None:
         f"finetune.lora with strategy.ep={s.ep}: the experts stay frozen, expert parallelism has nothing to train; "
         f"set strategy.ep=1",
     )
+    require(
+        adapter_params(cfg) > 0,
+        f"finetune.lora.targets={list(lora.targets)}: no nn.Linear of {cfg.model._target_}'s blocks is one of them "
+        f"(layers.<i>.attention.<w>, layers.<i>.feed_forward.<w>); name others",
+    )
 
 
 def base_fingerprint(cfg: TrainConfig) -> str | None:
