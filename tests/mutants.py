@@ -802,6 +802,8 @@ MUTANTS = (
         "model_sd = {k: unwrapped(v) for k, v in model_sd.items()}",
         "model_sd = dict(model_sd)",
         ("tests/test_float8.py::test_fsdp2_and_tensor_parallel_float8_match_one_process",),
+    ),
+    Mutant(
         "lora-rank-unchecked",
         "distrain/driver/finetune.py",
         "require(lora.rank >= 0,",
@@ -863,6 +865,13 @@ MUTANTS = (
         'meta.get("base") == base,',
         "True,",
         ("tests/test_lora.py::test_a_checkpoint_of_other_adapters_or_of_another_base_is_refused",),
+    ),
+    Mutant(
+        "lora-with-float8",
+        "distrain/driver/finetune.py",
+        '        cfg.trainer.float8 == "none",',
+        "        True,",
+        ("tests/test_lora.py::test_refused_in_one_line",),
     ),
     Mutant(
         "lora-no-target-in-driver",

@@ -45,6 +45,7 @@ STEPS = 10
         (["strategy=ps"], "ps.mode"),
         (["model=moe_nano", "strategy.ep=2"], "strategy.ep"),
         (["model=gpt2_nano", "finetune.lora.targets=[w3]"], "no nn.Linear"),  # GPT-2's MLP has no w3
+        (["trainer.float8=tensorwise"], "trainer.float8"),
     ],
 )
 def test_refused_in_one_line(overrides: list[str], key: str, tmp_path: Path):

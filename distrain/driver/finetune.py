@@ -42,6 +42,11 @@ def validate(cfg: TrainConfig) -> None:
         f"set strategy.ep=1",
     )
     require(
+        cfg.trainer.float8 == "none",
+        f"finetune.lora with trainer.float8={cfg.trainer.float8}: torchao's Float8Linear would replace the adapted "
+        f"layers and drop their adapters; set trainer.float8=none",
+    )
+    require(
         adapter_params(cfg) > 0,
         f"finetune.lora.targets={list(lora.targets)}: no nn.Linear of {cfg.model._target_}'s blocks is one of them "
         f"(layers.<i>.attention.<w>, layers.<i>.feed_forward.<w>); name others",
