@@ -191,7 +191,7 @@ def resumed(parallel, optimizer, case: tuple, path: Path, device: torch.device) 
     from distrain.train.state import checkpoint_state
 
     def state(p, o) -> dict:  # noqa: ANN001
-        return checkpoint_state(SimpleNamespace(module=p.module, parallel=p), o)[0]
+        return checkpoint_state(SimpleNamespace(module=p.module, parallel=p, frozen=set()), o)[0]
 
     writer = saver.Saver(path, keep=1, background=True)
     writer.save(STEPS, state(parallel, optimizer), {"step": STEPS, "world_size": WORLD}, {})
