@@ -306,7 +306,7 @@ class FaultConfig:
         None  # this rank sleeps after each step until the step took straggler_slowdown × its compute
     )
     straggler_slowdown: float = 3.0
-    hold_file: str | None = None  # while this file exists, every rank waits before each step (tests pin a run down)
+    hold_file: str | None = None  # while it exists, every rank waits before each step (<it>.held.<rank> while it does)
     # Rank kill_rank SIGKILLs its own process once step kill_at_step is done (its checkpoint, if due, begun), in an
     # attempt that began at step 0: a kill at a known step, with no race against a fast run (jobs/gpu_check.py).
     kill_at_step: int | None = None

@@ -276,6 +276,9 @@ def test_a_lost_host_costs_only_the_step_in_flight_when_the_other_holds_a_whole_
     try:
         wait_for("step 8", lambda: logged_step(run_dir) >= 8, context=context)
         hold.write_text("")  # the host is lost between two steps, which the attempt after it must not redo
+        # once every rank waits there: a survivor still inside a step's collectives when the host goes (a loaded
+        # machine) is ended with the attempt, and its replica with it
+        wait_for("every rank held", lambda: len(list(tmp_path.glob("hold.held.*"))) == 4, context=context)
         bed.kill_host(lost)
         new = bed.add_host()
         hold.unlink()

@@ -86,7 +86,7 @@ def test_a_cut_upload_never_shows_its_last_file(tmp_path: Path):
     (dest / "train_000001.bin").mkdir(parents=True)
     storage = StorageConfig(cache_dir=str(tmp_path / "cache"), retries=0)
     with pytest.raises(ConfigError, match="the upload failed, index.json not written") as e:
-        with staged(f"file://{dest}", storage, "index.json", "data.shards") as out:
+        with staged(f"file://{dest}", storage, ("index.json",), "data.shards") as out:
             out.mkdir()
             for name in ("index.json", "train_000000.bin", "train_000001.bin"):
                 (out / name).write_bytes(b"x")
@@ -214,7 +214,9 @@ def test_an_output_into_a_bucket_that_does_not_exist_is_refused_unless_made(s3, 
         export_job(["run.name=r", f"run.storage={tmp_path}", f"out=s3://{bucket}/hf", "storage.create_bucket=true"])
     assert "no run at" in capsys.readouterr().err and bucket in made() and Store(f"s3://{bucket}").listing() == {}
     other = f"s3://nosuchbucket-{uuid.uuid4().hex[:8]}/shards"
-    with staged(other, StorageConfig(cache_dir=str(tmp_path), create_bucket=True), "index.json", "data.shards") as out:
+    with staged(
+        other, StorageConfig(cache_dir=str(tmp_path), create_bucket=True), ("index.json",), "data.shards"
+    ) as out:
         out.mkdir()
         (out / "index.json").write_text("{}")
     assert Store(other).read_bytes("index.json") == b"{}"
@@ -223,5 +225,5 @@ def test_an_output_into_a_bucket_that_does_not_exist_is_refused_unless_made(s3, 
     options = {"endpoint_url": f"http://127.0.0.1:{free_port()}", "config_kwargs": fast}
     closed = StorageConfig(options=options, retries=0)
     with pytest.raises(ConfigError, match=rf"^data.shards={other} cannot be written: looking up the bucket of"):
-        with staged(other, closed, "index.json", "data.shards"):
+        with staged(other, closed, ("index.json",), "data.shards"):
             pass

@@ -107,7 +107,7 @@ def test_every_job_refuses_it_in_one_line(name: str, args: list[str], key: str, 
 def test_an_output_to_a_url_checks_it_where_it_is_written(tmp_path: Path):
     """publish.staged, which export_to (a Python caller's, no job argument checked) and prepare_data write through."""
     with pytest.raises(ConfigError, match=re.escape(f"out='s3:/runs/team' {FIX}")):
-        with staged("s3:/runs/team", StorageConfig(cache_dir=str(tmp_path)), "config.json", "out"):
+        with staged("s3:/runs/team", StorageConfig(cache_dir=str(tmp_path)), ("config.json",), "out"):
             pass
     assert list(tmp_path.iterdir()) == []
 

@@ -84,17 +84,14 @@ def export_to(
 ) -> tuple[str, int]:
     """`export` to a local directory, or to a URL through a temporary folder under `storage.cache_dir`, its config
     file uploaded last."""
-    from distrain.driver.trained import checkpoint_path
-    from distrain.storage.checkpoint import read_meta
     from distrain.storage.publish import staged
     from distrain.urls import is_url
 
     if not is_url(out):
         path, step = export(run_dir, out, step, merge)
         return str(path), step
-    storage = storage or StorageConfig()
-    lora = read_meta(checkpoint_path(run_dir, step, storage))["config"].get("finetune", {}).get("lora", {})
-    with staged(out, storage, files(bool(lora.get("rank")) and not merge)[0], "out") as local:
+    configs = (files(adapter=False)[0], files(adapter=True)[0])  # a model's or an adapter's: either marks it whole
+    with staged(out, storage or StorageConfig(), configs, "out") as local:
         return out, export(run_dir, local, step, merge)[1]
 
 

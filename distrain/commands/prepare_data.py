@@ -51,7 +51,7 @@ def main(argv: list[str]) -> None:
     out = cfg.data.shards if is_url(cfg.data.shards) else os.path.abspath(cfg.data.shards)
     try:
         if is_url(out):
-            with staged(out, cfg.storage, INDEX, "data.shards") as local:
+            with staged(out, cfg.storage, (INDEX,), "data.shards") as local:
                 index = prepare(cfg, local, progress_s=cfg.logger.progress_interval_s)
         else:
             index = prepare(cfg, out, progress_s=cfg.logger.progress_interval_s)

@@ -22,16 +22,17 @@ if TYPE_CHECKING:
 
 
 @contextmanager
-def staged(url: str, storage: StorageConfig, last: str, key: str) -> Iterator[Path]:
+def staged(url: str, storage: StorageConfig, last: tuple[str, ...], key: str) -> Iterator[Path]:
     """A local path (absent) to write the output to; once the block ends without error, its files are
-    uploaded to `url`, `last` after all others. A one-line ConfigError naming `key` before anything is
-    written when the URL is not well-formed, its bucket does not exist (unless storage.create_bucket), it
-    already holds a complete output or cannot be written, and if the upload fails."""
+    uploaded to `url`, those of `last` written (the files that mark an output complete: a model's config, or an
+    adapter's) after all others. A one-line ConfigError naming `key` before anything is written when the URL is
+    not well-formed, its bucket does not exist (unless storage.create_bucket), it already holds a complete output
+    or cannot be written, and if the upload fails."""
     try:
         check_location(url, key)
         store = store_for(url, storage)
         store.check_bucket(f"{key}={url!r}", storage.create_bucket)
-        complete = store.exists(last)
+        complete = next((name for name in last if store.exists(name)), None)
         if not complete:
             if "file" in store.fs.protocol:  # a folder, which must exist to hold files (an object store has none)
                 store.fs.makedirs(store.root, exist_ok=True)
@@ -41,21 +42,22 @@ def staged(url: str, storage: StorageConfig, last: str, key: str) -> Iterator[Pa
     except ValueError as e:  # not a well-formed URL, no filesystem for it, no such bucket
         raise ConfigError(str(e)) from None
     if complete:
-        raise ConfigError(f"{key}={url} already holds a complete output ({last}); choose a new URL or remove it")
+        raise ConfigError(f"{key}={url} already holds a complete output ({complete}); choose a new URL or remove it")
     parent = Path(storage.cache_dir).expanduser() / "staging"
     parent.mkdir(parents=True, exist_ok=True)
     local = Path(tempfile.mkdtemp(dir=parent))
     try:
         yield local / "out"
         names = sorted(str(p.relative_to(local / "out")) for p in (local / "out").rglob("*") if p.is_file())
-        if last not in names:
-            raise ConfigError(f"{key}={url}: the output has no {last}; nothing was uploaded")
+        marks = [n for n in names if n in last]
+        if not marks:
+            raise ConfigError(f"{key}={url}: the output has no {' or '.join(last)}; nothing was uploaded")
         try:
-            store.upload(local / "out", [n for n in names if n != last], "")
-            store.upload(local / "out", [last], "")
+            store.upload(local / "out", [n for n in names if n not in marks], "")
+            store.upload(local / "out", marks, "")
         except StorageError as e:
             raise ConfigError(
-                f"{key}={url}: the upload failed, {last} not written (the output is incomplete): {e}"
+                f"{key}={url}: the upload failed, {', '.join(marks)} not written (the output is incomplete): {e}"
             ) from None
     finally:
         shutil.rmtree(local, ignore_errors=True)

@@ -19,13 +19,20 @@ class Faults:
         self.cfg, self.rank, self.channel = cfg, rank, channel
 
     def hold(self) -> None:
-        """Wait while fault.hold_file exists, unless the supervisor asks the rank to stop."""
+        """Wait while fault.hold_file exists, unless the supervisor asks the rank to stop. While it waits, the
+        file `<hold_file>.held.<rank>` says so: a test changes the world once every rank is held, not while one
+        is still inside a step's collectives."""
         path = self.cfg.hold_file
         if path is None or not os.path.exists(path):
             return
         self.channel.report(phase=Phase.WAIT)
-        while os.path.exists(path) and self.channel.stop_deadline is None:
-            time.sleep(0.02)
+        marker = f"{path}.held.{self.rank}"
+        open(marker, "w").close()
+        try:
+            while os.path.exists(path) and self.channel.stop_deadline is None:
+                time.sleep(0.02)
+        finally:
+            os.remove(marker)
         self.channel.report(phase=Phase.TRAIN)
 
     def straggle(self, compute_s: float) -> None:
