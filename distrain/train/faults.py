@@ -20,8 +20,8 @@ class Faults:
 
     def hold(self) -> None:
         """Wait while fault.hold_file exists, unless the supervisor asks the rank to stop. While it waits, the
-        file `<hold_file>.held.<rank>` says so: a test changes the world once every rank is held, not while one
-        is still inside a step's collectives."""
+        file `<hold_file>.held.<rank>` says so (a rank killed meanwhile leaves it): a test changes the world once
+        every rank is held, not while one is still inside a step's collectives."""
         path = self.cfg.hold_file
         if path is None or not os.path.exists(path):
             return
