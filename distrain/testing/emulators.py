@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -24,13 +23,14 @@ from base64 import b64encode
 from pathlib import Path
 
 from distrain.ports import free_port
+from distrain.testing.processes import LocalServer
 
 BUCKET = "runs"
 ROOT = Path(__file__).resolve().parents[2]
 AZURITE_VERSION = "3.37.0"  # the Makefile's, which installs it
 
 
-class Emulator:
+class Emulator(LocalServer):
     """A server started from `command()` in a session of its own, ready once its port accepts a connection and
     `prepare()` has made the bucket; stopped by its PID (SIGTERM, then SIGKILL)."""
 
@@ -85,24 +85,6 @@ class Emulator:
                     said = f"{self.command()[0]} did not listen within {self.start_timeout_s:g} s"
                     raise RuntimeError(said) from None
                 time.sleep(0.1)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=15)
-        self.proc = None
-        if getattr(self, "log", None):
-            self.log.close()
-
-    def __enter__(self) -> Emulator:
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
 
 class GcsEmulator(Emulator):

@@ -24,7 +24,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, Self
 
 from distrain.ports import free_port
 
@@ -114,6 +114,30 @@ def _stop(proc: subprocess.Popen, grace_s: float = 15) -> None:
             continue
         except ProcessLookupError:
             return
+
+
+class LocalServer:
+    """A server of the tests' own (`proc`, in a session of its own, writing to `log`), started by the subclass's
+    `start`; stopped by its PID (SIGTERM, then SIGKILL), also as a context manager."""
+
+    proc: subprocess.Popen | None = None
+    log: IO[bytes] | None = None
+
+    def start(self) -> Self:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            _stop(self.proc)
+        self.proc = None
+        if self.log is not None:
+            self.log.close()
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
 
 def interrupt_after(timeout_s: float, call: Callable[[], Any]) -> tuple[Any, str | None]:

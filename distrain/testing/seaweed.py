@@ -14,13 +14,13 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from distrain.ports import free_ports
+from distrain.testing.processes import LocalServer
 
 BUCKET = "runs"
 VARIABLES = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION")  # `env`'s
@@ -39,7 +39,7 @@ def weed_binary() -> str | None:
     return str(beside) if beside.exists() else shutil.which("weed")
 
 
-class Seaweed:
+class Seaweed(LocalServer):
     scheme = "s3"
 
     def __init__(
@@ -121,21 +121,3 @@ class Seaweed:
             time.sleep(0.5)
         self.stop()
         raise RuntimeError(f"weed mini did not serve {BUCKET} within {self.start_timeout_s:g} s: {last}")
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=15)
-        self.proc = None
-        if getattr(self, "log", None):
-            self.log.close()
-
-    def __enter__(self) -> Seaweed:
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
