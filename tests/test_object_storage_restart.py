@@ -9,13 +9,12 @@ import io
 import os
 import signal
 import socket
-import threading
 import time
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from conftest import attempt_placement, logged, make_config
+from conftest import attempt_placement, in_background, logged, make_config
 from test_object_storage_ckpt import FAST_OPTIONS, store_config, when
 
 from distrain.driver.launch import train
@@ -34,23 +33,19 @@ def test_a_restart_waits_for_the_store_and_the_run_completes(s3, ray_cluster, tm
     hold.write_text("")
     cfg = store_config(s3, tmp_path, "waits", "trainer.max_steps=2", f"fault.hold_file={hold}")
     cfg = replace(cfg, storage=replace(cfg.storage, retries=1, backoff_s=0.1, options=FAST_OPTIONS))
-    said, errors, killed = io.StringIO(), [], {}
+    said, killed = io.StringIO(), {}
 
     def outage() -> None:
-        try:
-            when(lambda: attempt_placement(Path(cfg.run_dir)) is not None)
-            (rank_1,) = [e for e in attempt_placement(Path(cfg.run_dir)) if e.get("rank") == 1]
-            s3.stop()
-            os.kill(rank_1["pid"], signal.SIGKILL)
-            killed.update(rank_1)
-            when(lambda: WAITING in said.getvalue(), timeout_s=120)
-            s3.start()  # seconds: the driver looks again meanwhile (every objectrun.STORE_POLL_S), saying nothing
-            hold.unlink()
-        except BaseException as e:  # reported by the test, not lost in a thread
-            errors.append(e)
+        when(lambda: attempt_placement(Path(cfg.run_dir)) is not None)
+        (rank_1,) = [e for e in attempt_placement(Path(cfg.run_dir)) if e.get("rank") == 1]
+        s3.stop()
+        os.kill(rank_1["pid"], signal.SIGKILL)
+        killed.update(rank_1)
+        when(lambda: WAITING in said.getvalue(), timeout_s=120)
+        s3.start()  # seconds: the driver looks again meanwhile (every objectrun.STORE_POLL_S), saying nothing
+        hold.unlink()
 
-    helper = threading.Thread(target=outage, daemon=True)
-    helper.start()
+    helper = in_background(outage)
     try:
         with contextlib.redirect_stdout(said):
             summary = train(cfg)
@@ -59,7 +54,7 @@ def test_a_restart_waits_for_the_store_and_the_run_completes(s3, ray_cluster, tm
         hold.unlink(missing_ok=True)
         if s3.proc is None:
             s3.start()
-    assert not errors, errors
+    assert not helper.errors, helper.errors
     lines = said.getvalue().splitlines()
     assert len([line for line in lines if WAITING in line]) == 1, lines
     assert summary["status"] == "completed" and summary["restarts"] == 1
