@@ -210,6 +210,13 @@ MUTANTS = (
         ("tests/test_object_storage_run.py::test_a_bucket_that_does_not_exist_is_refused_unless_made",),
     ),
     Mutant(
+        "ps-restore-from-a-lost-checkpoint",
+        "distrain/ps/saved.py",
+        "    if path is None:\n        raise DamagedCheckpointError(",
+        "    if False:\n        raise DamagedCheckpointError(",
+        ("tests/test_ps.py::test_a_server_restored_from_a_store_that_lost_the_checkpoint_is_refused_in_one_line",),
+    ),
+    Mutant(
         "output-bucket-unchecked",
         "distrain/storage/publish.py",
         'store.check_bucket(f"{key}={url!r}", storage.create_bucket)',

@@ -29,6 +29,7 @@ from distrain.data.corpus import load_tokens, unigram_entropy
 from distrain.driver.launch import train
 from distrain.driver.validation import validate
 from distrain.model.llama import Transformer
+from distrain.ps import saved
 from distrain.ps.job import ServerJob, WorkerJob
 from distrain.ps.server import ParameterServer, elastic_exchange, feasible, load_weights
 from distrain.ps.shard import Piece, Slot, as_tensor, split_into_shards
@@ -813,3 +814,12 @@ def test_sigterm_saves_the_servers_and_a_rerun_resumes_exactly(uninterrupted, tm
     if mode == "sync":
         assert summary["attempts"][0]["info"]["servers_version"] == saved  # loaded, not trained again from 0
     assert_same_training(cfg, uninterrupted(mode))
+
+
+def test_a_server_restored_from_a_store_that_lost_the_checkpoint_is_refused_in_one_line(tmp_path: Path):
+    """A checkpoint the driver chose on the store and gone by the time a server fetches it: the server's restore
+    names the store and the step, instead of loading nothing (a file:// store: no server needed)."""
+    cfg = make_config(tmp_path, f"run.storage=file://{tmp_path}/store", "run.name=r", f"storage.cache_dir={tmp_path}")
+    gone = Path(cfg.run_dir) / "checkpoints" / "step_00000004"
+    with pytest.raises(safeload.DamagedCheckpointError, match=r"no longer holds the checkpoint of step 4$"):
+        saved.restored(cfg, str(gone))
