@@ -327,9 +327,11 @@ class FaultConfig:
     slow_return_s: float = 0.0
 
 
-# What finetune.lora.targets may name: groups of a block's projections, or one projection by its name.
+# What finetune.lora.targets may name: groups of a block's projections, one projection by its name, or a mixture of
+# experts' routed experts (LORA_EXPERTS: the block's `feed_forward.experts`, w1, w2 and w3 of every expert).
 LORA_GROUPS = {"attention": "attention", "mlp": "feed_forward"}  # target → the block's module holding them
 LORA_PROJECTIONS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
+LORA_EXPERTS = "experts"
 
 
 @dataclass
@@ -340,15 +342,19 @@ class LoRAConfig:
     rank: int = 0  # 0: no adapters, every parameter trained
     alpha: float = 16.0
     dropout: float = 0.0  # on the adapter's input only, as PEFT's lora_dropout
-    # attention (wq, wk, wv, wo), mlp (w1, w2, w3; a MoE block's shared experts), or projections by name
+    # attention (wq, wk, wv, wo), mlp (w1, w2, w3; a MoE block's shared experts), projections by name, or experts
+    # (a MoE block's routed experts: an adapter per expert on each of its w1, w2, w3)
     targets: list[str] = field(default_factory=lambda: ["attention", "mlp"])
 
     def adapts(self, module: str) -> bool:
         """Whether the nn.Linear named `module` (layers.{i}.{attention|feed_forward}[.…].{projection}) is one `targets`
-        names: by its group (attention, mlp) or its own name (wq, …). A mixture of experts' router never is."""
+        names: by its group (attention, mlp) or its own name (wq, …); or, named layers.{i}.feed_forward.experts, a
+        block's routed experts, only by `experts`. A mixture of experts' router never is."""
         parts = module.split(".")
         if self.rank == 0 or len(parts) < 4 or parts[0] != "layers" or parts[-1] == "router":
             return False
+        if parts[2:] == ["feed_forward", LORA_EXPERTS]:
+            return LORA_EXPERTS in self.targets
         return any(parts[-1] == t or LORA_GROUPS.get(t) == parts[2] for t in self.targets)
 
 

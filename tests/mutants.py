@@ -855,7 +855,7 @@ MUTANTS = (
     Mutant(
         "lora-ep-unchecked",
         "distrain/driver/finetune.py",
-        "        s.ep == 1,",
+        "        s.ep == 1 or LORA_EXPERTS in lora.targets,",
         "        True,",
         ("tests/test_lora.py::test_refused_in_one_line",),
     ),
@@ -921,6 +921,44 @@ MUTANTS = (
         "torch.block_diag(*b)",
         "torch.cat(b, 1)",
         ("tests/test_lora.py::test_the_adapter_loads_into_peft_and_merges",),
+    ),
+    Mutant(
+        "lora-experts-adapters-unused",
+        "distrain/model/lora.py",
+        "        return super().project(name, x, counts) + adapted * self.scale",
+        "        return super().project(name, x, counts)",
+        (
+            "tests/test_lora.py::test_the_base_never_moves_and_only_the_adapters_train",
+            "tests/test_lora_experts.py::test_zero3_over_expert_parallelism_trains_the_expert_adapters_as_one_process",
+        ),
+    ),
+    Mutant(
+        "lora-experts-peft-order",
+        "distrain/model/lora_hf.py",
+        "b.permute(1, 2, 0)",
+        "b.permute(1, 0, 2)",
+        ("tests/test_lora.py::test_the_adapter_loads_into_peft_and_merges",),
+    ),
+    Mutant(
+        "lora-experts-uncounted",
+        "distrain/driver/finetune.py",
+        "    return found + sum(",
+        "    return found + 0 * sum(",
+        ("tests/test_lora.py::test_the_plan_counts_the_adapters_and_their_memory",),
+    ),
+    Mutant(
+        "lora-qwen3-dense-mlp-misread",
+        "distrain/model/lora_hf.py",
+        "    if misread:",
+        "    if False:",
+        ("tests/test_lora.py::test_an_adapter_without_a_place_in_hf_is_refused_in_one_line",),
+    ),
+    Mutant(
+        "plan-lora-trains-whole-experts",
+        "distrain/driver/plan.py",
+        "        mine_trained = -(-mine * on_experts // apart) if apart else 0",
+        "        mine_trained = mine",
+        ("tests/test_memory.py::test_plan_memory_matches_a_measured_step",),
     ),
     Mutant(
         "tp-unfreezes-norms",

@@ -37,7 +37,15 @@ LAYOUTS = {
     "tp": ("strategy=tp",),  # tp=2 × dp_replicate=2: matrices split over tp, norms replicated
     "pp": ("strategy=pp",),  # pp=2 × dp_replicate=2, 1F1B: stage 0 holds 2 micro-batches, stage 1 one
     "zero2_lora": ("strategy=zero2", "finetune.lora.rank=4"),  # gradients and optimizer state of the adapters alone
-}
+    # a mixture of experts, ep=2: a rank holds half the experts, FSDP2 shards them over the other 2 ranks holding them
+    "zero2_ep": ("strategy=zero2", "strategy.ep=2", "model=moe_nano", "model.moe.expert_dim=24"),
+    # and LoRA on its experts: their adapters split as the experts, their base's gradients and optimizer state gone
+    "zero2_ep_lora": (
+        "strategy=zero2", "strategy.ep=2", "model=moe_nano", "model.moe.expert_dim=24", "finetune.lora.rank=4",
+        "finetune.lora.targets=[attention,experts]",
+    ),
+}  # fmt: skip
+MOE = ("zero2_ep", "zero2_ep_lora")  # the plan's activations are not those of a mixture of experts: not compared
 
 
 class SavedActivations:
@@ -105,8 +113,9 @@ def measure(rank: int, port: int, cases: dict, out: str) -> None:
     import torch
 
     from distrain.config import from_plain
-    from distrain.model.llama import Block, Transformer
+    from distrain.model.llama import Block
     from distrain.model.lora import add_adapters
+    from distrain.model.registry import build_model
     from distrain.parallel import process_group
     from distrain.parallel.memory import state_bytes
     from distrain.parallel.parallelize import ParallelModel
@@ -119,7 +128,7 @@ def measure(rank: int, port: int, cases: dict, out: str) -> None:
     for name, (plain, layout_dict) in cases.items():
         cfg, layout = from_plain(plain), Layout.from_dict(layout_dict)
         t = cfg.trainer
-        model = add_adapters(Transformer(cfg.model, t.seq_len, seed=t.seed), cfg.finetune.lora, t.seed)
+        model = add_adapters(build_model(cfg.model, t.seq_len, t.seed), cfg.finetune.lora, t.seed)
         parallel = ParallelModel(model, cfg.strategy, layout, device, False, cross_entropy)
         optimizer = build_optimizer(parallel.module, cfg.optim, parallel.zero1_group)
         # The rank's slice of a global batch: the same for tensor-parallel peers.
@@ -194,7 +203,8 @@ def test_plan_memory_matches_a_measured_step(tmp_path: Path):
                 tol = 0.05 if (name, kind) == ("zero1", "optimizer") else 0.001
                 assert got[kind] == pytest.approx(want, rel=tol), f"{name} rank {rank} {kind}: {got[kind]} vs {want}"
             ratio = got["activations"] / plan.activations
-            assert 0.7 <= ratio <= 1.0, f"{name} rank {rank} activations: {got['activations']} vs {plan.activations}"
+            said = f"{name} rank {rank} activations: {got['activations']} vs {plan.activations}"
+            assert name in MOE or 0.7 <= ratio <= 1.0, said
     # LoRA against full training on the same layout (ZeRO-2): gradients and optimizer state shrink to the adapters'
     # share of the parameters (rank 4 on this tiny model: 4,352 of 37,024; measured 4,352 B of gradients per rank
     # against 37,024 B, 8,704 B of AdamW state against 74,048 B), and the parameters grow by it.

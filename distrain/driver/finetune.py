@@ -8,11 +8,11 @@ import hashlib
 import json
 from pathlib import Path
 
-from distrain.config import LORA_GROUPS, LORA_PROJECTIONS, TrainConfig, to_plain
-from distrain.model.size import linears
+from distrain.config import LORA_EXPERTS, LORA_GROUPS, LORA_PROJECTIONS, TrainConfig, to_plain
+from distrain.model.size import linears, routed_experts
 from distrain.strategy.parallelism import require
 
-TARGETS = (*LORA_GROUPS, *LORA_PROJECTIONS)
+TARGETS = (*LORA_GROUPS, LORA_EXPERTS, *LORA_PROJECTIONS)
 
 
 def validate(cfg: TrainConfig) -> None:
@@ -37,9 +37,9 @@ def validate(cfg: TrainConfig) -> None:
         f"set strategy.tp_mode=1d",
     )
     require(
-        s.ep == 1,
-        f"finetune.lora with strategy.ep={s.ep}: the experts stay frozen, expert parallelism has nothing to train; "
-        f"set strategy.ep=1",
+        s.ep == 1 or LORA_EXPERTS in lora.targets,
+        f"finetune.lora with strategy.ep={s.ep}: the routed experts stay frozen without adapters of their own; add "
+        f"{LORA_EXPERTS} to finetune.lora.targets, or set strategy.ep=1",
     )
     require(
         cfg.trainer.float8 == "none",
@@ -48,8 +48,8 @@ def validate(cfg: TrainConfig) -> None:
     )
     require(
         adapter_params(cfg) > 0,
-        f"finetune.lora.targets={list(lora.targets)}: no nn.Linear of {cfg.model._target_}'s blocks is one of them "
-        f"(layers.<i>.attention.<w>, layers.<i>.feed_forward.<w>); name others",
+        f"finetune.lora.targets={list(lora.targets)}: nothing in {cfg.model._target_}'s blocks is one of them "
+        f"(layers.<i>.attention.<w>, layers.<i>.feed_forward.<w>, a MoE block's experts); name others",
     )
 
 
@@ -99,13 +99,21 @@ def check_base(meta: dict, cfg: TrainConfig) -> None:
 
 
 def adapter_params(cfg: TrainConfig) -> int:
-    """Parameters the adapters add, rank × (in + out) per adapted projection: a shipped family's nn.Linears from its
-    record, a user's model's built on the meta device (model/size.py)."""
+    """Parameters the adapters add, rank × (in + out) per adapted projection, and per expert for each of the three
+    of routed experts: a shipped family's from its record, a user's model's built on the meta device (model/size.py)."""
     lora = cfg.finetune.lora
     if not lora.rank:
         return 0
     shapes = linears(cfg.model, cfg.trainer.seq_len)[0]
-    return sum(lora.rank * (fan_in + fan_out) for name, (fan_in, fan_out) in shapes.items() if lora.adapts(name))
+    found = sum(lora.rank * (fan_in + fan_out) for name, (fan_in, fan_out) in shapes.items() if lora.adapts(name))
+    return found + expert_adapter_params(cfg)
+
+
+def expert_adapter_params(cfg: TrainConfig) -> int:
+    """The routed experts' adapters (finetune.lora.targets with experts): rank × (in + out) per expert on each of
+    w1, w2 and w3."""
+    lora, experts = cfg.finetune.lora, routed_experts(cfg.model, cfg.trainer.seq_len).items()
+    return sum(3 * lora.rank * n * (dim + hidden) for name, (n, dim, hidden) in experts if lora.adapts(name))
 
 
 def plan_lines(cfg: TrainConfig, total: int) -> list[str]:

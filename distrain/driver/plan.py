@@ -119,19 +119,24 @@ def rank_memory(cfg: TrainConfig, layout: Layout, pp_rank: int, precision: str, 
     def shard(n: int, level: int) -> int:  # over dp_shard (× cp, folded in) from ZeRO `level` up (rounded up: padding)
         return -(-n // (layout.dp_shard * layout.cp)) if s.zero >= level else n
 
-    def experts_at(level: int) -> int:  # a rank's experts from ZeRO `level` up (2: FSDP2's; ZeRO-1 keeps them whole)
-        return -(-mine // within) if s.zero >= max(level, 2) else mine
+    def experts_at(n: int, level: int) -> int:  # n of a rank's experts' from ZeRO `level` up (ZeRO-1 keeps them whole)
+        return -(-n // within) if s.zero >= max(level, 2) else n
 
     layers = sum(len(stage_layers(cfg.model.n_layers, n_stages)[i]) for i in stages)
     kept, full = layer_activations(cfg, layout, precision, scores)
     activations = layers * in_flight(layout, pp_rank) * kept + (full - kept)
+    trained, mine_trained, k = p, mine, optimizer_states(cfg)
     added = finetune.adapter_params(cfg)  # a LoRA run: only its adapters have gradients and optimizer state
-    trained = p if not added else -(-p * added // num_params(cfg.model, cfg.trainer.seq_len))
-    p += trained if added else 0
+    if added:  # the adapters spread as their base's parameters; the experts', counted apart, as the experts
+        on_experts = finetune.expert_adapter_params(cfg) if ep > 1 else 0
+        apart = expert_params(cfg) if ep > 1 else 0
+        trained = -(-p * (added - on_experts) // (num_params(cfg.model, cfg.trainer.seq_len) - apart))
+        mine_trained = -(-mine * on_experts // apart) if apart else 0
+        p, mine = p + trained, mine + mine_trained
     return Memory(
-        params=FP32 * (shard(p, 3) + experts_at(3)),
-        grads=FP32 * (shard(trained, 2) + experts_at(2)),
-        optimizer=FP32 * (shard(optimizer_states(cfg) * trained, 1) + optimizer_states(cfg) * experts_at(1)),
+        params=FP32 * (shard(p, 3) + experts_at(mine, 3)),
+        grads=FP32 * (shard(trained, 2) + experts_at(mine_trained, 2)),
+        optimizer=FP32 * (shard(k * trained, 1) + k * experts_at(mine_trained, 1)),
         activations=activations,
         offload=s.offload,
     )

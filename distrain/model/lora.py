@@ -23,13 +23,16 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from distrain.config import ConfigError, LoRAConfig
 from distrain.model.common import parameter_seed
 from distrain.model.contract import fill_parameters
+from distrain.model.moe import Experts, grouped_linear, local
 
 ADAPTERS = ("lora_A", "lora_B")
+EXPERT_WEIGHTS = ("w1", "w2", "w3")  # a routed experts module's stacked weights (model/moe.py's Experts)
 
 
 def is_adapter(name: str) -> bool:
-    """Whether parameter `name` (a full-model name) is an adapter's."""
-    return name.rsplit(".", 1)[-1] in ADAPTERS
+    """Whether parameter `name` (a full-model name) is an adapter's: a layer's `lora_A`, or an expert weight's
+    (`experts.w1_lora_A`)."""
+    return name.endswith(ADAPTERS)
 
 
 class LoRALinear(nn.Linear):
@@ -50,9 +53,41 @@ class LoRALinear(nn.Linear):
         adapted = F.linear(F.linear(self.dropout(x), self.lora_A), self.lora_B)
         return F.linear(x, self.weight, self.bias) + adapted * self.scale
 
-    def delta(self) -> torch.Tensor:
+    def deltas(self) -> dict[str, torch.Tensor]:
         """What the adapter adds to the weight (whole tensors): the merge of `jobs/export.py merge=true`."""
-        return (self.lora_B @ self.lora_A) * self.scale
+        return {"weight": (self.lora_B @ self.lora_A) * self.scale}
+
+
+class LoRAExperts(Experts):
+    """A mixture of experts' routed experts with an adapter per expert on each of w1, w2 and w3, beside the frozen
+    stacked weight: `w1_lora_A` (experts, rank, in) and `w1_lora_B` (experts, out, rank). They sit on the module
+    itself, so expert parallelism, FSDP and tensor parallelism place them as they place its weights (dim 0: the
+    experts). Each expert's rows take the low-rank path apart (no merged weight is built), so dropout applies."""
+
+    def __init__(self, base: Experts, rank: int, alpha: float, dropout: float):
+        nn.Module.__init__(self)
+        for name in EXPERT_WEIGHTS:
+            w = getattr(base, name)
+            num, out, fan_in = w.shape
+            self.register_parameter(name, nn.Parameter(w.data, requires_grad=False))
+            with torch.device(w.device):
+                setattr(self, f"{name}_lora_A", nn.Parameter(torch.empty(num, rank, fan_in)))
+                setattr(self, f"{name}_lora_B", nn.Parameter(torch.empty(num, out, rank)))
+        self.scale = alpha / rank
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+
+    def project(self, name: str, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        a, b = (local(p).to(x.dtype) for p in self.pair(name))
+        adapted = grouped_linear(grouped_linear(self.dropout(x), a, counts), b, counts)
+        return super().project(name, x, counts) + adapted * self.scale
+
+    def deltas(self) -> dict[str, torch.Tensor]:
+        """What the adapters add to w1, w2 and w3, every expert's (whole tensors): (experts, out, in) each."""
+        return {w: torch.bmm(*self.pair(w)[::-1]) * self.scale for w in EXPERT_WEIGHTS}
+
+    def pair(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Weight `name`'s adapters (A, B): (experts, rank, in) and (experts, out, rank)."""
+        return getattr(self, f"{name}_lora_A"), getattr(self, f"{name}_lora_B")
 
 
 def add_adapters(model: nn.Module, cfg: LoRAConfig, seed: int) -> nn.Module:
@@ -61,16 +96,17 @@ def add_adapters(model: nn.Module, cfg: LoRAConfig, seed: int) -> nn.Module:
     drawn by `init_weights`, else here."""
     if cfg.rank == 0:
         return model
-    chosen = [n for n, m in model.named_modules() if type(m) is nn.Linear and cfg.adapts(n)]
+    chosen = [(n, m) for n, m in model.named_modules() if _adaptable(n, m, cfg)]
     if not chosen:
         raise ConfigError(
-            f"finetune.lora.targets={list(cfg.targets)}: no nn.Linear of the model's blocks matches "
-            f"(layers.<i>.attention.<w> or layers.<i>.feed_forward.<w>); see docs/huggingface.md"
+            f"finetune.lora.targets={list(cfg.targets)}: no nn.Linear or routed experts of the model's blocks match "
+            f"(layers.<i>.attention.<w>, layers.<i>.feed_forward.<w>, layers.<i>.feed_forward.experts); see "
+            f"docs/huggingface.md"
         )
-    for name in chosen:
+    for name, module in chosen:
         parent, _, attr = name.rpartition(".")
-        owner = model.get_submodule(parent)
-        setattr(owner, attr, LoRALinear(getattr(owner, attr), cfg.rank, cfg.alpha, cfg.dropout))
+        kind = LoRALinear if isinstance(module, nn.Linear) else LoRAExperts
+        setattr(model.get_submodule(parent), attr, kind(module, cfg.rank, cfg.alpha, cfg.dropout))
     for name, p in model.named_parameters():
         p.requires_grad_(is_adapter(name))
     base_init, base_plan = model.init_weights, model.tp_plan
@@ -90,13 +126,18 @@ def add_adapters(model: nn.Module, cfg: LoRAConfig, seed: int) -> nn.Module:
     return model
 
 
+def _adaptable(name: str, module: nn.Module, cfg: LoRAConfig) -> bool:
+    return type(module) in (nn.Linear, Experts) and cfg.adapts(name)
+
+
 def adapter_value(seed: int, name: str, shape: torch.Size) -> torch.Tensor:
-    """An adapter's first value, whole: B zero; A Kaiming-uniform with a=√5 (bound 1/√in, as nn.Linear and PEFT)
-    from a generator seeded by (seed, name)."""
+    """An adapter's first value, whole: B zero; A Kaiming-uniform with a=√5 (bound 1/√in, as nn.Linear and PEFT; an
+    expert's A drawn as the (experts · rank, in) matrix PEFT holds for them) from a generator seeded by (seed, name)."""
     if name.endswith("lora_B"):
         return torch.zeros(shape)
     generator = torch.Generator().manual_seed(parameter_seed(seed, name))
-    return nn.init.kaiming_uniform_(torch.empty(shape), a=math.sqrt(5), generator=generator)
+    rows = torch.empty(math.prod(shape[:-1]), shape[-1])
+    return nn.init.kaiming_uniform_(rows, a=math.sqrt(5), generator=generator).view(shape)
 
 
 @torch.no_grad()
@@ -139,6 +180,6 @@ def adapted_style(model: nn.Module, name: str, style: ParallelStyle) -> Parallel
     )
 
 
-def adapted(model: nn.Module) -> list[tuple[str, LoRALinear]]:
-    """The model's adapted layers, by name."""
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, LoRALinear)]
+def adapted(model: nn.Module) -> list[tuple[str, LoRALinear | LoRAExperts]]:
+    """The model's adapted layers and experts, by name."""
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, LoRALinear | LoRAExperts)]

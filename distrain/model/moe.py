@@ -109,19 +109,21 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x: the tokens sorted by expert, `counts[e]` rows for this module's expert e in turn."""
+        h = F.silu(self.project("w1", x, counts)) * self.project("w3", x, counts)
+        return self.project("w2", h, counts)
+
+    def project(self, name: str, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The rows of `x` through weight `name` of their experts (LoRA's experts add their adapters here)."""
         # the local experts, in the compute dtype (FSDP2 leaves expert parallelism's out of its cast)
-        w1, w2, w3 = (local(w).to(x.dtype) for w in (self.w1, self.w2, self.w3))
-        if grouped_mm_usable(x):
-            offsets = counts.cumsum(0).to(torch.int32)
-            h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offsets))
-            h = h * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offsets)
-            return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offsets)
-        out, start = [], 0
-        for e, n in enumerate(counts.tolist()):
-            rows = x[start : start + n]
-            out.append((F.silu(rows @ w1[e].T) * (rows @ w3[e].T)) @ w2[e].T)
-            start += n
-        return torch.cat(out) if out else x[:0]
+        return grouped_linear(x, local(getattr(self, name)).to(x.dtype), counts)
+
+
+def grouped_linear(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """`counts[e]` rows of `x` in turn times `w[e]`ᵀ (w: (experts, out, in)): one grouped matmul where torch has it
+    on the device, else one matmul per expert."""
+    if grouped_mm_usable(x) and w.shape[-1] % 8 == 0 and w.shape[-2] % 8 == 0:  # its rows 16-byte aligned
+        return torch._grouped_mm(x, w.transpose(-2, -1), offs=counts.cumsum(0).to(torch.int32))
+    return torch.cat([rows @ w[e].T for e, rows in enumerate(x.split(counts.tolist()))])
 
 
 def grouped_mm_usable(x: torch.Tensor) -> bool:

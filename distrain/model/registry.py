@@ -73,6 +73,14 @@ def meta_linears(cfg: ModelConfig, max_seq_len: int) -> tuple[dict[str, tuple[in
     return found, tuple(model.output_modules)
 
 
+def meta_experts(cfg: ModelConfig, max_seq_len: int) -> dict[str, tuple[int, int, int]]:
+    """A model's routed experts (model/moe.py's Experts) by name, (experts, dim, hidden), built on the meta device."""
+    from distrain.model.moe import Experts
+
+    model = meta_model(cfg, max_seq_len)
+    return {n: tuple(m.w2.shape) for n, m in model.named_modules() if isinstance(m, Experts)}
+
+
 def meta_model(cfg: ModelConfig, max_seq_len: int) -> Any:
     """The model built on the meta device: its shape and methods, no memory."""
     import torch

@@ -90,6 +90,16 @@ def linears(cfg: ModelConfig, seq_len: int) -> tuple[Linears, tuple[str, ...]]:
     return meta_linears(cfg, seq_len)
 
 
+def routed_experts(cfg: ModelConfig, seq_len: int) -> dict[str, tuple[int, int, int]]:
+    """Each block's routed experts (model/moe.py's Experts) by full-model name: (experts, dim, hidden)."""
+    family = shipped(cfg._target_)
+    if family is not None:
+        return family.routed_experts(cfg) if family.routed_experts else {}
+    from distrain.model.registry import meta_experts
+
+    return meta_experts(cfg, seq_len)
+
+
 def _built(cfg: ModelConfig, seq_len: int):  # noqa: ANN202  (an nn.Module; torch stays unimported here)
     from distrain.model.registry import meta_model
 

@@ -82,6 +82,8 @@ class Family:
     active_weights: Callable[[ModelConfig], int] | None = None
     # Rules on the family's own settings (model.moe), one-line ConfigErrors; None: it has none.
     check: Callable[[ModelConfig], None] | None = None
+    # Each block's routed experts (model/moe.py's Experts) by full-model name: (experts, dim, hidden); None: none.
+    routed_experts: Callable[[ModelConfig], dict[str, tuple[int, int, int]]] | None = None
 
     def flops_per_token(self, cfg: ModelConfig, seq_len: int) -> float:
         """Training FLOPs (forward + backward) per token at sequence length `seq_len` (module docstring)."""

@@ -56,6 +56,12 @@ def _feed_forward(cfg: ModelConfig, block: int, at: str) -> Linears:
     return {f"{at}.router": (cfg.dim, m.num_experts)} | (shared if m.shared_experts else {})
 
 
+def routed_experts(cfg: ModelConfig) -> dict[str, tuple[int, int, int]]:
+    m = cfg.moe
+    sparse = (b for b in range(cfg.n_layers) if m.is_sparse(b))
+    return {f"layers.{b}.feed_forward.experts": (m.num_experts, cfg.dim, m.expert_dim or cfg.ffn_dim) for b in sparse}
+
+
 def active_weights(cfg: ModelConfig) -> int:
     return _weights(cfg, cfg.moe.top_k)
 
@@ -198,6 +204,7 @@ FAMILY = Family(
     linears=linears,
     active_weights=active_weights,
     check=check,
+    routed_experts=routed_experts,
     hf=(
         HFMapping("MixtralForCausalLM", unsupported, shape, config, rules),
         HFMapping("Qwen3MoeForCausalLM", qwen3_unsupported, qwen3_shape, qwen3_config, qwen3_rules, qk_norm=True),
