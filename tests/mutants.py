@@ -942,8 +942,8 @@ MUTANTS = (
     Mutant(
         "lora-experts-uncounted",
         "distrain/driver/finetune.py",
-        "    return found + sum(",
-        "    return found + 0 * sum(",
+        "    return sum(3 * lora.rank * n * (dim + hidden)",
+        "    return 0 * sum(3 * lora.rank * n * (dim + hidden)",
         ("tests/test_lora.py::test_the_plan_counts_the_adapters_and_their_memory",),
     ),
     Mutant(
@@ -959,6 +959,20 @@ MUTANTS = (
         "        mine_trained = -(-mine * on_experts // apart) if apart else 0",
         "        mine_trained = mine",
         ("tests/test_memory.py::test_plan_memory_matches_a_measured_step",),
+    ),
+    Mutant(
+        "plan-logits-on-every-stage",
+        "distrain/driver/plan.py",
+        "    if layout.num_stages - 1 not in layout.stages(pp_rank):",
+        "    if False:",
+        ("tests/test_plan.py::test_the_loss_logits_are_what_a_step_holds",),
+    ),
+    Mutant(
+        "plan-logits-fp32-once",
+        "distrain/driver/plan.py",
+        "LOGIT_BYTES = 12 ",
+        "LOGIT_BYTES = 4 ",
+        ("tests/test_plan.py::test_the_loss_logits_are_what_a_step_holds",),
     ),
     Mutant(
         "tp-unfreezes-norms",

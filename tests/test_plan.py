@@ -30,6 +30,30 @@ def planned(tmp_path: Path, *overrides: str) -> tuple[TrainConfig, Layout]:
     return cfg, validate(cfg)
 
 
+@pytest.mark.timeout(60)
+def test_the_loss_logits_are_what_a_step_holds(tmp_path: Path):
+    """The plan's logits term against a step's peak of live tensor bytes (jobs/bench/bench_loss.py's measure, one
+    process): doubling the vocabulary adds what the term adds, within 5% (measured 2%: 12.25 bytes a logit against
+    the plan's 12); only the last pipeline stage holds them; trainer.loss_chunk keeps one slice's."""
+    sys.path.insert(0, str(REPO / "jobs" / "bench"))
+    import bench_loss
+
+    seq, peak, plan = 512, {}, {}
+    for vocab in (4096, 8192):
+        model = {"dim": 32, "n_layers": 1, "n_heads": 2, "ffn_dim": 64, "vocab_size": vocab}
+        peak[vocab] = bench_loss.measure(model, seq, 0, 1)["peak"]
+        cfg, layout = planned(tmp_path, "cluster.num_workers=1", f"trainer.seq_len={seq}", "trainer.micro_batch_size=1")
+        cfg.model.vocab_size = vocab
+        plan[vocab] = rank_memory(cfg, layout, 0, "fp32").logits
+    assert peak[8192] - peak[4096] == pytest.approx(plan[8192] - plan[4096], rel=0.05)
+    cfg, layout = planned(tmp_path, "cluster.num_workers=2", "strategy=pp")
+    first, last = (rank_memory(cfg, layout, r, "fp32").logits for r in (0, 1))
+    assert first == 0 and last > 0
+    chunked = planned(tmp_path, "cluster.num_workers=2", "strategy=pp", "trainer.loss_chunk=4")[0]
+    assert rank_memory(chunked, layout, 1, "fp32").logits * 16 == last  # 4 targets of 2 sequences: 2 of 32 positions
+    assert "the loss's logits" in describe(cfg, layout, None)
+
+
 @pytest.mark.timeout(30)
 def test_3d_mesh_coordinates_and_groups(tmp_path: Path):
     overrides = ("cluster.num_workers=8", "strategy=3d", "model.n_layers=4", "trainer.precision=auto")
@@ -74,7 +98,7 @@ def test_offload_says_where_the_state_lives(tmp_path: Path, strategy: str):
     cfg, layout = planned(tmp_path, "cluster.num_workers=4", f"strategy={strategy}", f"strategy.nvme_path={tmp_path}")
     mem = rank_memory(cfg, layout, 0, "fp32")
     assert mem.offload == cfg.strategy.offload and mem.params > 0
-    assert mem.device_total == mem.activations  # the model state is not on the device
+    assert mem.device_total == mem.activations + mem.logits  # the model state is not on the device
     text = describe(cfg, layout, fake_table(4, 4, gpus=True))
     assert f"(zero 3, offload {mem.offload})" in text
     where = f"the optimizer state in files under {tmp_path}/distrain-{cfg.run.name}"

@@ -19,7 +19,8 @@ from distrain.driver.plan import Memory, human, worker_memory
 from distrain.strategy.layout import Layout
 
 KNOBS = (
-    "lower trainer.micro_batch_size or trainer.seq_len, set strategy.activation_checkpoint=true, shard the "
+    "lower trainer.micro_batch_size or trainer.seq_len, set strategy.activation_checkpoint=true or "
+    "trainer.loss_chunk (the loss's logits a slice at a time), shard the "
     "model state (strategy=zero3, or strategy=offload / nvme to keep it in CPU memory), or split the model "
     "(strategy.tp, strategy.pp) or the sequence (strategy.cp)"
 )
@@ -28,7 +29,7 @@ UNREAD = "nvidia-smi did not report the GPUs' memory"
 
 def needed(mem: Memory, gpu: bool) -> int:
     """What the worker's device holds: on a GPU, all but what offload keeps in CPU memory; on a CPU, all."""
-    return mem.device_total if gpu else mem.params + mem.grads + mem.optimizer + mem.activations
+    return mem.device_total if gpu else mem.params + mem.grads + mem.optimizer + mem.activations + mem.logits
 
 
 def capacity(gpu: bool, here: dict[str, float] | None) -> tuple[int, str] | None:

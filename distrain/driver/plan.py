@@ -33,12 +33,13 @@ class Memory:
     optimizer: int
     activations: int
     offload: str = "none"
+    logits: int = 0  # the loss's, on the ranks of the last stage (`logits_bytes`)
 
     @property
     def device_total(self) -> int:
         """What the accelerator holds: everything, or with offload only the activations."""
         state = 0 if self.offload != "none" else self.params + self.grads + self.optimizer
-        return state + self.activations
+        return state + self.activations + self.logits
 
 
 def human(n: float) -> str:
@@ -96,6 +97,27 @@ def layer_activations(cfg: TrainConfig, layout: Layout, precision: str, scores: 
     return scale * (kept if cfg.strategy.activation_checkpoint else full), scale * full + (ring or 0)
 
 
+LOGIT_BYTES = 12  # fp32 logits, their log-softmax and its gradient at once: docs/loss.md measured 3.06× the logits
+HELD_LOGIT_BYTES = 8  # what a micro-batch's forward keeps of them until its backward
+
+
+def logits_bytes(cfg: TrainConfig, layout: Layout, pp_rank: int) -> int:
+    """The loss's peak over the logits, on the ranks holding the last stage: LOGIT_BYTES an element of micro-batch ×
+    its positions on the rank (seq_len / cp) × the vocabulary (1/tp of it under vocabulary-parallel 1-D TP), the
+    loss upcasting to fp32 under any precision; a pipeline's micro-batches in flight each keep HELD_LOGIT_BYTES until
+    their backward. trainer.loss_chunk: one slice's alone (its logits recomputed in the backward, none kept)."""
+    if layout.num_stages - 1 not in layout.stages(pp_rank):
+        return 0
+    t, vocab = cfg.trainer, cfg.model.vocab_size
+    if layout.tp > 1 and layout.tp_mode == "1d" and cfg.strategy.loss_parallel:
+        vocab = -(-vocab // layout.tp)
+    positions = t.seq_len // layout.cp
+    if t.loss_chunk:
+        return LOGIT_BYTES * t.micro_batch_size * min(positions, max(1, t.loss_chunk // t.micro_batch_size)) * vocab
+    held = HELD_LOGIT_BYTES * (in_flight(layout, pp_rank) - 1) + LOGIT_BYTES
+    return held * t.micro_batch_size * positions * vocab
+
+
 def rank_memory(cfg: TrainConfig, layout: Layout, pp_rank: int, precision: str, scores: bool = True) -> Memory:
     """Per-rank memory for the ranks at `pp_rank` (the other coordinates hold equal shares). With
     P the rank's parameters and N = dp_shard × cp: ZeRO-0 keeps P params, P grads, K·P optimizer state;
@@ -139,6 +161,7 @@ def rank_memory(cfg: TrainConfig, layout: Layout, pp_rank: int, precision: str, 
         optimizer=FP32 * (shard(k * trained, 1) + k * experts_at(mine_trained, 1)),
         activations=activations,
         offload=s.offload,
+        logits=logits_bytes(cfg, layout, pp_rank),
     )
 
 
@@ -193,7 +216,8 @@ def memory_lines(cfg: TrainConfig, layout: Layout, precision: str) -> list[str]:
         lines.append(
             f"  {who}: params {human(mem.params)}, grads {human(mem.grads)}, optimizer {human(mem.optimizer)}, "
             f"activations {human(mem.activations)} ({n} micro-batch{'es' * (n > 1)} in flight); "
-            f"total {human(mem.device_total)}{' on the device' if mem.offload != 'none' else ''}"
+            + (f"the loss's logits {human(mem.logits)}; " if mem.logits else "")
+            + f"total {human(mem.device_total)}{' on the device' if mem.offload != 'none' else ''}"
         )
         if mem.offload == "cpu":
             lines.append(
