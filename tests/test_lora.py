@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_matches, logged, make_config, train_half_then_resume
+from conftest import assert_matches, final_weights, logged, make_config, train_half_then_resume
 from safetensors.torch import save_file
 
 from distrain.config import ConfigError, LoRAConfig, ModelConfig, OptimConfig, to_plain
@@ -29,7 +29,6 @@ from distrain.train.optim import build_optimizer
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 from test_hf import save_hf_model, tokens  # noqa: E402  (after transformers is known to be there)
-from test_nvme import checkpoint_tensors  # noqa: E402
 
 TOL = 1e-5  # logits, fp32, against transformers and peft
 LORA = ("finetune.lora.rank=4", "finetune.lora.alpha=8")
@@ -228,12 +227,7 @@ def lora_config(storage: Path, base: Path, name: str, workers: int, *overrides: 
 def reference(ray_cluster, base_model, tmp_path_factory):
     cfg = resolve_init_from(lora_config(tmp_path_factory.mktemp("ref"), base_model, "ref", 1), say=lambda line: None)
     assert train(cfg)["status"] == "completed"
-    return cfg, {"loss": logged(cfg), "grad_norm": logged(cfg, "grad_norm")}, adapters(cfg)
-
-
-def adapters(cfg) -> dict[str, torch.Tensor]:
-    """The adapters of the run's newest checkpoint (the base is never saved), by name."""
-    return {k: v for k, v in checkpoint_tensors(cfg.run_dir).items() if k.startswith("model.")}
+    return cfg, {"loss": logged(cfg), "grad_norm": logged(cfg, "grad_norm")}, final_weights(cfg)  # the adapters
 
 
 # DDP and TP: test_resumes_on_the_same_base_and_refuses_another, one half each.
@@ -256,7 +250,7 @@ def test_layout_trains_the_adapters_as_one_process(layout: str, reference, base_
     cfg = lora_config(tmp_path, base_model, layout, workers, *overrides)
     assert train(cfg)["status"] == "completed"
     assert_matches(cfg, reference[1], range(1, STEPS + 1), tol=1e-4)
-    got = adapters(cfg)
+    got = final_weights(resolve_init_from(cfg, say=lambda line: None))  # the model's shape: the base's
     assert got.keys() == reference[2].keys()
     for key, want in reference[2].items():
         assert (got[key] - want).abs().max() <= 1e-4, key
