@@ -1,8 +1,8 @@
-"""LoRA fine-tuning (finetune.lora): the base never moves, every layout (context parallelism and CPU and
-NVMe offload among them) trains the adapters as one process does (10 steps: loss, gradient norm and the adapters
-within 1e-4), the adapter loads into `peft` on the `transformers` base model and
-merges into its weights with logits within 1e-5 of distrain's, checkpoints hold the adapters alone and refuse
-another base, and generate samples with the adapter."""
+"""LoRA fine-tuning (finetune.lora): the base never moves, every layout (context parallelism and CPU and NVMe
+offload among them) trains the adapters as one process does (10 steps: loss, gradient norm and the adapters within
+1e-4), the adapter loads into `peft` on the `transformers` base model and merges into its weights with logits
+within 1e-5 of distrain's, checkpoints hold the adapters alone and refuse another base, and generate samples with
+the adapter."""
 
 from __future__ import annotations
 
