@@ -325,14 +325,18 @@ def serving(server):
 
 
 def final_weights(cfg: TrainConfig) -> dict:
-    """The model weights of the run's newest committed checkpoint, read without a process group."""
+    """The model weights of the run's newest committed checkpoint (a LoRA run's: its adapters, all it saves), read
+    without a process group."""
     import torch.distributed.checkpoint as dcp
 
+    from distrain.model.lora import add_adapters, is_adapter
     from distrain.model.registry import build_model
     from distrain.storage import checkpoint
 
     path = checkpoint.latest(Path(cfg.run_dir) / "checkpoints")
-    state = {"model": build_model(cfg.model, cfg.trainer.seq_len).state_dict()}
+    model = add_adapters(build_model(cfg.model, cfg.trainer.seq_len), cfg.finetune.lora, cfg.trainer.seed)
+    lora = cfg.finetune.lora.rank > 0
+    state = {"model": {k: v for k, v in model.state_dict().items() if is_adapter(k) or not lora}}
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(state, checkpoint_id=str(path), no_dist=True)

@@ -1051,7 +1051,10 @@ MUTANTS = (
         "distrain/train/state.py",
         'o.param_groups = [g for g in o.param_groups if g["params"]]',
         "pass",
-        ("tests/test_muon.py::test_a_muon_run_resumes_under_another_layout_as_one_process_trains",),
+        (
+            "tests/test_checkpoint_state.py::test_every_layout_checkpoints_only_tensors_and_plain_data_save_after_save",
+            "tests/test_muon.py::test_a_muon_run_resumes_under_another_layout_as_one_process_trains",
+        ),
     ),
 )
 

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import free_port, rank_env, spawn_ranks
 
 from distrain.testing import processes
 
@@ -132,6 +133,35 @@ def test_smoke(tmp_path: Path, script: str, timeout_s: float, plot: bool, holds:
     text = assert_page(page, plot)
     for expected in holds:
         assert expected in text, text
+
+
+def muon_costs_rank(rank: int, port: int, cases: dict, out: str) -> None:
+    """One gloo rank of muon_costs.py's measure (forked from the session's server: no interpreter to start)."""
+    rank_env(rank, 4, port, CUDA_VISIBLE_DEVICES="")
+    from distrain.parallel import process_group
+
+    device = process_group.init_from_env()
+    rows = importlib.import_module("muon_costs").measure(rank, device, cases)
+    if rank == 0:
+        Path(out, "rows.json").write_text(json.dumps(rows))
+    process_group.destroy()
+
+
+@pytest.mark.timeout(120)
+def test_muon_costs_counts_the_theorys_bytes(tmp_path: Path) -> None:
+    """jobs/bench/muon_costs.py's measure on a tiny model, Muon under ZeRO-3 (each matrix in 4 shards) and TP (in
+    2): the bytes one optimizer step sends are its all-to-all theory's times the shards (gloo all-gathers), as
+    docs/optimizers.md reads its table; both parts of the step timed."""
+    muon_costs = importlib.import_module("muon_costs")
+    tiny = ["model.dim=32", "model.n_layers=1", "model.n_heads=2", "model.ffn_dim=64", "trainer.seq_len=16"]
+    shards = {"zero3": 4, "tp": 2}
+    cases = muon_costs.cases("muon", tiny, {name: muon_costs.LAYOUTS[name] for name in shards})
+    spawn_ranks(muon_costs_rank, (free_port(), cases, str(tmp_path)), muon_costs.WORLD)
+    rows = json.loads((tmp_path / "rows.json").read_text())
+    for name, w in shards.items():
+        row = rows[name]
+        assert row["theory"] > 0 and row["sent"] == w * row["theory"], (name, row)
+        assert all(s > 0 for s in row["seconds"]), (name, row)
 
 
 PLOTS = {

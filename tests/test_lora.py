@@ -1,7 +1,8 @@
-"""LoRA fine-tuning (finetune.lora): the base never moves, every layout trains the adapters as one process does
-(10 steps, loss and gradient norm within 1e-4), the adapter loads into `peft` on the `transformers` base model and
-merges into its weights with logits within 1e-5 of distrain's, checkpoints hold the adapters alone and refuse
-another base, and generate samples with the adapter."""
+"""LoRA fine-tuning (finetune.lora): the base never moves, every layout (context parallelism and CPU and NVMe
+offload among them) trains the adapters as one process does (10 steps: loss, gradient norm and the adapters within
+1e-4), the adapter loads into `peft` on the `transformers` base model and merges into its weights with logits
+within 1e-5 of distrain's, checkpoints hold the adapters alone and refuse another base, and generate samples with
+the adapter."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_matches, logged, make_config, train_half_then_resume
+from conftest import assert_matches, final_weights, logged, make_config, train_half_then_resume
 from safetensors.torch import save_file
 
 from distrain.config import ConfigError, LoRAConfig, ModelConfig, OptimConfig, to_plain
@@ -226,7 +227,7 @@ def lora_config(storage: Path, base: Path, name: str, workers: int, *overrides: 
 def reference(ray_cluster, base_model, tmp_path_factory):
     cfg = resolve_init_from(lora_config(tmp_path_factory.mktemp("ref"), base_model, "ref", 1), say=lambda line: None)
     assert train(cfg)["status"] == "completed"
-    return cfg, {"loss": logged(cfg), "grad_norm": logged(cfg, "grad_norm")}
+    return cfg, {"loss": logged(cfg), "grad_norm": logged(cfg, "grad_norm")}, final_weights(cfg)  # the adapters
 
 
 # DDP and TP: test_resumes_on_the_same_base_and_refuses_another, one half each.
@@ -235,6 +236,9 @@ LAYOUTS = {
     "zero2": (2, ["strategy=zero2"]),
     "zero3": (2, ["strategy=zero3"]),
     "pp": (2, ["strategy=pp"]),
+    "cp": (2, ["strategy=cp"]),  # each rank half of every sequence, ring attention
+    "offload": (2, ["strategy=offload"]),  # ZeRO-3, the frozen base too in host memory
+    "nvme": (2, ["strategy=nvme"]),  # and the adapters' AdamW moments in files
     "hsdp": (4, ["strategy=hsdp"]),  # last: the 2-worker runs share warm workers
 }
 
@@ -246,6 +250,10 @@ def test_layout_trains_the_adapters_as_one_process(layout: str, reference, base_
     cfg = lora_config(tmp_path, base_model, layout, workers, *overrides)
     assert train(cfg)["status"] == "completed"
     assert_matches(cfg, reference[1], range(1, STEPS + 1), tol=1e-4)
+    got = final_weights(resolve_init_from(cfg, say=lambda line: None))  # the model's shape: the base's
+    assert got.keys() == reference[2].keys()
+    for key, want in reference[2].items():
+        assert (got[key] - want).abs().max() <= 1e-4, key
 
 
 def test_the_checkpoint_holds_the_adapters_and_exports_to_peft(reference, base_model, tmp_path: Path):

@@ -44,6 +44,8 @@ LAYOUTS = {
     "ddp_dropout": ["model._target_=dropout_model.DropoutLlama"],
     # Expert parallelism borrows dp_replicate's ranks: rank 1's experts are rank 3's, not rank 0's or 2's.
     "ddp_ep": ["model=moe_nano", "model.moe.expert_dim=24", "strategy.ep=2"],
+    # LoRA: the base frozen and never saved, rebuilt by the replacement; the adapters and their moments sent.
+    "ddp_lora": ["finetune.lora.rank=4", "finetune.lora.alpha=8"],
 }
 
 

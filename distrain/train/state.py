@@ -72,7 +72,8 @@ def checkpoint_state(learner: Learner, optimizer: torch.optim.Optimizer | Optimi
 def empty_groups_aside(optimizers: list[torch.optim.Optimizer]) -> Iterator[None]:
     """DCP's set_state_dict reads a group's hyperparameters under its first parameter's name, and fails on a group
     without one: ZeRO-1's share of a group of fewer parameters than ranks (optim=muon's AdamW matrices: the
-    embeddings and the head). Such groups are set aside for the load and put back where they were."""
+    embeddings and the head; AdamW's undecayed gains of a small model). Such groups are set aside for the load
+    and put back where they were."""
     empty = [[(i, g) for i, g in enumerate(o.param_groups) if not g["params"]] for o in optimizers]
     for o, aside in zip(optimizers, empty, strict=True):
         if aside:

@@ -76,15 +76,20 @@ def measure(rank: int, device: torch.device, cases: dict) -> dict:
     return rows
 
 
+def cases(optim: str, argv: list[str], layouts: dict[str, tuple[str, ...]]) -> dict:
+    """Each layout's config and its layout, in plain data for the ranks."""
+    out = {}
+    for name, overrides in layouts.items():
+        cfg = compose([f"optim={optim}", f"cluster.num_workers={WORLD}", *overrides, *argv])
+        out[name] = (to_plain(cfg), validate(cfg).as_dict())
+    return out
+
+
 def main(argv: list[str]) -> None:
     print("| layout | optim | forward+backward s | optimizer step s | share | sent per step | all-to-all theory |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for optim in ("adamw", "muon"):
-        cases = {}
-        for name, overrides in LAYOUTS.items():
-            cfg = compose([f"optim={optim}", f"cluster.num_workers={WORLD}", *overrides, *argv])
-            cases[name] = (to_plain(cfg), validate(cfg).as_dict())
-        row = processes.spawn_ranks(measure, WORLD, cases)[0]
+        row = processes.spawn_ranks(measure, WORLD, cases(optim, argv, LAYOUTS))[0]
         for name in LAYOUTS:
             (fb, step), sent, want = row[name]["seconds"], row[name]["sent"], row[name]["theory"]
             print(
