@@ -59,7 +59,9 @@ their own):
    bf16, its experts split over them (`strategy.ep`, when more than one divides them): it passes as a strategy
    does; the figure gives tokens/s, MFU counted on the active parameters (the weights a token passes through,
    as DeepSeek and torchtitan count a sparse model's) and the busiest expert's load ÷ the mean at the last
-   step. CPU mode: `moe_nano` at the tests' tiny size.
+   step. On a GPU of compute capability ≥ 9.0 it also needs the experts' grouped matmul (`torch._grouped_mm`, the
+   bf16 path `model/moe.grouped_linear` takes there) through a LoRA expert's rank-8 adapter and back to within 1%
+   of the same in fp32, one matmul per expert (the CPU's path). CPU mode: `moe_nano` at the tests' tiny size.
 7. **loss**: jobs/bench/bench_loss.py, one training step of a narrow Llama with a 128k vocabulary on 2048 tokens,
    the head and loss whole and chunked (`trainer.loss_chunk`), each in a fresh process: writes docs/loss.md. It
    passes when the chunked step's peak memory (torch.cuda.max_memory_allocated) is below the whole one's and the
@@ -512,7 +514,29 @@ def moe_part(args: argparse.Namespace, storage: Path) -> Part:
         busiest = max(v for k, v in last.items() if k.startswith("moe_imbalance_"))
         mfu = f", MFU {last['mfu']:.1%} on active parameters" if "mfu" in last else ""
         part.figure += f"; {last['tokens_per_s']:,.0f} tokens/s{mfu}; busiest expert {busiest:.2f}× the mean"
+    if part.status == "PASS" and args.gpus:
+        worst = grouped_against_loop()
+        part.figure += f"; grouped matmul with a rank-8 adapter {'n/a' if worst is None else f'{worst:.1e}'} of fp32's"
+        part.status = "FAIL" if worst is not None and worst > 0.01 else part.status
     return part
+
+
+def grouped_against_loop() -> float | None:
+    """An expert adapter's two grouped matmuls (x Aᵀ Bᵀ per expert: A (4, 8, 256), B (4, 512, 8), uneven rows, one
+    expert with none) in bf16 against one fp32 matmul per expert: the largest difference over the largest value;
+    None where torch takes no grouped matmul on this GPU."""
+    import torch
+
+    from distrain.model.moe import grouped_linear, grouped_mm_usable
+
+    g = torch.Generator("cuda").manual_seed(0)
+    x, a, b = (torch.randn(*s, device="cuda", generator=g) for s in ((64, 256), (4, 8, 256), (4, 512, 8)))
+    counts = torch.tensor([5, 0, 37, 22], device="cuda")
+    if not grouped_mm_usable(x.bfloat16()):
+        return None
+    got = grouped_linear(grouped_linear(x.bfloat16(), a.bfloat16(), counts), b.bfloat16(), counts).float()
+    want = grouped_linear(grouped_linear(x, a, counts), b, counts)
+    return float((got - want).abs().max() / want.abs().max())
 
 
 def poison_the_device(channel: object) -> None:
