@@ -975,6 +975,13 @@ MUTANTS = (
         ("tests/test_plan.py::test_the_loss_logits_are_what_a_step_holds",),
     ),
     Mutant(
+        "mirror-pruned-as-whole-checkpoints",
+        "distrain/storage/remote.py",
+        "    checkpoint.prune(root, keep, step, whole=lambda path: (path / COMMIT_MARKER).exists())",
+        "    checkpoint.prune(root, keep, step)",
+        ("tests/test_checkpoint.py::test_a_nodes_mirror_of_a_store_is_pruned_though_it_holds_only_its_ranks_files",),
+    ),
+    Mutant(
         "tp-unfreezes-norms",
         "distrain/parallel/tensor_parallel.py",
         "        p.requires_grad_(trained[name])",

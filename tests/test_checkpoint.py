@@ -96,3 +96,23 @@ def test_a_file_rank_0_cannot_see_leaves_the_checkpoint_uncommitted(tmp_path: Pa
             checkpoint.commit(tmp_path, 20, {"rank 0": seen, "rank 1": other}, 1, "rank 0")
         assert not (path / checkpoint.COMMIT_MARKER).exists()
         assert checkpoint.latest(tmp_path) == checkpoint.step_dir(tmp_path, 10)
+
+
+def test_a_nodes_mirror_of_a_store_is_pruned_though_it_holds_only_its_ranks_files(tmp_path: Path):
+    """On a run on an object store each node's mirror holds its own ranks' files of a step, marked committed once
+    the store holds them all (remote.py): the mirror keeps checkpoint.keep of the committed steps, drops a torn one
+    older than those, and leaves one newer than the commit; checkpoint.prune alone, which wants every file the
+    marker lists, would have kept them all for ever."""
+    from distrain.storage.remote import prune_mirror
+
+    files = {"__0_0.distcp": 8, "__2_0.distcp": 8}  # rank 0's and rank 2's: this node holds rank 2's
+    for step in (2, 4, 6, 8, 10):
+        path = checkpoint.step_dir(tmp_path, step)
+        path.mkdir()
+        (path / "__2_0.distcp").write_bytes(b"x" * 8)
+        if step not in (4, 10):  # 4: a save torn on this node; 10: saved after the commit pruned here
+            (path / checkpoint.COMMIT_MARKER).write_text(json.dumps({"step": step, "files": files}))
+    checkpoint.prune(tmp_path, 2, 8)
+    assert len(checkpoint.checkpoints(tmp_path)) == 5
+    prune_mirror(tmp_path, 2, 8)
+    assert [p.name for p in checkpoint.checkpoints(tmp_path)] == ["step_00000010", "step_00000008", "step_00000006"]

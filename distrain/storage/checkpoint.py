@@ -192,16 +192,19 @@ def say(line: str) -> None:
     print(f"distrain: {line}", file=sys.stderr, flush=True)
 
 
-def prune(root: str | Path, keep: int, committed: int | None = None) -> None:
+def prune(
+    root: str | Path, keep: int, committed: int | None = None, whole: Callable[[Path], bool] | None = None
+) -> None:
     """Delete committed checkpoints beyond the newest `keep`, and torn ones older than those kept, counting
     from the one just `committed`: newer ones (damaged, the run resumed from an older one) are left alone
-    until the run saves their step again. Judged by sizes: a commit does not read every checkpoint again."""
+    until the run saves their step again. Judged by sizes: a commit does not read every checkpoint again.
+    `whole`: what counts as a committed checkpoint there (a node's mirror of a store's: remote.py)."""
     kept = 0
     for path in checkpoints(root):
         if committed is not None and step_of(path.name) > committed:
             continue
         if kept < keep:
-            kept += problem(path, verify=False) is None
+            kept += whole(path) if whole is not None else problem(path, verify=False) is None
             continue
         shutil.rmtree(path, ignore_errors=True)
 

@@ -65,7 +65,7 @@ class Remote:
         dist.broadcast_object_list(manifest, src=dist.get_global_rank(group, 0) if group else 0, group=group)
         if manifest[0] is not None:
             write_json(path / COMMIT_MARKER, manifest[0])
-            checkpoint.prune(path.parent, keep, step)
+            prune_mirror(path.parent, keep, step)
             if rank == 0:
                 self.upload_s = max(v[3] for v in views)
                 if self.on_commit is not None:
@@ -117,6 +117,13 @@ class Remote:
         manifest = {"step": step, "files": found, "crc32": {name: sums[name] for name in found}}
         error = failure_of(lambda: self.store.write_bytes(f"{prefix}/{COMMIT_MARKER}", _json(manifest)))
         return manifest if error is None else error
+
+
+def prune_mirror(root: Path, keep: int, step: int) -> None:
+    """Prune a node's mirror after the commit of `step`: a node holds its own ranks' files of each step (the store
+    holds them all), so a step it marked committed counts as kept, not only one whose every file is there (which
+    on a node without rank 0's files none is: nothing was ever pruned there)."""
+    checkpoint.prune(root, keep, step, whole=lambda path: (path / COMMIT_MARKER).exists())
 
 
 def _json(obj: dict) -> bytes:
