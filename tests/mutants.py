@@ -982,6 +982,13 @@ MUTANTS = (
         ("tests/test_checkpoint.py::test_a_nodes_mirror_of_a_store_is_pruned_though_it_holds_only_its_ranks_files",),
     ),
     Mutant(
+        "ps-failed-upload-left-behind",
+        "distrain/ps/saved.py",
+        "    finally:\n        (directory / file).unlink(missing_ok=True)",
+        "    else:\n        (directory / file).unlink(missing_ok=True)",
+        ("tests/test_ps.py::test_a_servers_file_whose_upload_failed_is_not_left_on_its_node",),
+    ),
+    Mutant(
         "tp-unfreezes-norms",
         "distrain/parallel/tensor_parallel.py",
         "        p.requires_grad_(trained[name])",

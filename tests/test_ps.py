@@ -823,3 +823,21 @@ def test_a_server_restored_from_a_store_that_lost_the_checkpoint_is_refused_in_o
     gone = Path(cfg.run_dir) / "checkpoints" / "step_00000004"
     with pytest.raises(safeload.DamagedCheckpointError, match=r"no longer holds the checkpoint of step 4$"):
         saved.restored(cfg, str(gone))
+
+
+def test_a_servers_file_whose_upload_failed_is_not_left_on_its_node(tmp_path: Path):
+    """A server's upload of its saved shard fails (the store cannot take the object): the checkpoint will not commit,
+    and its file and the staging directory, never loaded, go from the node's mirror as after an upload."""
+    cfg = make_config(
+        tmp_path, f"run.storage=file://{tmp_path}/store", "run.name=r", f"storage.cache_dir={tmp_path}",
+        "storage.retries=1",
+    )  # fmt: skip
+    staging = Path(cfg.run_dir) / "checkpoints" / ".saving-0"
+    staging.mkdir(parents=True)
+    (staging / "server_0.pt").write_bytes(b"shard")
+    blocked = tmp_path / "store" / "r" / "checkpoints" / "step_00000004"
+    blocked.parent.mkdir(parents=True)
+    blocked.write_text("a file where the checkpoint's folder would go")
+    why = saved.upload(cfg, staging.name, "server_0.pt", "checkpoints/step_00000004")
+    assert why and "step_00000004" in why
+    assert not staging.exists()

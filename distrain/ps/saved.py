@@ -9,6 +9,7 @@ storage/remote.py), and a server restored later fetches the checkpoint from the 
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 from pathlib import Path
 from typing import Any
@@ -32,18 +33,18 @@ def checksum(directory: Path, file: str) -> int:
 
 
 def upload(cfg: TrainConfig, staging: str, file: str, prefix: str) -> str | None:
-    """This node's `file` of the staging directory onto the store at `prefix`, then removed here; why it could not
-    be uploaded (the checkpoint is then not committed, the run goes on), or None."""
+    """This node's `file` of the staging directory onto the store at `prefix`; why it could not be uploaded (the
+    checkpoint is then not committed, the run goes on), or None. Removed here either way: uploaded, or of a
+    checkpoint that will not commit (a staging directory is never loaded)."""
     directory = Path(cfg.run_dir) / remote.PREFIX / staging
     try:
         store_for(cfg.run_url, cfg.storage).upload(directory, [file], prefix)
     except StorageError as e:
         return str(e)
-    (directory / file).unlink()
-    try:
-        directory.rmdir()  # the last server's on this node (the driver's node: the driver's, with meta.json)
-    except OSError:
-        pass
+    finally:
+        (directory / file).unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            directory.rmdir()  # the last server's on this node (the driver's node: the driver's, with meta.json)
     return None
 
 
@@ -89,7 +90,5 @@ def commit_on_store(
     write_json(staging / checkpoint.COMMIT_MARKER, manifest)
     root = staging.parent
     staging.rename(checkpoint.prepare(root, step))
-    marked = [p for p in checkpoint.checkpoints(root) if (p / checkpoint.COMMIT_MARKER).exists()]
-    for old in marked[keep:]:
-        shutil.rmtree(old, ignore_errors=True)
+    remote.prune_mirror(root, keep, step)
     return True
