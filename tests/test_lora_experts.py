@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_matches, logged, make_config, train_half_then_resume
+from conftest import assert_matches, logged, train_half_then_resume
 
 from distrain.driver.launch import train
 from distrain.model.hf import resolve_init_from
@@ -18,10 +18,9 @@ from distrain.model.hf import resolve_init_from
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 from test_hf import save_hf_model, tokens  # noqa: E402  (after transformers is known to be there)
-from test_lora import assert_peft_logits  # noqa: E402
+from test_lora import LORA, STEPS, assert_peft_logits, lora_config  # noqa: E402
 
-STEPS = 10
-LORA = ("finetune.lora.rank=4", "finetune.lora.alpha=8", "finetune.lora.targets=[attention,experts]")
+EXPERTS = "finetune.lora.targets=[attention,experts]"
 
 
 @pytest.fixture(scope="module")
@@ -32,10 +31,7 @@ def mixtral(tmp_path_factory) -> Path:
 
 
 def experts_config(storage: Path, base: Path, name: str, workers: int, *overrides: str):
-    return make_config(
-        storage, f"run.name={name}", f"cluster.num_workers={workers}", f"model.init_from={base}", *LORA,
-        f"trainer.max_steps={STEPS}", "checkpoint.interval=5", *overrides,
-    )  # fmt: skip
+    return lora_config(storage, base, name, workers, EXPERTS, *overrides)
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +67,7 @@ def test_expert_parallelism_then_tensor_parallelism_train_the_expert_adapters_as
     reference, mixtral, tmp_path: Path
 ):
     """Half the run with ep 2 on 2 DDP ranks, the rest resumed from its checkpoint under 1-D tensor parallelism."""
-    common = (f"model.init_from={mixtral}", *LORA, "checkpoint.interval=5")
+    common = (f"model.init_from={mixtral}", *LORA, EXPERTS, "checkpoint.interval=5")
     cfg = train_half_then_resume(
         tmp_path, "ep-tp", (2, ["strategy=ddp", "strategy.ep=2"]), (2, ["strategy=tp"]), STEPS, *common
     )
